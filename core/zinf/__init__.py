@@ -1,0 +1,33 @@
+"""zinf: ZeRO-Infinity for PyTorch.
+
+Parameters, gradients and optimizer states are split across data-parallel ranks; parameters are
+gathered just in time by module hooks, with no change to model code.
+"""
+
+import logging
+
+from zinf.config import LossScaleConfig, OverlapConfig, ZeroConfig
+from zinf.engine import ZeroInfinityEngine, initialize
+from zinf.errors import CollectiveMismatchError, ConfigError, UnsupportedModelError, ZinfError
+from zinf.param.gathered import GatheredParameters
+from zinf.param.init import Init
+from zinf.report import StepReport
+
+logging.getLogger("zinf").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ZeroConfig",
+    "LossScaleConfig",
+    "OverlapConfig",
+    "ZeroInfinityEngine",
+    "initialize",
+    "Init",
+    "GatheredParameters",
+    "StepReport",
+    "ZinfError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "CollectiveMismatchError",
+]

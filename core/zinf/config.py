@@ -1,0 +1,161 @@
+"""One typed configuration for the engine.
+
+Plain dataclasses (``kw_only``) so that OmegaConf/Hydra can build them as structured configs, and
+``ZeroConfig.from_dict`` for dicts, YAML and ``DictConfig`` objects. A key that does not exist or a
+value outside its allowed set is a :class:`~zinf.errors.ConfigError` naming the key, the value, the
+allowed values and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from zinf.errors import ConfigError
+
+__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "PRECISIONS"]
+
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_REDUCE_DTYPES = ("fp32", "param")
+
+
+@dataclass(kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for ``precision="fp16"`` (ignored otherwise)."""
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+    def validate(self) -> None:
+        _require(self.initial_scale > 0, "loss_scale.initial_scale", self.initial_scale, "a positive number")
+        _require(self.growth_factor > 1, "loss_scale.growth_factor", self.growth_factor, "a number > 1")
+        _require(0 < self.backoff_factor < 1, "loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        _require(self.growth_interval >= 1, "loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
+        _require(self.min_scale > 0, "loss_scale.min_scale", self.min_scale, "a positive number")
+
+
+@dataclass(kw_only=True)
+class OverlapConfig:
+    """How far ahead parameters are gathered and how gradients are bucketed.
+
+    ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters (0 turns prefetch off);
+    ``persistent_numel`` keeps modules whose own parameters are smaller than this gathered for the
+    whole run; ``reduce_bucket_bytes`` bounds the gradient bytes waiting in reduce-scatters.
+    """
+
+    prefetch_bytes: int = 64 * 2**20
+    prefetch_modules: int = 4
+    persistent_numel: int = 0
+    reduce_bucket_bytes: int = 64 * 2**20
+
+    def validate(self) -> None:
+        _require(self.prefetch_bytes >= 0, "overlap.prefetch_bytes", self.prefetch_bytes, "an integer >= 0")
+        _require(self.prefetch_modules >= 0, "overlap.prefetch_modules", self.prefetch_modules, "an integer >= 0")
+        _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
+        _require(self.reduce_bucket_bytes > 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes, "an integer > 0")
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """Everything the engine needs to know.
+
+    precision: compute dtype of gathered parameters and activations ("fp32", "bf16", "fp16");
+        optimizer master weights and gradient shards are always fp32.
+    reduce_dtype: dtype of the gradient reduce-scatter: "fp32" (default, exact) or "param".
+    gradient_clipping: clip the global gradient norm to this value (0 = off).
+    detect_external_params: watch tensor operations during forward so that a parameter used outside
+        the module that owns it (tied weights, a parent reading a child's weight) is gathered on demand.
+    """
+
+    precision: str = "fp32"
+    reduce_dtype: str = "fp32"
+    gradient_clipping: float = 0.0
+    detect_external_params: bool = True
+    cast_forward_inputs: bool = True
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    log_every_n_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _require(self.precision in PRECISIONS, "precision", self.precision, f"one of {sorted(PRECISIONS)}")
+        _require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
+        _require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
+        _require(self.log_every_n_steps >= 0, "log_every_n_steps", self.log_every_n_steps, "an integer >= 0")
+        for name in ("detect_external_params", "cast_forward_inputs"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        self.loss_scale.validate()
+        self.overlap.validate()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return torch.float32 if self.reduce_dtype == "fp32" else self.compute_dtype
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None = None, **overrides: Any) -> "ZeroConfig":
+        """Build from a (possibly nested) mapping: a dict, a parsed YAML/JSON file or an OmegaConf DictConfig."""
+        data = _to_plain_dict(values) if values is not None else {}
+        data.update(overrides)
+        return _build(cls, data, prefix="")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _to_plain_dict(values: Any) -> dict[str, Any]:
+    try:  # OmegaConf is a dependency, but keep this module importable without it
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(values, DictConfig):
+            return dict(OmegaConf.to_container(values, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover
+        pass
+    if dataclasses.is_dataclass(values) and not isinstance(values, type):
+        return dataclasses.asdict(values)
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"zinf config: expected a mapping of settings, found {type(values).__name__}")
+    return dict(values)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"zinf config: unknown key '{prefix}{key}'.{hint} Valid keys here: {sorted(fields)}."
+            )
+        nested = _NESTED.get((cls, key))
+        if nested is not None and isinstance(value, Mapping):
+            value = _build(nested, value, prefix=f"{prefix}{key}.")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a wrong type that the dataclass itself rejected
+        raise ConfigError(f"zinf config ({prefix or 'top level'}): {exc}") from exc
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"zinf config: '{key}' = {value!r} is not allowed; expected {allowed}.")
+
+
+_NESTED: dict[tuple[type, str], type] = {
+    (ZeroConfig, "loss_scale"): LossScaleConfig,
+    (ZeroConfig, "overlap"): OverlapConfig,
+}

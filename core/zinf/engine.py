@@ -1,0 +1,233 @@
+"""The engine: model + optimizer + config -> a model whose parameters, gradients and optimizer states
+are split across the data-parallel ranks, trained with the same loop as plain PyTorch::
+
+    engine = zinf.ZeroInfinityEngine(model, torch.optim.AdamW(model.parameters(), lr=3e-4), config)
+    for batch in loader:
+        loss = engine(batch)       # forward (gathers parameters just in time)
+        engine.backward(loss)      # reduce-scatters gradients into fp32 shards during backward
+        engine.step()              # unscale, clip, optimizer step on the shards, zero the gradients
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from zinf.config import ZeroConfig
+from zinf.errors import UnsupportedModelError
+from zinf.fetch.comm import Comm, default_device
+from zinf.fetch.gather import ParamFetcher
+from zinf.optim.sharded import ShardedOptimizer
+from zinf.param.flat_group import FlatParamGroup
+from zinf.param.gathered import GatheredParameters
+from zinf.param.partition import partition_model
+from zinf.report import StepReport, StepTimers, tier_of
+from zinf.schedule.external import ExternalParamMode
+from zinf.schedule.hooks import ModuleHooks
+from zinf.update.clip import clip_grad_norm_, grad_norm
+from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
+from zinf.update.reduce import GradReducer
+
+__all__ = ["ZeroInfinityEngine", "initialize"]
+
+log = logging.getLogger("zinf")
+
+
+class ZeroInfinityEngine:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 config: ZeroConfig | None = None, *, comm: Comm | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.config = config or ZeroConfig()
+        self.device = torch.device(device) if device is not None else default_device()
+        self.comm = comm or Comm.current(device=self.device)
+        self.module = model
+        _check_model(model)
+        self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
+        for g in self.groups:
+            if g.numel <= self.config.overlap.persistent_numel:
+                g.persistent = True
+                g.to_gathered()
+        self.timers = StepTimers()
+        self.fetcher = ParamFetcher(self.config.overlap, self.timers)
+        self.reducer = GradReducer(self.comm, self.config.overlap.reduce_bucket_bytes, self.timers)
+        self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer)
+        self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
+        self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
+        self.optimizer = ShardedOptimizer(optimizer) if optimizer is not None else None
+        self.loss_scaler = DynamicLossScaler(self.config.loss_scale) if self.config.precision == "fp16" else None
+        self.global_step = 0
+        self.num_backward = 0
+        self.last_report: StepReport | None = None
+        self.hooks.on_backward_end.append(self._count_backward)
+        log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
+                 sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
+                 self.config.precision, self.device)
+
+    # -- the training loop ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
+        with self.timers.time("forward"), mode:
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        with self.timers.time("backward"):
+            loss.backward(**kwargs)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping."""
+        self._unscale()
+        return clip_grad_norm_(self.params, self.groups, max_norm, self.comm)
+
+    def grad_norm(self) -> torch.Tensor:
+        self._unscale()
+        return grad_norm(self.params, self.comm)
+
+    def step(self) -> bool:
+        """Optimizer step on the shards; returns False when an fp16 overflow skipped it."""
+        if self.optimizer is None:
+            raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
+        start = time.perf_counter()
+        report = StepReport(step=self.global_step)
+        skipped = False
+        if self.loss_scaler is not None:
+            report.loss_scale = self.loss_scaler.scale
+            skipped = found_nonfinite(self.groups, self.comm)
+            self.loss_scaler.update(skipped)
+        if not skipped:
+            if self.config.gradient_clipping > 0 and not self._clipped:
+                report.grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
+            self._unscale()
+            self.optimizer.step()
+            for g in self.groups:
+                g.refresh_shard_from_master()
+                if g.persistent and self.comm.world > 1:
+                    g.to_sharded()
+                    g.to_gathered()
+        self.zero_grad()
+        self.global_step += int(not skipped)
+        self.timers.add("optimizer", time.perf_counter() - start)
+        self._finish_report(report, skipped)
+        return not skipped
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad_shard.zero_()
+        self._unscaled = False
+        self._clipped = False
+
+    _unscaled = False
+    _clipped = False
+
+    def _unscale(self) -> None:
+        if self.loss_scaler is not None and not self._unscaled:
+            inv = 1.0 / self.loss_scaler.scale
+            for g in self.groups:
+                g.grad_shard.mul_(inv)
+        self._unscaled = True
+
+    def _cast_input(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.config.compute_dtype)
+        return x
+
+    def _count_backward(self) -> None:
+        self.num_backward += 1
+
+    # -- outside training ----------------------------------------------------------------------
+    def gathered_parameters(self, modifier_rank: int | None = None) -> GatheredParameters:
+        """``with engine.gathered_parameters(): ...`` -- every full parameter, for reading or (with a
+        modifier rank) editing; see :class:`zinf.GatheredParameters`."""
+        return GatheredParameters(self.params, modifier_rank=modifier_rank)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """An ordinary (unsharded, fp32) state dict of the model, built one group at a time."""
+        names: dict[int, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            full = g.gather_master_full()
+            if rank0_only and self.comm.rank != 0:
+                continue
+            for p, slot in zip(g.params, g.slots):
+                value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone().cpu()
+                for n in names[id(p)]:
+                    out[n] = value
+        if not rank0_only or self.comm.rank == 0:
+            for n, b in self.module.named_buffers():
+                out[n] = b.detach().clone().cpu()
+        return out
+
+    def report(self) -> StepReport | None:
+        """The last optimizer step's time and memory breakdown (see :class:`zinf.StepReport`)."""
+        return self.last_report
+
+    def close(self) -> None:
+        """Remove every hook; parameters stay partitioned."""
+        self.hooks.remove()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _finish_report(self, report: StepReport, skipped: bool) -> None:
+        seconds, counts = self.timers.take()
+        waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0)
+        seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
+        report.seconds, report.counts, report.skipped = seconds, counts, skipped
+        report.bytes = self.resident_bytes()
+        report.peak_gathered_bytes = self.fetcher.peak_gathered_bytes
+        self.fetcher.peak_gathered_bytes = self.fetcher.gathered_bytes
+        self.last_report = report
+        every = self.config.log_every_n_steps
+        if every and self.comm.rank == 0 and report.step % every == 0:
+            log.info("zinf: %s", report.summary())
+
+    def resident_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes held by the engine right now, per tier and kind (measured from the tensors themselves)."""
+        out: dict[str, dict[str, int]] = {}
+
+        def add(kind: str, t: torch.Tensor) -> None:
+            tier = out.setdefault(tier_of(t), {})
+            tier[kind] = tier.get(kind, 0) + t.untyped_storage().nbytes()
+
+        for g in self.groups:
+            add("param_shards", g.shard)
+            if g.master.data_ptr() != g.shard.data_ptr():
+                add("master", g.master)
+            add("grad_shards", g.grad_shard)
+            if g.full.data_ptr() != g.shard.data_ptr():
+                add("gathered", g.full)
+        if self.optimizer is not None:
+            for state in self.optimizer.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:
+                        add("optimizer_state", v)
+        return out
+
+
+def _check_model(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.is_sparse or (hasattr(p, "is_meta") and p.is_meta and p.numel() > 0):
+            raise UnsupportedModelError(
+                f"zinf: parameter '{name}' is sparse or on the meta device; zinf needs dense, materialised "
+                "parameters (build the model under zinf.Init instead of on the meta device)."
+            )
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               config: ZeroConfig | dict | None = None, **kwargs: Any) -> ZeroInfinityEngine:
+    """Build an engine; ``config`` may be a ZeroConfig, a dict or an OmegaConf DictConfig."""
+    if config is not None and not isinstance(config, ZeroConfig):
+        config = ZeroConfig.from_dict(config)
+    return ZeroInfinityEngine(model, optimizer, config, **kwargs)

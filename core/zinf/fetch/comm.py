@@ -1,0 +1,67 @@
+"""The stateless collectives the engine uses, with a no-communication path for one rank.
+
+Every collective goes through here so that the CPU (gloo) and CUDA (NCCL) paths are one code path:
+with ``async_op=True`` the returned work object is waited on where the result is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "default_device"]
+
+
+def default_device() -> torch.device:
+    """The compute device: CUDA when NCCL (or no process group) and a GPU are there, else CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    if torch.cuda.is_available():  # pragma: no cover - CUDA path, not run in CI
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One data-parallel process group: who we are, how many we are, and the collectives."""
+
+    rank: int
+    world: int
+    group: Any = None
+    device: torch.device = torch.device("cpu")  # where small control tensors (flags, norms) live
+
+    @classmethod
+    def current(cls, group: Any = None, device: torch.device | None = None) -> "Comm":
+        device = device or default_device()
+        if dist.is_available() and dist.is_initialized():
+            return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), group=group, device=device)
+        return cls(rank=0, world=1, group=None, device=device)
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Any:
+        """``out`` (world * shard.numel()) receives every rank's shard, rank-major."""
+        if self.world == 1:
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard)
+            return None
+        return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
+        """``out`` receives this rank's slice of the element-wise sum of every rank's ``full``."""
+        if self.world == 1:
+            out.copy_(full)
+            return None
+        return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world > 1:
+            red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            dist.all_reduce(tensor, op=red, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.world > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        return tensor

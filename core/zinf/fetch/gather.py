@@ -1,0 +1,76 @@
+"""Gathering a module's groups just in time, and the groups of the next modules ahead of time."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from zinf.config import OverlapConfig
+from zinf.param.flat_group import FlatParamGroup, GroupState
+from zinf.report import StepTimers
+
+__all__ = ["ParamFetcher"]
+
+
+class ParamFetcher:
+    """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
+
+    def __init__(self, config: OverlapConfig, timers: StepTimers) -> None:
+        self.config = config
+        self.timers = timers
+        self._ahead: list[FlatParamGroup] = []
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+
+    def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
+        for g in groups:  # issue every gather first, then wait: the module's gathers run together
+            if g.state is GroupState.SHARDED:
+                g.start_gather()
+                self._count(g, +1)
+        waiting = [g for g in groups if g.state is GroupState.GATHERING]
+        if waiting:
+            with self.timers.time("all_gather"), torch.profiler.record_function(f"zinf::all_gather({label})"):
+                for g in waiting:
+                    g.finish_gather()
+        for g in groups:
+            g.acquire()
+
+    def release(self, groups: Iterable[FlatParamGroup]) -> None:
+        for g in groups:
+            g.release()
+            if g.state is GroupState.SHARDED:
+                self._count(g, -1)
+
+    def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
+        """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget."""
+        self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
+        budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
+        for n, groups in enumerate(upcoming):
+            if n >= self.config.prefetch_modules:
+                break
+            for g in groups:
+                if g.state is not GroupState.SHARDED:
+                    continue
+                if g.nbytes_full > budget:
+                    return
+                budget -= g.nbytes_full
+                g.start_gather()
+                self._count(g, +1)
+                self._ahead.append(g)
+
+    def sweep(self) -> None:
+        """End of a pass: groups gathered ahead but never used go back to their shards."""
+        for g in self._ahead:
+            if g.state is GroupState.GATHERING:
+                g.finish_gather()
+            if g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held:
+                g.to_sharded()
+                self._count(g, -1)
+        self._ahead.clear()
+
+    def _count(self, g: FlatParamGroup, sign: int) -> None:
+        if g.comm.world == 1:
+            return  # one rank: the "full" buffer is the shard itself, nothing extra is resident
+        self.gathered_bytes += sign * g.nbytes_full
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

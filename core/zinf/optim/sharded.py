@@ -1,0 +1,67 @@
+"""A user's torch optimizer, pointed at this rank's fp32 master shards instead of the full parameters.
+
+Each parameter in the optimizer's param groups is replaced by a shard parameter: a view of the part
+of its group's fp32 master that this rank holds (possibly empty), whose ``.grad`` is the matching
+view of the fp32 gradient shard. The optimizer object itself is kept (so LR schedulers and
+frameworks holding it keep working) and its hyper-parameters per param group are untouched. This is
+exact for optimizers whose update is element-wise (Adam, AdamW, SGD, Adagrad, RMSprop, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zinf.errors import UnsupportedModelError
+from zinf.param.registry import group_of
+
+__all__ = ["ShardedOptimizer", "NOT_ELEMENTWISE"]
+
+# optimizers whose update couples elements of a tensor: a shard alone cannot reproduce them
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+class ShardedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        name = type(optimizer).__name__
+        if name in NOT_ELEMENTWISE:
+            raise UnsupportedModelError(
+                f"zinf: optimizer {name} couples the elements of a parameter, so it cannot step on 1/world shards. "
+                "Use an element-wise optimizer (Adam, AdamW, SGD, Adagrad, RMSprop, ...)."
+            )
+        if any(optimizer.state.values()):
+            raise UnsupportedModelError(
+                "zinf: the optimizer has already taken steps (its state is not empty). Build it on the model's "
+                "parameters and hand it to the engine before the first step; restore state with engine.load_state_dict."
+            )
+        self.optimizer = optimizer
+        self.shard_params: list[nn.Parameter] = []
+        self.full_params: list[nn.Parameter] = []
+        for pg in optimizer.param_groups:
+            replaced = []
+            for p in pg["params"]:
+                group = group_of(p)
+                if group is None:
+                    raise UnsupportedModelError(
+                        "zinf: the optimizer holds a parameter that is not part of the model given to the engine "
+                        f"(shape {tuple(p.shape)}). Build the optimizer from model.parameters() of that model."
+                    )
+                a, b = group.local_range(group.index_of(p))
+                shard = nn.Parameter(group.master[a:b], requires_grad=p.requires_grad)
+                shard.grad = group.grad_shard[a:b]
+                replaced.append(shard)
+                self.shard_params.append(shard)
+                self.full_params.append(p)
+            pg["params"] = replaced
+        self._grads = [s.grad for s in self.shard_params]
+
+    def step(self) -> None:
+        for s, g in zip(self.shard_params, self._grads):
+            s.grad = g  # a zero_grad(set_to_none=True) in user code must not detach the shards
+        self.optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,219 @@
+"""A flat group: the parameters one module owns, flattened, padded and split 1/world across ranks.
+
+[Note: flat layout]
+The group's parameters are laid end to end in registration order (no per-parameter padding); the
+flat vector is padded at the end to a multiple of ``world`` and rank ``r`` keeps elements
+``[r * shard_numel, (r + 1) * shard_numel)``. An all-gather into one buffer of ``world *
+shard_numel`` elements therefore rebuilds the flat vector with no copy, and each parameter's
+``.data`` becomes a view of it. Gradients use the same layout, so a reduce-scatter of the flat
+gradient lands each rank's slice in its gradient shard.
+
+[Note: releasing memory]
+Released parameters get ``.data`` set to a placeholder: one NaN element expanded (stride 0) to the
+parameter's shape. ``shape``, ``dim()`` and ``numel()`` stay true for code that inspects parameters
+(optimizer grouping, parameter counts), an in-place write raises, and a stray read yields NaN instead of
+silently wrong numbers or freed memory. The full buffer's storage is resized to 0. Autograd may have saved views
+of the full buffer (``weight.t()`` in a linear layer); resizing the shared storage frees those too,
+and the next gather resizes it back, so the saved views read the gathered values again in backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from zinf.fetch.comm import Comm
+
+__all__ = ["GroupState", "FlatParamGroup", "ParamSlot"]
+
+
+class GroupState(enum.Enum):
+    """Which tensors hold memory.
+
+    SHARDED: the shard (and the fp32 master) only; parameters' ``.data`` are placeholders.
+    GATHERING: an all-gather into the full buffer is in flight; parameters still placeholders.
+    GATHERED: the full buffer holds the whole flat vector; parameters are views into it.
+    """
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its group's flat vector."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class FlatParamGroup:
+    """The unit of gathering, reduce-scattering and optimizer stepping. See [Note: flat layout]."""
+
+    def __init__(
+        self,
+        name: str,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        comm: Comm,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        full_values: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError("a flat group needs at least one parameter")
+        self.name = name
+        self.comm = comm
+        self.params: list[nn.Parameter] = list(params)
+        self.compute_dtype = compute_dtype
+        self.device = device
+        slots, offset = [], 0
+        values = list(full_values) if full_values is not None else [p.detach() for p in params]
+        for n, v in zip(names, values):
+            slots.append(ParamSlot(name=n, shape=v.shape, offset=offset, numel=v.numel()))
+            offset += v.numel()
+        self.slots: list[ParamSlot] = slots
+        self.numel = offset
+        self.shard_numel = max(1, math.ceil(offset / comm.world))
+        self.padded_numel = self.shard_numel * comm.world
+        self.requires_grad = [p.requires_grad for p in params]
+        self.num_grad_params = sum(self.requires_grad)
+        self.persistent = False
+        self.state = GroupState.SHARDED
+        self.holds = 0
+        self.backward_held = False
+        self._work: Any = None
+        nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
+        self._placeholders = [nan.as_strided(tuple(s.shape), (0,) * len(s.shape)) for s in self.slots]
+        self._slot_of = {id(p): i for i, p in enumerate(self.params)}
+
+        # The fp32 master shard is cut from the original (full precision) values, then cast.
+        lo = comm.rank * self.shard_numel
+        master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        for slot, v in zip(slots, values):
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
+            if a < b:
+                master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
+        self.master = master
+        self.shard = master if compute_dtype == torch.float32 else master.to(compute_dtype)
+        # With one rank the shard is the whole flat vector: gathering is free.
+        self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        if comm.world > 1:
+            self.full.untyped_storage().resize_(0)
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self._grad_full: torch.Tensor | None = None
+        self._grads_ready = 0
+        self._to_placeholders()
+
+    # -- parameter state transitions ------------------------------------------------------------
+    @property
+    def nbytes_full(self) -> int:
+        return self.padded_numel * self.full.element_size()
+
+    def start_gather(self) -> None:
+        assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
+        if self.comm.world > 1:
+            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self._work = self.comm.all_gather_into(self.full, self.shard, async_op=True)
+        self.state = GroupState.GATHERING
+
+    def finish_gather(self) -> None:
+        assert self.state is GroupState.GATHERING, f"{self.name}: finish_gather from {self.state}"
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        for p, slot in zip(self.params, self.slots):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self.state = GroupState.GATHERED
+
+    def to_gathered(self) -> None:
+        if self.state is GroupState.SHARDED:
+            self.start_gather()
+        if self.state is GroupState.GATHERING:
+            self.finish_gather()
+
+    def to_sharded(self) -> None:
+        assert self.state is GroupState.GATHERED, f"{self.name}: to_sharded from {self.state}"
+        self._to_placeholders()
+        if self.comm.world > 1:
+            self.full.untyped_storage().resize_(0)
+        self.state = GroupState.SHARDED
+
+    def acquire(self) -> None:
+        """Take a hold: the group is gathered (waiting for an in-flight gather) until the last release."""
+        self.to_gathered()
+        self.holds += 1
+
+    def release(self) -> None:
+        """Drop a hold; the last one returns the group to SHARDED unless it is persistent or held for backward."""
+        assert self.holds > 0, f"{self.name}: release without a hold"
+        self.holds -= 1
+        self.maybe_shard()
+
+    def maybe_shard(self) -> None:
+        if self.holds == 0 and not self.backward_held and not self.persistent and self.state is GroupState.GATHERED:
+            self.to_sharded()
+
+    def _to_placeholders(self) -> None:
+        for p, placeholder in zip(self.params, self._placeholders):
+            p.data = placeholder
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the gathered values into the shard and master (after an edit)."""
+        assert self.state is GroupState.GATHERED, f"{self.name}: write_back from {self.state}"
+        lo = self.comm.rank * self.shard_numel
+        if self.full.data_ptr() != self.shard.data_ptr():
+            self.shard.copy_(self.full[lo : lo + self.shard_numel])
+        if self.master.data_ptr() != self.shard.data_ptr():
+            self.master.copy_(self.full[lo : lo + self.shard_numel])
+
+    def gather_master_full(self) -> torch.Tensor:
+        """Every rank's fp32 master, all-gathered into one flat vector (a temporary, for regrouping and export)."""
+        full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather_into(full, self.master, async_op=False)
+        return full
+
+    def refresh_shard_from_master(self) -> None:
+        """After an optimizer step: the compute-dtype shard follows the fp32 master."""
+        if self.master.data_ptr() != self.shard.data_ptr():
+            self.shard.copy_(self.master)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def add_grad(self, param: nn.Parameter, grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
+        """Place one parameter's full gradient in the flat gradient; True once every one has arrived."""
+        if self._grad_full is None:
+            self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
+        slot = self.slots[self.index_of(param)]
+        self._grad_full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        self._grads_ready += 1
+        return self._grads_ready == self.num_grad_params
+
+    @property
+    def has_pending_grads(self) -> bool:
+        return self._grad_full is not None
+
+    def take_grad_full(self) -> torch.Tensor:
+        assert self._grad_full is not None, f"{self.name}: no gradient to reduce"
+        full, self._grad_full, self._grads_ready = self._grad_full, None, 0
+        return full
+
+    # -- per-parameter views of this rank's shard -----------------------------------------------
+    def index_of(self, param: nn.Parameter) -> int:
+        return self._slot_of[id(param)]
+
+    def local_range(self, index: int) -> tuple[int, int]:
+        """The part of parameter ``index`` held by this rank, as [start, end) into the shard."""
+        slot, lo = self.slots[index], self.comm.rank * self.shard_numel
+        a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
+        return (a - lo, b - lo) if a < b else (0, 0)
+
+    def __repr__(self) -> str:
+        return f"FlatParamGroup({self.name}, numel={self.numel}, shard={self.shard_numel}, {self.state.name})"

@@ -1,0 +1,126 @@
+"""Construction-time partitioning: build a model so that no rank ever holds all of it.
+
+Inside ``with zinf.Init(...)``, each module's direct parameters are flattened and split across ranks
+as soon as that module is attached to its parent (its own ``__init__``, with its own initialisation,
+has finished by then). Parameters still unpartitioned when the block ends (the root's own ones) are
+partitioned at exit. Initialisation that runs later and touches an already partitioned parameter (a
+parent re-initialising a child's weight, ``module.weight.data.normal_()``, a ``post_init`` pass) is
+seen by a torch function mode: the parameter's group is gathered, the operation runs on the full
+tensor (consuming the random generator exactly as without zinf), and the result is written back to
+the shards as soon as the next operation no longer touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from zinf.config import ZeroConfig
+from zinf.fetch.comm import Comm, default_device
+from zinf.param.flat_group import FlatParamGroup, GroupState
+from zinf.param.partition import partition_module_params
+from zinf.param.registry import group_of
+
+__all__ = ["Init"]
+
+log = logging.getLogger(__name__)
+
+
+class _EditMode(TorchFunctionMode):
+    """Gathers partitioned parameters that construction code touches, and writes edits back. See module doc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[FlatParamGroup] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        touched: list[FlatParamGroup] = []
+        for t in tensors:
+            g = group_of(t) if isinstance(t, nn.Parameter) else None
+            if g is not None and g not in touched:
+                touched.append(g)
+        if self.open:
+            ptrs = {t.untyped_storage().data_ptr() for t in tensors if t.numel() > 0}
+            for g in list(self.open):
+                if g not in touched and g.full.untyped_storage().data_ptr() not in ptrs:
+                    self.close(g)
+        for g in touched:
+            if g.state is not GroupState.GATHERED:
+                g.acquire()
+                self.open.append(g)
+        return func(*args, **kwargs)
+
+    def close(self, group: FlatParamGroup) -> None:
+        self.open.remove(group)
+        group.write_back()
+        group.release()
+
+    def close_all(self) -> None:
+        for g in list(self.open):
+            self.close(g)
+
+
+class Init:
+    """Partition parameters while the model is built. Use ``with zinf.Init(config): model = Net()``."""
+
+    def __init__(self, config: ZeroConfig | None = None, *, comm: Comm | None = None,
+                 device: torch.device | str | None = None, enabled: bool = True) -> None:
+        self.config = config or ZeroConfig()
+        self.enabled = enabled
+        self.comm = comm
+        self.device = torch.device(device) if device is not None else None
+        self._handles: list[Any] = []
+        self._pending: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._mode = _EditMode()
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self.comm = self.comm or Comm.current()
+        self.device = self.device or default_device()
+        self._handles = [
+            nn.modules.module.register_module_module_registration_hook(self._on_child),
+            nn.modules.module.register_module_parameter_registration_hook(self._on_param),
+        ]
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._mode.close_all()
+            for module in list(self._pending):
+                self._partition(module, self._names.get(module, ""))
+        finally:
+            self._mode.__exit__(None, None, None)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+    def _on_param(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and group_of(param) is None:
+            self._pending.add(module)
+
+    def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is None:
+            return
+        for sub_name, sub in child.named_modules():
+            self._names.setdefault(sub, f"{name}.{sub_name}" if sub_name else name)
+            self._partition(sub, self._names[sub])
+
+    def _partition(self, module: nn.Module, name: str) -> None:
+        assert self.comm is not None and self.device is not None
+        group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device)
+        self._pending.discard(module)
+        if group is not None:
+            log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)

@@ -1,0 +1,43 @@
+"""Global-norm gradient clipping over gradient shards, computed the way torch.nn.utils.clip_grad_norm_ does.
+
+Per parameter: the norm of its gradient (on several ranks: the square root of the all-reduced sum of
+each rank's squared partial norm); total: the norm of those norms. With one rank this reproduces
+torch's result bit for bit, so clipped runs still match plain PyTorch exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zinf.fetch.comm import Comm
+from zinf.param.flat_group import FlatParamGroup
+from zinf.param.registry import group_of
+
+__all__ = ["grad_norm", "clip_grad_norm_"]
+
+
+def grad_norm(params: Sequence[nn.Parameter], comm: Comm) -> torch.Tensor:
+    norms = []
+    for p in params:
+        g = group_of(p)
+        assert g is not None
+        a, b = g.local_range(g.index_of(p))
+        norms.append(torch.linalg.vector_norm(g.grad_shard[a:b]))
+    if not norms:
+        return torch.zeros(())
+    per_param = torch.stack(norms)
+    if comm.world > 1:
+        per_param = comm.all_reduce(per_param.square(), op="sum").sqrt()
+    return torch.linalg.vector_norm(per_param)
+
+
+def clip_grad_norm_(params: Sequence[nn.Parameter], groups: Sequence[FlatParamGroup], max_norm: float,
+                    comm: Comm) -> torch.Tensor:
+    total = grad_norm(params, comm)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in groups:
+        g.grad_shard.mul_(coef)
+    return total
