@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 __all__ = ["Comm", "default_device"]
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def default_device() -> torch.device:
     """The compute device: CUDA when NCCL (or no process group) and a GPU are there, else CPU."""
@@ -46,14 +50,14 @@ class Comm:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
             return None
-        return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
+        return _all_gather_single(out, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
         """``out`` receives this rank's slice of the element-wise sum of every rank's ``full``."""
         if self.world == 1:
             out.copy_(full)
             return None
-        return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.world > 1:

@@ -1,0 +1,51 @@
+"""Run a function on N real processes joined by a gloo process group, and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"rank{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world, start_method="spawn")
+        except Exception as exc:
+            errors = []
+            for r in range(world):
+                path = os.path.join(outdir, f"rank{r}.pt")
+                if os.path.exists(path):
+                    rec = torch.load(path, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"rank {r}:\n{rec['error']}")
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)["result"] for r in range(world)]
