@@ -163,6 +163,8 @@ class ZeroInfinityEngine:
             if rank0_only and self.comm.rank != 0:
                 continue
             for p, slot in zip(g.params, g.slots):
+                if p is None:
+                    continue
                 value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone().cpu()
                 for n in names[id(p)]:
                     out[n] = value

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -72,7 +73,9 @@ class FlatParamGroup:
             raise ValueError("a flat group needs at least one parameter")
         self.name = name
         self.comm = comm
-        self.params: list[nn.Parameter] = list(params)
+        # weak: a parameter dropped from the model (a weight replaced by a tied one) must not be kept
+        # alive by its group, nor keep the group (and its shard) alive through the registry
+        self._param_refs = [weakref.ref(p) for p in params]
         self.compute_dtype = compute_dtype
         self.device = device
         slots, offset = [], 0
@@ -93,7 +96,7 @@ class FlatParamGroup:
         self._work: Any = None
         nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
         self._placeholders = [nan.as_strided(tuple(s.shape), (0,) * len(s.shape)) for s in self.slots]
-        self._slot_of = {id(p): i for i, p in enumerate(self.params)}
+        self._slot_of = {id(p): i for i, p in enumerate(params)}
 
         # The fp32 master shard is cut from the original (full precision) values, then cast.
         lo = comm.rank * self.shard_numel
@@ -108,10 +111,22 @@ class FlatParamGroup:
         self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         if comm.world > 1:
             self.full.untyped_storage().resize_(0)
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self._grad_shard: torch.Tensor | None = None  # allocated by the engine, not at construction
         self._grad_full: torch.Tensor | None = None
         self._grads_ready = 0
         self._to_placeholders()
+
+    @property
+    def params(self) -> list[nn.Parameter | None]:
+        """The group's parameters in slot order; None where a parameter no longer exists."""
+        return [r() for r in self._param_refs]
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's fp32 gradient shard (allocated on first use, i.e. by the engine)."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        return self._grad_shard
 
     # -- parameter state transitions ------------------------------------------------------------
     @property
@@ -131,7 +146,8 @@ class FlatParamGroup:
             self._work.wait()
             self._work = None
         for p, slot in zip(self.params, self.slots):
-            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if p is not None:
+                p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.state = GroupState.GATHERED
 
     def to_gathered(self) -> None:
@@ -164,7 +180,8 @@ class FlatParamGroup:
 
     def _to_placeholders(self) -> None:
         for p, placeholder in zip(self.params, self._placeholders):
-            p.data = placeholder
+            if p is not None:
+                p.data = placeholder
 
     def write_back(self) -> None:
         """Copy this rank's slice of the gathered values into the shard and master (after an edit)."""

@@ -64,7 +64,7 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
 
     for g in groups_of(live.values()):
         compatible = g.comm.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
-        if compatible and all(id(p) in live for p in g.params):
+        if compatible and all(p is not None and id(p) in live for p in g.params):
             continue
         _dissolve(g, keep=lambda p: id(p) in live)
 
@@ -83,10 +83,11 @@ def _dissolve(group: FlatParamGroup, keep: Callable[[nn.Parameter], bool]) -> No
     """Give the kept parameters of ``group`` their full fp32 values back (to be regrouped); drop the group."""
     full = group.gather_master_full()
     for p, slot in zip(group.params, group.slots):
+        if p is None:
+            continue
         unregister(p)
         if keep(p):
             p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    group.params.clear()
     log.debug("regrouped the parameters of %s", group.name)
 
 
