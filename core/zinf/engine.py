@@ -173,6 +173,18 @@ class ZeroInfinityEngine:
                 out[n] = b.detach().clone().cpu()
         return out
 
+    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+        """Every rank writes its shard of weights and optimizer state under ``path`` (a directory)."""
+        from zinf.checkpoint import save_sharded
+
+        save_sharded(self, path, client_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what ``save_checkpoint`` wrote (same model, same world size); returns the client state."""
+        from zinf.checkpoint import load_sharded
+
+        return load_sharded(self, path)
+
     def report(self) -> StepReport | None:
         """The last optimizer step's time and memory breakdown (see :class:`zinf.StepReport`)."""
         return self.last_report
