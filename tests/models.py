@@ -159,3 +159,19 @@ def make_optimizer(model: nn.Module, name: str = "adamw") -> torch.optim.Optimiz
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
     raise ValueError(name)
+
+
+class Switch(nn.Module):
+    """Runs its layers forwards or, once ``reverse`` is set (on every rank alike), backwards: the module
+    order changes mid-training and the recorded trace must be dropped and recorded again."""
+
+    def __init__(self, dim: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(4)])
+        self.head = nn.Linear(dim, classes)
+        self.reverse = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers) if self.reverse else self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x), y)

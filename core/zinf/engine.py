@@ -198,6 +198,8 @@ class ZeroInfinityEngine:
         seconds, counts = self.timers.take()
         waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
+        counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand
+        self.fetcher.num_prefetched = self.fetcher.num_demand = 0
         report.seconds, report.counts, report.skipped = seconds, counts, skipped
         report.bytes = self.resident_bytes()
         report.peak_gathered_bytes = self.fetcher.peak_gathered_bytes

@@ -22,12 +22,15 @@ class ParamFetcher:
         self._ahead: list[FlatParamGroup] = []
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        self.num_prefetched = 0  # gathers started ahead of use
+        self.num_demand = 0  # gathers a module had to start itself (trace not known yet, or no budget)
 
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
         for g in groups:  # issue every gather first, then wait: the module's gathers run together
             if g.state is GroupState.SHARDED:
                 g.start_gather()
                 self._count(g, +1)
+                self.num_demand += 1
         waiting = [g for g in groups if g.state is GroupState.GATHERING]
         if waiting:
             with self.timers.time("all_gather"), torch.profiler.record_function(f"zinf::all_gather({label})"):
@@ -57,6 +60,7 @@ class ParamFetcher:
                 budget -= g.nbytes_full
                 g.start_gather()
                 self._count(g, +1)
+                self.num_prefetched += 1
                 self._ahead.append(g)
 
     def sweep(self) -> None:

@@ -29,7 +29,7 @@ class ExternalParamMode(TorchFunctionMode):
         self.hooks = hooks
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if Parameter in types:
+        if Parameter in types and not self.hooks.busy:  # the engine's own ``p.data = ...`` is not a use
             self._scan(args)
             if kwargs:
                 self._scan(kwargs.values())

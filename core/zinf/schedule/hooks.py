@@ -11,6 +11,7 @@ See [Note: flat layout] and [Note: releasing memory] in zinf/param/flat_group.py
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -52,6 +53,20 @@ class _Call:
     acquired: list[FlatParamGroup]
 
 
+def _engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hook body as the engine's own work: the external-parameter mode ignores what it touches."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ModuleHooks", *args: Any) -> Any:
+        self.busy += 1
+        try:
+            return method(self, *args)
+        finally:
+            self.busy -= 1
+
+    return wrapper
+
+
 class ModuleHooks:
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
                  fetcher: ParamFetcher, reducer: GradReducer) -> None:
@@ -67,6 +82,7 @@ class ModuleHooks:
                        "eval": ModuleTrace("eval forward", comm)}
         self.stack: list[_Call] = []
         self.in_backward = False
+        self.busy = 0  # > 0 while a hook body runs; see _engine_code
         self.on_backward_end: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         for module in self.states:
@@ -87,6 +103,7 @@ class ModuleHooks:
     def _forward_trace(self) -> ModuleTrace:
         return self.traces["forward" if torch.is_grad_enabled() else "eval"]
 
+    @_engine_code
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         state = self.states[module]
         trace = self._forward_trace()
@@ -96,6 +113,7 @@ class ModuleHooks:
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
 
+    @_engine_code
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         call = self.stack.pop()
         assert call.module is module, "zinf: forward hooks out of order (a module raised mid-forward?)"
@@ -106,6 +124,7 @@ class ModuleHooks:
             self.fetcher.sweep()
             self._forward_trace().finish_pass()
 
+    @_engine_code
     def on_external(self, group: FlatParamGroup) -> None:
         """A parameter outside the running module's groups is used: gather it for this call (see external.py)."""
         if not self.stack:
@@ -133,6 +152,7 @@ class ModuleHooks:
         for t in tensors:
             t.register_hook(hook)
 
+    @_engine_code
     def _backward_pre(self, module: nn.Module) -> None:
         if not self.in_backward:
             self.in_backward = True
@@ -147,6 +167,7 @@ class ModuleHooks:
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
 
+    @_engine_code
     def _on_grad(self, param: nn.Parameter) -> None:
         group = group_of(param)
         assert group is not None and param.grad is not None
@@ -161,6 +182,7 @@ class ModuleHooks:
             group.backward_held = False
             self.fetcher.release([group])
 
+    @_engine_code
     def _finalize_backward(self) -> None:
         for state in self.states.values():
             for g in state.groups:
