@@ -19,6 +19,7 @@ from models import GPT, GPTConfig
 pytestmark = pytest.mark.distributed
 
 BIG = GPTConfig(vocab=8192, block=64, n_embd=512, n_head=8, n_layer=8)
+PREFETCH_BYTES = 8 * 2**20
 
 
 def live_tensor_bytes() -> int:
@@ -60,9 +61,15 @@ def _worker(rank: int, world: int, use_zinf: bool = True) -> dict[str, int]:
     model_bytes = sum(p.numel() for p in model.parameters()) * 4
     if not use_zinf:
         return {"resident": after - before, "model": model_bytes, "peak_rss": peak_rss}
-    engine = zinf.initialize(model)
+    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_bytes": PREFETCH_BYTES}})
+    engine = zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
     largest_group = max(g.padded_numel for g in engine.groups) * 4
-    return {"resident": after - before, "model": model_bytes, "largest_group": largest_group,
+    idx = torch.randint(0, BIG.vocab, (2, BIG.block + 1))
+    for _ in range(2):  # one recording step, one replayed (prefetching) step
+        loss = engine(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    return {"peak_gathered": engine.report().peak_gathered_bytes, "prefetched": engine.report().counts["prefetched_gathers"],"resident": after - before, "model": model_bytes, "largest_group": largest_group,
             "peak_rss": peak_rss, "shard_bytes": sum(g.shard.untyped_storage().nbytes() for g in engine.groups)}
 
 
@@ -83,3 +90,7 @@ def test_resident_parameters_are_one_over_world(world: int) -> None:
         if m["peak_rss"] >= 0:  # construction never held the whole model, only a share plus the largest module
             bound = share + 2 * m["largest_group"] + 16 * 2**20
             assert m["peak_rss"] < bound, f"rank {rank}: peak RSS grew {m['peak_rss']} during construction (bound {bound:.0f})"
+        # training gathers one module (plus the tied embedding it shares) and at most the prefetch budget ahead
+        assert m["prefetched"] > 0
+        gathered_bound = 2 * m["largest_group"] + PREFETCH_BYTES + 4 * 2**20
+        assert m["peak_gathered"] <= gathered_bound, f"rank {rank}: {m['peak_gathered']} bytes gathered at once"

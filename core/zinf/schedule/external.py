@@ -29,7 +29,9 @@ class ExternalParamMode(TorchFunctionMode):
         self.hooks = hooks
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if Parameter in types and not self.hooks.busy:  # the engine's own ``p.data = ...`` is not a use
+        # ``types`` does not list nn.Parameter (its torch function is the disabled default), so every
+        # call's arguments are scanned; the engine's own ``p.data = ...`` in hook bodies is not a use
+        if not self.hooks.busy:
             self._scan(args)
             if kwargs:
                 self._scan(kwargs.values())
