@@ -19,11 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":  # pragma: no cover - GPU machines only
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
@@ -34,11 +36,11 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world, start_method="spawn")
+            mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args, backend), nprocs=world, start_method="spawn")
         except Exception as exc:
             errors = []
             for r in range(world):

@@ -1,0 +1,97 @@
+"""One-process behaviour of the engine: construction values, gathering, errors, the step report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+from models import GPT, GPTConfig, batches, build, make_optimizer
+from zinf.param.flat_group import GroupState
+
+
+def test_init_gives_same_values_as_plain_construction() -> None:
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig()).state_dict()
+    torch.manual_seed(0)
+    with zinf.Init():
+        model = GPT(GPTConfig())
+    engine = zinf.initialize(model)
+    full = engine.full_state_dict()
+    assert set(full) == set(plain)
+    for k, v in plain.items():
+        assert torch.equal(full[k], v), k
+
+
+def test_released_parameters_keep_shape_and_refuse_writes() -> None:
+    with zinf.Init():
+        model = nn.Linear(4, 3)
+    zinf.initialize(model)
+    assert model.weight.shape == (3, 4) and model.weight.dim() == 2 and model.weight.numel() == 12
+    assert torch.isnan(model.weight).all(), "a stray read of a released parameter must not look like real values"
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+
+
+def test_gathered_parameters_read_and_edit() -> None:
+    torch.manual_seed(0)
+    with zinf.Init():
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    engine = zinf.initialize(model)
+    with zinf.GatheredParameters(model[0].weight, modifier_rank=0):
+        assert torch.isfinite(model[0].weight).all()
+        with torch.no_grad():
+            model[0].weight.fill_(0.5)
+    assert engine.groups[0].state is GroupState.SHARDED
+    assert torch.equal(engine.full_state_dict()["0.weight"], torch.full((3, 4), 0.5))
+    with engine.gathered_parameters():
+        assert torch.equal(model[0].weight, torch.full((3, 4), 0.5))
+
+
+def test_optimizer_errors_name_the_fix() -> None:
+    model = nn.Linear(4, 3)
+    with pytest.raises(zinf.UnsupportedModelError, match="element-wise optimizer"):
+        zinf.initialize(model, torch.optim.LBFGS(model.parameters()))
+    model = nn.Linear(4, 3)
+    foreign = nn.Linear(2, 2)
+    with pytest.raises(zinf.UnsupportedModelError, match="not part of the model"):
+        zinf.initialize(model, torch.optim.SGD(list(model.parameters()) + list(foreign.parameters()), lr=0.1))
+    model = nn.Linear(4, 3)
+    engine = zinf.initialize(model)
+    with pytest.raises(zinf.UnsupportedModelError, match="needs an optimizer"):
+        engine.step()
+
+
+def test_report_breaks_down_time_and_bytes() -> None:
+    torch.manual_seed(0)
+    with zinf.Init():
+        model = build("gpt")
+    engine = zinf.initialize(model, make_optimizer(model))
+    for x, y in batches("gpt", 2, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+    report = engine.report()
+    assert report is not None and report.step == 1
+    for key in ("compute", "forward", "backward", "optimizer"):
+        assert report.seconds[key] > 0, key
+    cpu = report.bytes["cpu"]
+    numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    assert cpu["param_shards"] == numel * 4  # one rank: the whole model, fp32, no padding
+    assert cpu["grad_shards"] == numel * 4 and cpu["optimizer_state"] == 2 * numel * 4
+    assert "compute" in report.summary() and "cpu" in report.summary()
+
+
+def test_lr_scheduler_on_the_users_optimizer_still_drives_the_shards() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # lr 0: nothing may change
+    engine = zinf.initialize(model, opt)
+    before = engine.full_state_dict()
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    sched.step()
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
