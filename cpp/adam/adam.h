@@ -1,0 +1,72 @@
+// CPU Adam/AdamW on fp32 master weights with runtime SIMD dispatch and OpenMP.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace zinf::adam {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3 };
+enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Everything one Adam step needs, with the per-step scalars already derived.
+struct AdamArgs {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* param_out = nullptr;
+  DType out_dtype = DType::kNone;
+  float grad_mul = 1.0f;        // clip_coef / grad_scale
+  float one_minus_beta1 = 0.1f; // lerp weight of exp_avg
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float eps = 1e-8f;
+  float l2_decay = 0.0f;        // Adam: grad += l2_decay * param
+  float decay_mul = 1.0f;       // AdamW: param *= decay_mul (1 - lr * wd)
+  bool decoupled = false;
+  float step_size = 1e-3f;      // lr / (1 - beta1^step)
+  float bc2_sqrt = 1.0f;        // sqrt(1 - beta2^step)
+};
+
+// Kernels of one ISA: each processes elements [begin, end).
+struct Kernels {
+  void (*adam)(const AdamArgs&, size_t begin, size_t end);
+  double (*sumsq)(const void* data, DType dtype, size_t begin, size_t end);
+  void (*stream)(float* p, const float* g, float* m, float* v, size_t begin, size_t end);
+};
+
+Kernels kernels_scalar();
+Kernels kernels_avx2();
+Kernels kernels_avx512();
+
+// Best level this CPU supports (and this build compiled).
+SimdLevel detect_simd_level();
+SimdLevel simd_level();
+void set_simd_level(SimdLevel level);  // throws std::invalid_argument if unsupported here
+std::string simd_level_name(SimdLevel level);
+SimdLevel parse_simd_level(const std::string& name);  // "scalar" | "avx2" | "avx512"
+
+DType parse_dtype(const std::string& name);  // float32 | bfloat16 | float16 | none
+
+int num_threads();
+void set_num_threads(int n);
+
+struct StepConfig {
+  int64_t step;
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;
+  double grad_scale = 1.0, clip_coef = 1.0;
+};
+
+// Fills the derived scalars the way torch.optim.Adam(W) (single-tensor path) computes them.
+AdamArgs make_args(const StepConfig& cfg);
+
+void adam_step(const AdamArgs& args, size_t numel);
+// Sum of squares accumulated in double per SIMD lane and per thread; non-finite if any element is.
+double grad_norm_sq(const void* data, DType dtype, size_t numel);
+// Moves Adam's 28 bytes/param with trivial math: the memory bandwidth bound of a step.
+void stream_bound(float* p, const float* g, float* m, float* v, size_t numel);
+
+}  // namespace zinf::adam

@@ -1,0 +1,123 @@
+// Asynchronous file I/O for offload: requests (buffer address, bytes, path, offset) are split
+// into blocks of `block_size` bytes and run by an io_uring ring (when the kernel allows it) or by
+// a pool of pread/pwrite threads. O_DIRECT is used for the block-aligned body of a request when
+// the buffer and the file offset are 4096-aligned; the unaligned tail goes through the page cache.
+// File systems that refuse O_DIRECT (EINVAL at open, e.g. tmpfs) fall back to buffered I/O and
+// report it through Engine::last_direct().
+//
+// Failure policy for writes: a write request that fails unlinks its target file (its contents are
+// undefined), so a failed request never leaves a file that looks valid. WaitResult::unlinked says so.
+#pragma once
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace zinf::aio {
+
+constexpr size_t kDirectAlignBytes = 4096;
+
+enum class Op : int { kRead = 0, kWrite = 1 };
+
+struct Request {
+  Op op = Op::kRead;
+  std::string path;
+  char* buf = nullptr;
+  size_t nbytes = 0;
+  int64_t offset = 0;
+  int fd_direct = -1;
+  int fd_buffered = -1;
+  bool direct = false;
+  std::atomic<size_t> blocks_left{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  // Filled on the first failure (under mu).
+  int err = 0;
+  bool short_read = false;
+  int64_t err_offset = 0;
+  size_t short_got_bytes = 0;
+  std::string message;
+  bool unlinked = false;
+};
+
+struct Block {
+  std::shared_ptr<Request> req;
+  int fd = -1;
+  size_t begin = 0;  // byte offset inside the request
+  size_t len = 0;
+};
+
+struct WaitResult {
+  size_t nbytes = 0;
+  int err = 0;            // errno of the failure, 0 on success
+  bool short_read = false;
+  int64_t err_offset = 0;  // file offset where the failure happened
+  std::string message;
+  std::string path;
+  bool unlinked = false;
+};
+
+// Runs blocks; calls Engine::finish_block when each one is done.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void enqueue(std::vector<Block> blocks) = 0;
+  virtual std::string name() const = 0;
+};
+
+// Performs one block with pread/pwrite (looping over partial transfers); used by the thread backend.
+void run_block_sync(const Block& b);
+// Records the outcome of (part of) a block; completes the request when its last block is done.
+void fail_block(const Block& b, int err, int64_t file_offset, bool short_read, size_t got_bytes);
+void finish_block(const Block& b);
+
+std::unique_ptr<Backend> make_thread_backend(int num_threads);
+// nullptr when io_uring is unavailable (kernel too old, disabled, seccomp).
+std::unique_ptr<Backend> make_uring_backend(unsigned queue_depth);
+bool uring_available();
+
+class Engine {
+ public:
+  // backend: "auto" (io_uring if available, else threads), "io_uring" or "threads".
+  Engine(size_t block_size, unsigned queue_depth, int num_threads, bool direct, const std::string& backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int64_t submit(Op op, uintptr_t addr, size_t nbytes, const std::string& path, int64_t offset);
+  WaitResult wait(int64_t handle);
+  // Waits for every outstanding request; returns (handle, result) of the failed ones.
+  std::vector<std::pair<int64_t, WaitResult>> wait_all();
+  void close();
+
+  std::string backend_name() const { return backend_ ? backend_->name() : "closed"; }
+  bool last_direct() const { return last_direct_.load(); }
+  size_t block_size() const { return block_size_; }
+  unsigned queue_depth() const { return queue_depth_; }
+  int num_threads() const { return num_threads_; }
+  bool direct_requested() const { return direct_; }
+  size_t num_pending() const;
+
+ private:
+  size_t block_size_;
+  unsigned queue_depth_;
+  int num_threads_;
+  bool direct_;
+  std::unique_ptr<Backend> backend_;
+  std::atomic<bool> last_direct_{false};
+  mutable std::mutex mu_;
+  int64_t next_handle_ = 1;
+  std::unordered_map<int64_t, std::shared_ptr<Request>> pending_;
+};
+
+}  // namespace zinf::aio

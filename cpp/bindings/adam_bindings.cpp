@@ -1,0 +1,59 @@
+// Python bindings of zinf::adam (binding only; logic lives in cpp/adam).
+#include <pybind11/pybind11.h>
+
+#include "../adam/adam.h"
+#include "bindings.h"
+
+namespace py = pybind11;
+using namespace zinf::adam;
+
+namespace zinf::bindings {
+
+void bind_adam(py::module_& m) {
+  m.doc() = "Fused CPU Adam/AdamW kernels (tensors passed as data_ptr addresses).";
+  m.def(
+      "adam_step",
+      [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
+         uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, size_t numel,
+         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+         bool decoupled, double grad_scale, double clip_coef) {
+        AdamArgs a = make_args({step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, clip_coef});
+        a.param = reinterpret_cast<float*>(param);
+        a.grad = reinterpret_cast<const void*>(grad);
+        a.grad_dtype = parse_dtype(grad_dtype);
+        a.exp_avg = reinterpret_cast<float*>(exp_avg);
+        a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+        a.param_out = reinterpret_cast<void*>(param_out);
+        a.out_dtype = param_out ? parse_dtype(out_dtype) : DType::kNone;
+        py::gil_scoped_release release;
+        adam_step(a, numel);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("param_out"), py::arg("out_dtype"), py::arg("numel"), py::kw_only(), py::arg("step"),
+      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+      py::arg("decoupled"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0);
+  m.def(
+      "grad_norm_sq",
+      [](uintptr_t data, const std::string& dtype, size_t numel) {
+        const DType t = parse_dtype(dtype);
+        py::gil_scoped_release release;
+        return grad_norm_sq(reinterpret_cast<const void*>(data), t, numel);
+      },
+      py::arg("data"), py::arg("dtype"), py::arg("numel"));
+  m.def(
+      "stream_bound",
+      [](uintptr_t p, uintptr_t g, uintptr_t m_, uintptr_t v, size_t numel) {
+        py::gil_scoped_release release;
+        stream_bound(reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
+                     reinterpret_cast<float*>(m_), reinterpret_cast<float*>(v), numel);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("numel"));
+  m.def("simd_level", [] { return simd_level_name(simd_level()); });
+  m.def("best_simd_level", [] { return simd_level_name(detect_simd_level()); });
+  m.def("set_simd_level", [](const std::string& name) { set_simd_level(parse_simd_level(name)); },
+        py::arg("level"));
+  m.def("num_threads", &num_threads);
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+}
+
+}  // namespace zinf::bindings

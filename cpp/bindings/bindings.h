@@ -1,0 +1,8 @@
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace zinf::bindings {
+void bind_adam(pybind11::module_& m);
+void bind_aio(pybind11::module_& m);
+void bind_pool(pybind11::module_& m);
+}  // namespace zinf::bindings
