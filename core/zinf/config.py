@@ -47,13 +47,14 @@ class OverlapConfig:
 
     ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters (0 turns prefetch off);
     ``persistent_numel`` keeps modules whose own parameters are smaller than this gathered for the
-    whole run; ``reduce_bucket_bytes`` bounds the gradient bytes waiting in reduce-scatters.
+    whole run; gradients are reduce-scattered in buckets of about ``reduce_bucket_bytes`` (small
+    groups coalesced into one collective), at most two buckets in flight.
     """
 
     prefetch_bytes: int = 64 * 2**20
     prefetch_modules: int = 4
     persistent_numel: int = 0
-    reduce_bucket_bytes: int = 64 * 2**20
+    reduce_bucket_bytes: int = 16 * 2**20
 
     def validate(self) -> None:
         _require(self.prefetch_bytes >= 0, "overlap.prefetch_bytes", self.prefetch_bytes, "an integer >= 0")

@@ -1,6 +1,8 @@
-// Per-element scalar Adam math, shared by every ISA for loop tails. Mirrors the
-// single-tensor path of torch.optim.Adam(W): lerp (an FMA) for exp_avg, mul+addcmul for
-// exp_avg_sq, denom = sqrt(v) / sqrt(bc2) + eps, param += -step_size * m / denom.
+// Per-element scalar Adam math, shared by every ISA for loop tails. Mirrors, operation for
+// operation, the single-tensor path of torch.optim.Adam(W) on CPU as torch 2.13 computes it
+// (checked element-wise against torch): add(alpha) = fma(alpha, p, g); lerp = fma(w, g - m, m);
+// mul + addcmul = fma(w2 * g, g, v * beta2); denom = sqrt(v) / sqrt(bc2) + eps;
+// addcdiv = p + (-step_size * m) / denom (no FMA). Bit-identical results, not just close ones.
 #pragma once
 #include <cmath>
 #include <type_traits>
@@ -32,7 +34,7 @@ inline void adam_scalar_range(const AdamArgs& a, size_t begin, size_t end) {
     float m = a.exp_avg[i];
     m = std::fma(a.one_minus_beta1, g - m, m);  // torch's lerp (weight < 0.5)
     float v = a.exp_avg_sq[i] * a.beta2;
-    v = v + (a.one_minus_beta2 * g) * g;
+    v = std::fma(a.one_minus_beta2 * g, g, v);  // torch's addcmul_ on CPU: fma(value * t1, t2, self)
     const float denom = std::sqrt(v) / a.bc2_sqrt + a.eps;
     p = p + ((-a.step_size) * m) / denom;  // torch's addcdiv: self + value * t1 / t2
     a.param[i] = p;

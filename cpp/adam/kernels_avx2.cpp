@@ -60,7 +60,7 @@ struct Avx2Range {
       __m256 m = _mm256_loadu_ps(a.exp_avg + i);
       m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), m);
       __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), b2);
-      v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(w2, g), g));
+      v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g, v);  // torch's addcmul_: fma(value * t1, t2, self)
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
       p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
       _mm256_storeu_ps(a.param + i, p);

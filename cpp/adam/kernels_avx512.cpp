@@ -59,7 +59,7 @@ struct Avx512Range {
       __m512 m = _mm512_loadu_ps(a.exp_avg + i);
       m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), m);
       __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2);
-      v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
+      v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g, v);  // torch's addcmul_: fma(value * t1, t2, self)
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
       p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
       _mm512_storeu_ps(a.param + i, p);

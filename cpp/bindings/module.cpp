@@ -7,12 +7,8 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool.";
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
-#ifdef ZINF_WITH_AIO
   auto aio = m.def_submodule("aio");
   zinf::bindings::bind_aio(aio);
-#endif
-#ifdef ZINF_WITH_POOL
   auto pool = m.def_submodule("pool");
   zinf::bindings::bind_pool(pool);
-#endif
 }

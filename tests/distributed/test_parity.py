@@ -19,6 +19,8 @@ RECIPES = {
     "gpt_external_param": Recipe(kind="gpt_functional"),
     "cnn_clipped": Recipe(kind="cnn", clip=0.05),
     "module_called_twice": Recipe(kind="twice", optimizer="adam"),
+    # tiny buckets: every group reduced on its own, several buckets in flight; small groups stay gathered
+    "gpt_small_buckets_persistent": Recipe(kind="gpt", zinf={"overlap": {"reduce_bucket_bytes": 4096, "persistent_numel": 2000}}),
     "gpt_accum_clip_sgd": Recipe(kind="gpt", accum=2, clip=0.5, optimizer="sgd", steps=20),
 }
 

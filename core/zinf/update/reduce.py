@@ -1,9 +1,12 @@
 """Gradients: full gradient of a group -> reduce-scatter -> this rank's fp32 gradient shard.
 
-A group's reduce-scatter is issued (asynchronously) as soon as the last of its parameters has its
-gradient, so communication runs behind the rest of backward; at most ``bucket_bytes`` of gradients
-wait in flight before the oldest are drained into their shards. The shard holds the average over
-ranks, accumulated across micro-batches until the optimizer step clears it.
+A group whose gradients are complete joins the current bucket; once the bucket holds
+``bucket_bytes`` it is reduce-scattered (asynchronously, so communication runs behind the rest of
+backward) and at most two buckets are in flight before the oldest is drained into its shards.
+Several groups in one bucket are laid out rank-major (rank r's slices of every group, then rank
+r+1's), so one collective lands each group's slice in its place; a bucket of one group is reduced
+in place with no copy. The shard holds the average over ranks, accumulated across micro-batches
+until the optimizer step clears it.
 """
 
 from __future__ import annotations
@@ -18,35 +21,63 @@ from zinf.report import StepTimers
 
 __all__ = ["GradReducer"]
 
+_MAX_IN_FLIGHT = 2
+
 
 class GradReducer:
     def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers) -> None:
         self.comm = comm
         self.bucket_bytes = bucket_bytes
         self.timers = timers
-        self._pending: list[tuple[FlatParamGroup, Any, torch.Tensor, torch.Tensor]] = []
-        self._pending_bytes = 0
+        self._bucket: list[tuple[FlatParamGroup, torch.Tensor]] = []
+        self._bucket_bytes = 0
+        # (work, [(group, its slice of the output)], tensors kept alive until the work is done)
+        self._in_flight: list[tuple[Any, list[tuple[FlatParamGroup, torch.Tensor]], tuple[torch.Tensor, ...]]] = []
 
     def reduce(self, group: FlatParamGroup) -> None:
         full = group.take_grad_full()
         if self.comm.world == 1:
             group.grad_shard.add_(full)
             return
-        out = torch.empty(group.shard_numel, dtype=full.dtype, device=full.device)
-        with self.timers.time("reduce_scatter"), torch.profiler.record_function(f"zinf::reduce_scatter({group.name})"):
-            work = self.comm.reduce_scatter_sum(out, full, async_op=True)
-        self._pending.append((group, work, out, full))
-        self._pending_bytes += full.numel() * full.element_size()
-        while self._pending_bytes > self.bucket_bytes and len(self._pending) > 1:
+        self._bucket.append((group, full))
+        self._bucket_bytes += full.numel() * full.element_size()
+        if self._bucket_bytes >= self.bucket_bytes:
+            self._issue()
+
+    def drain(self) -> None:
+        """Reduce what is still bucketed and wait for every reduce-scatter."""
+        if self._bucket:
+            self._issue()
+        while self._in_flight:
+            self._drain_one()
+
+    def _issue(self) -> None:
+        items, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        world = self.comm.world
+        if len(items) == 1:
+            group, full = items[0]
+            out = torch.empty(group.shard_numel, dtype=full.dtype, device=full.device)
+            slices, keep = [(group, out)], (full,)
+        else:
+            total = sum(g.shard_numel for g, _ in items)
+            full = torch.empty(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
+            out = torch.empty(total, dtype=full.dtype, device=full.device)
+            slices, offset = [], 0
+            for group, gfull in items:
+                full[:, offset : offset + group.shard_numel].copy_(gfull.view(world, group.shard_numel))
+                slices.append((group, out[offset : offset + group.shard_numel]))
+                offset += group.shard_numel
+            keep = (full,)
+        label = items[0][0].name if len(items) == 1 else f"{len(items)} groups"
+        with self.timers.time("reduce_scatter"), torch.profiler.record_function(f"zinf::reduce_scatter({label})"):
+            work = self.comm.reduce_scatter_sum(out, keep[0].view(-1), async_op=True)
+        self._in_flight.append((work, slices, keep))
+        while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._drain_one()
 
     def _drain_one(self) -> None:
-        group, work, out, full = self._pending.pop(0)
+        work, slices, _ = self._in_flight.pop(0)
         with self.timers.time("reduce_scatter"):
             work.wait()
-        self._pending_bytes -= full.numel() * full.element_size()
-        group.grad_shard.add_(out.to(torch.float32).div_(self.comm.world))
-
-    def drain(self) -> None:
-        while self._pending:
-            self._drain_one()
+        for group, part in slices:
+            group.grad_shard.add_(part.to(torch.float32).div_(self.comm.world))

@@ -1,0 +1,167 @@
+"""One Lightning Trainer run, launched by the adapter tests as a script so that Lightning's own
+subprocess launcher starts the ranks. Each rank writes what it saw to ``<out>/rank<r>.json``.
+
+    python lightning_driver.py --strategy zero_infinity --kind gpt --steps 20 --out DIR [--accum 2 --clip 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models.py
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from models import batches, build, make_optimizer  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_zinf  # noqa: E402,F401  (registers "zero_infinity")
+
+GLOBAL_BATCH = 8
+
+
+class LitModel(pl.LightningModule):
+    def __init__(self, kind: str, build_in: str, manual: bool = False, clip: float = 0.0, accum: int = 1) -> None:
+        super().__init__()
+        self.kind, self.build_in = kind, build_in
+        self.automatic_optimization = not manual
+        self.clip, self.accum = clip, accum
+        self.model = None
+        if build_in == "init":
+            torch.manual_seed(0)
+            self.model = build(kind)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = build(self.kind)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model(x, y)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self(x, y)
+        self.log("train_loss", loss, sync_dist=True)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        self.manual_backward(loss / self.accum)
+        if (batch_idx + 1) % self.accum == 0:
+            if self.clip:
+                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self(*batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        loss = self(*batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return self(*batch).float()
+
+    def configure_optimizers(self):
+        opt = make_optimizer(self.model, "adamw")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Record(Callback):
+    """Per-rank losses of every training micro-batch, validation batch and test batch, in order."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.data: dict[str, list] = {"train": [], "val": [], "test": [], "predict": [], "lr": [], "step": []}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.data["train"].append(float(outputs["loss"]))
+        self.data["step"].append(trainer.global_step)
+        self.data["lr"].append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self.data["val"].append(float(outputs))
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.data["test"].append(float(outputs))
+
+    def write(self, rank: int, **extra) -> None:
+        (self.out / f"rank{rank}.json").write_text(json.dumps({**self.data, **extra}))
+
+
+def loader(kind: str, steps: int, per_rank_batch: int, seed: int = 1234) -> DataLoader:
+    xs, ys = zip(*batches(kind, steps, GLOBAL_BATCH, seed=seed))
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=per_rank_batch, shuffle=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="zero_infinity")
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--kind", default="gpt")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--steps", type=int, default=20, help="max_steps (optimizer steps)")
+    p.add_argument("--epoch-steps", type=int, default=10, help="optimizer steps per epoch")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--manual", action="store_true")
+    p.add_argument("--build-in", default="configure_model", choices=["configure_model", "init", "init_module"])
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every n train steps into <out>/ckpt")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--eval", action="store_true", help="also run validation each epoch, test and predict")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # the same CPU reduction order in every run
+
+    per_rank = GLOBAL_BATCH // args.devices // args.accum
+    record = Record(out)
+    callbacks: list[Callback] = [record]
+    if args.ckpt_every:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
+                                         filename="{step}"))
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision,
+        max_steps=args.steps, accumulate_grad_batches=1 if args.manual else args.accum,
+        gradient_clip_val=None if (args.manual or not args.clip) else args.clip,
+        logger=False, enable_checkpointing=bool(args.ckpt_every), enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,
+        limit_val_batches=2 if args.eval else 0, deterministic=False,
+    )
+    if args.build_in == "init_module":
+        with trainer.init_module():
+            model = LitModel(args.kind, "init", manual=args.manual, clip=args.clip, accum=args.accum)
+    else:
+        model = LitModel(args.kind, args.build_in, manual=args.manual, clip=args.clip, accum=args.accum)
+    train = loader(args.kind, args.epoch_steps, per_rank)
+    val = loader(args.kind, 2, GLOBAL_BATCH // args.devices, seed=99)
+    trainer.fit(model, train, val if args.eval else None, ckpt_path=args.resume)
+    extra = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+             "train_loss": float(trainer.callback_metrics["train_loss"])}
+    if args.eval:
+        extra["test_loss"] = trainer.test(model, val, verbose=False)[0]["test_loss"]
+        extra["predict"] = [float(x) for x in trainer.predict(model, val)]
+    record.write(trainer.global_rank, **extra)
+    if args.strategy == "zero_infinity" and trainer.global_rank == 0 and args.ckpt_every:
+        last = sorted((out / "ckpt").iterdir())[-1]
+        lightning_zinf.convert_to_lightning_checkpoint(last, out / "converted.ckpt")
+
+
+if __name__ == "__main__":
+    main()
