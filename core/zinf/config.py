@@ -17,10 +17,11 @@ import torch
 
 from zinf.errors import ConfigError
 
-__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "PRECISIONS"]
+__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "PRECISIONS", "TIERS"]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
+TIERS = ("device", "cpu", "nvme")
 
 
 @dataclass(kw_only=True)
@@ -64,6 +65,54 @@ class OverlapConfig:
 
 
 @dataclass(kw_only=True)
+class OffloadConfig:
+    """Where each kind of state lives between uses (ZeRO-Infinity's offload engine).
+
+    params: this rank's compute-dtype parameter shards: "device" (default), "cpu" or "nvme".
+    optimizer: fp32 master shards and Adam moments: "device" (the user's torch optimizer steps them
+        in place), "cpu" or "nvme" (zinf's C++ CPU-Adam steps them, sub-group by sub-group; with
+        "nvme" reading the next sub-group, stepping this one and writing the last overlap).
+        Gradient shards live in CPU memory whenever the optimizer is offloaded.
+    nvme_paths: one or more directories (one per drive, no RAID needed); each rank's shards are
+        striped across them, in files of its own.
+    pinned_pool_bytes: the fixed pool of aligned (and, with CUDA, pinned) buffers NVMe traffic is
+        staged through.
+    sub_group_numel: elements per optimizer sub-group (the unit of the NVMe optimizer pipeline).
+    max_cpu_bytes: the most host memory zinf may use for offloaded state (0: what the machine has
+        available); a placement that cannot fit fails before training starts.
+    """
+
+    params: str = "device"
+    optimizer: str = "device"
+    nvme_paths: list[str] = field(default_factory=list)
+    pinned_pool_bytes: int = 256 * 2**20
+    sub_group_numel: int = 32 * 2**20
+    max_cpu_bytes: int = 0
+    aio_block_bytes: int = 1 << 20
+    aio_queue_depth: int = 32
+    aio_threads: int = 2
+
+    def validate(self) -> None:
+        _require(self.params in TIERS, "offload.params", self.params, f"one of {list(TIERS)}")
+        _require(self.optimizer in TIERS, "offload.optimizer", self.optimizer, f"one of {list(TIERS)}")
+        uses_nvme = "nvme" in (self.params, self.optimizer)
+        _require(not uses_nvme or bool(self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
+                 "at least one directory when offload.params or offload.optimizer is 'nvme'")
+        _require(all(isinstance(p, str) and p for p in self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
+                 "a list of directory paths")
+        _require(self.pinned_pool_bytes >= 1 << 20, "offload.pinned_pool_bytes", self.pinned_pool_bytes, "at least 1 MiB")
+        _require(self.sub_group_numel >= 1024, "offload.sub_group_numel", self.sub_group_numel, "at least 1024")
+        _require(self.max_cpu_bytes >= 0, "offload.max_cpu_bytes", self.max_cpu_bytes, "an integer >= 0 (0 = available RAM)")
+        for key in ("aio_block_bytes", "aio_queue_depth", "aio_threads"):
+            _require(getattr(self, key) >= 1, f"offload.{key}", getattr(self, key), "a positive integer")
+        _require(self.aio_block_bytes % 4096 == 0, "offload.aio_block_bytes", self.aio_block_bytes, "a multiple of 4096")
+
+    @property
+    def enabled(self) -> bool:
+        return self.params != "device" or self.optimizer != "device"
+
+
+@dataclass(kw_only=True)
 class ZeroConfig:
     """Everything the engine needs to know.
 
@@ -82,6 +131,7 @@ class ZeroConfig:
     cast_forward_inputs: bool = True
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     log_every_n_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +146,7 @@ class ZeroConfig:
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         self.loss_scale.validate()
         self.overlap.validate()
+        self.offload.validate()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -159,4 +210,5 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 _NESTED: dict[tuple[type, str], type] = {
     (ZeroConfig, "loss_scale"): LossScaleConfig,
     (ZeroConfig, "overlap"): OverlapConfig,
+    (ZeroConfig, "offload"): OffloadConfig,
 }

@@ -23,6 +23,8 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.fetch.comm import Comm, default_device
 from zinf.fetch.gather import ParamFetcher
+from zinf.offload.optimizer import OffloadedAdam
+from zinf.offload.placement import Placement
 from zinf.optim.sharded import ShardedOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.gathered import GatheredParameters
@@ -49,6 +51,7 @@ class ZeroInfinityEngine:
         self.module = model
         _check_model(model)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
+        self.placement = Placement(self.config.offload, self.groups, self.comm, optimizer) if self.config.offload.enabled else None
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.persistent = True
@@ -59,7 +62,11 @@ class ZeroInfinityEngine:
         self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer)
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
-        self.optimizer = ShardedOptimizer(optimizer) if optimizer is not None else None
+        self.optimizer: ShardedOptimizer | OffloadedAdam | None = None
+        if self.placement is not None and self.placement.optimizer is not None:
+            self.optimizer = self.placement.optimizer
+        elif optimizer is not None:
+            self.optimizer = ShardedOptimizer(optimizer)
         self.loss_scaler = DynamicLossScaler(self.config.loss_scale) if self.config.precision == "fp16" else None
         self.global_step = 0
         self.num_backward = 0
@@ -112,8 +119,9 @@ class ZeroInfinityEngine:
             self._unscale()
             self.optimizer.step()
             for g in self.groups:
-                g.refresh_shard_from_master()
-                if g.persistent and self.comm.world > 1:
+                if g.master is not None:  # device-tier optimizer: the parameter shard follows the master
+                    g.refresh_shard_from_master()
+                if g.persistent and g.owns_full:
                     g.to_sharded()
                     g.to_gathered()
         self.zero_grad()
@@ -159,7 +167,7 @@ class ZeroInfinityEngine:
             names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            full = g.gather_master_full()
+            full = g.gather_master_full(self.master_of(g))
             if rank0_only and self.comm.rank != 0:
                 continue
             for p, slot in zip(g.params, g.slots):
@@ -185,13 +193,37 @@ class ZeroInfinityEngine:
 
         return load_sharded(self, path)
 
+    def master_of(self, group: FlatParamGroup) -> torch.Tensor:
+        """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""
+        if group.master is not None:
+            return group.master
+        assert self.placement is not None and self.placement.optimizer is not None
+        return self.placement.optimizer.read_states(group)["master"]
+
+    def set_master(self, group: FlatParamGroup, master: torch.Tensor) -> None:
+        """Replace this rank's master shard of ``group`` and the parameter shard derived from it."""
+        with torch.no_grad():
+            if group.master is not None:
+                group.master.copy_(master)
+                group.refresh_shard_from_master()
+            else:
+                assert group.master_sink is not None
+                group.master_sink(master)
+                group.param_store.writer(group).copy_(master)
+                group.param_store.commit(group)
+            if group.persistent and group.owns_full:
+                group.to_sharded()
+                group.to_gathered()
+
     def report(self) -> StepReport | None:
         """The last optimizer step's time and memory breakdown (see :class:`zinf.StepReport`)."""
         return self.last_report
 
     def close(self) -> None:
-        """Remove every hook; parameters stay partitioned."""
+        """Remove every hook and release offload files and buffers; parameters stay partitioned."""
         self.hooks.remove()
+        if self.placement is not None:
+            self.placement.close()
 
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, report: StepReport, skipped: bool) -> None:
@@ -218,17 +250,22 @@ class ZeroInfinityEngine:
             tier[kind] = tier.get(kind, 0) + t.untyped_storage().nbytes()
 
         for g in self.groups:
-            add("param_shards", g.shard)
-            if g.master.data_ptr() != g.shard.data_ptr():
+            if g.shard is not None:
+                add("param_shards", g.shard)
+            if g.master is not None and (g.shard is None or g.master.data_ptr() != g.shard.data_ptr()):
                 add("master", g.master)
             add("grad_shards", g.grad_shard)
-            if g.full.data_ptr() != g.shard.data_ptr():
+            if g.owns_full:
                 add("gathered", g.full)
-        if self.optimizer is not None:
+        if isinstance(self.optimizer, ShardedOptimizer):
             for state in self.optimizer.optimizer.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and v.numel() > 1:
                         add("optimizer_state", v)
+        if self.placement is not None:
+            for tier, kinds in self.placement.bytes_by_tier().items():
+                for kind, nbytes in kinds.items():
+                    out.setdefault(tier, {})[kind] = out.get(tier, {}).get(kind, 0) + nbytes
         return out
 
 

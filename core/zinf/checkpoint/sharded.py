@@ -54,7 +54,7 @@ def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_s
     comm = engine.comm
     payload = {
         "format": FORMAT, "world": comm.world, "rank": comm.rank, "layout": _layout(engine),
-        "precision": engine.config.precision, "master": [g.master.detach().cpu() for g in engine.groups],
+        "precision": engine.config.precision, "master": [engine.master_of(g).detach().cpu() for g in engine.groups],
         "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "global_step": engine.global_step, "client_state": client_state or {},
@@ -93,11 +93,7 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
                               f"{payload['layout'][first] if first < len(payload['layout']) else 'missing'}).")
     with torch.no_grad():
         for g, master in zip(engine.groups, payload["master"]):
-            g.master.copy_(master)
-            g.refresh_shard_from_master()
-            if g.persistent and comm.world > 1:
-                g.to_sharded()
-                g.to_gathered()
+            engine.set_master(g, master.to(engine.device))
         buffers = dict(engine.module.named_buffers())
         for n, b in payload["buffers"].items():
             buffers[n].copy_(b)

@@ -49,14 +49,22 @@ class ParamFetcher:
         """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget."""
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
+        reading = True
         for n, groups in enumerate(upcoming):
-            if n >= self.config.prefetch_modules:
+            if n >= 2 * self.config.prefetch_modules:
                 break
+            # shard reads (NVMe -> pinned pool) run twice as far ahead as gathers, bounded by the pool
+            for g in groups:
+                if reading and g.state is GroupState.SHARDED:
+                    reading = g.param_store.prefetch(g)
+            if n >= self.config.prefetch_modules:
+                continue
             for g in groups:
                 if g.state is not GroupState.SHARDED:
                     continue
                 if g.nbytes_full > budget:
-                    return
+                    budget = -1  # the gather window is full; reads may still go ahead
+                    continue
                 budget -= g.nbytes_full
                 g.start_gather()
                 self._count(g, +1)
@@ -74,7 +82,7 @@ class ParamFetcher:
         self._ahead.clear()
 
     def _count(self, g: FlatParamGroup, sign: int) -> None:
-        if g.comm.world == 1:
-            return  # one rank: the "full" buffer is the shard itself, nothing extra is resident
+        if not g.owns_full:
+            return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

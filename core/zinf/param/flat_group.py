@@ -23,12 +23,15 @@ import enum
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from zinf.fetch.comm import Comm
+from zinf.offload.param_store import ParamStore
+
+_DEVICE_STORE = ParamStore()
 
 __all__ = ["GroupState", "FlatParamGroup", "ParamSlot"]
 
@@ -105,13 +108,17 @@ class FlatParamGroup:
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
             if a < b:
                 master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
-        self.master = master
-        self.shard = master if compute_dtype == torch.float32 else master.to(compute_dtype)
+        # master / shard become None when the offload engine moves them off (optimizer / param tiers)
+        self.master: torch.Tensor | None = master
+        self.shard: torch.Tensor | None = master if compute_dtype == torch.float32 else master.to(compute_dtype)
+        self.param_store: ParamStore = _DEVICE_STORE
+        self.master_sink: Callable[[torch.Tensor], None] | None = None  # set when the master is offloaded
         # With one rank the shard is the whole flat vector: gathering is free.
         self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         if comm.world > 1:
             self.full.untyped_storage().resize_(0)
         self._grad_shard: torch.Tensor | None = None  # allocated by the engine, not at construction
+        self.grad_device = device  # the offload engine keeps gradient shards in host memory
         self._grad_full: torch.Tensor | None = None
         self._grads_ready = 0
         self._to_placeholders()
@@ -125,19 +132,25 @@ class FlatParamGroup:
     def grad_shard(self) -> torch.Tensor:
         """This rank's fp32 gradient shard (allocated on first use, i.e. by the engine)."""
         if self._grad_shard is None:
-            self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+            self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.grad_device)
         return self._grad_shard
 
     # -- parameter state transitions ------------------------------------------------------------
+    @property
+    def owns_full(self) -> bool:
+        """False when one rank gathers in place: the full buffer is the shard itself."""
+        return self.shard is None or self.full.data_ptr() != self.shard.data_ptr()
+
     @property
     def nbytes_full(self) -> int:
         return self.padded_numel * self.full.element_size()
 
     def start_gather(self) -> None:
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
-        if self.comm.world > 1:
+        if self.owns_full:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self._work = self.comm.all_gather_into(self.full, self.shard, async_op=True)
+        source = self.param_store.fetch(self)
+        self._work = self.comm.all_gather_into(self.full, source, async_op=True)
         self.state = GroupState.GATHERING
 
     def finish_gather(self) -> None:
@@ -145,6 +158,7 @@ class FlatParamGroup:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        self.param_store.done(self)
         for p, slot in zip(self.params, self.slots):
             if p is not None:
                 p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -159,7 +173,7 @@ class FlatParamGroup:
     def to_sharded(self) -> None:
         assert self.state is GroupState.GATHERED, f"{self.name}: to_sharded from {self.state}"
         self._to_placeholders()
-        if self.comm.world > 1:
+        if self.owns_full:
             self.full.untyped_storage().resize_(0)
         self.state = GroupState.SHARDED
 
@@ -187,21 +201,38 @@ class FlatParamGroup:
         """Copy this rank's slice of the gathered values into the shard and master (after an edit)."""
         assert self.state is GroupState.GATHERED, f"{self.name}: write_back from {self.state}"
         lo = self.comm.rank * self.shard_numel
-        if self.full.data_ptr() != self.shard.data_ptr():
-            self.shard.copy_(self.full[lo : lo + self.shard_numel])
-        if self.master.data_ptr() != self.shard.data_ptr():
-            self.master.copy_(self.full[lo : lo + self.shard_numel])
+        mine = self.full[lo : lo + self.shard_numel]
+        if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
+            self.param_store.writer(self).copy_(mine)
+            self.param_store.commit(self)
+        if self.master is None:
+            assert self.master_sink is not None
+            self.master_sink(mine.to(torch.float32))
+        elif self.shard is None or self.master.data_ptr() != self.shard.data_ptr():
+            self.master.copy_(mine)
 
-    def gather_master_full(self) -> torch.Tensor:
-        """Every rank's fp32 master, all-gathered into one flat vector (a temporary, for regrouping and export)."""
+    def gather_master_full(self, master: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's fp32 master (``master``: this rank's, when offloaded), all-gathered into one flat vector."""
+        local = master if master is not None else self.master
+        assert local is not None, f"{self.name}: the master is offloaded; pass it in"
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather_into(full, self.master, async_op=False)
+        self.comm.all_gather_into(full, local.to(self.device), async_op=False)
         return full
 
+    def separate_full(self) -> None:
+        """Give the group a gather buffer of its own (one rank normally gathers in place into the shard)."""
+        if self.shard is not None and self.full.data_ptr() == self.shard.data_ptr():
+            assert self.state is GroupState.SHARDED
+            self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.full.untyped_storage().resize_(0)
+
     def refresh_shard_from_master(self) -> None:
-        """After an optimizer step: the compute-dtype shard follows the fp32 master."""
-        if self.master.data_ptr() != self.shard.data_ptr():
-            self.shard.copy_(self.master)
+        """After a device-tier optimizer step: the compute-dtype shard follows the fp32 master."""
+        assert self.master is not None
+        if self.shard is not None and self.master.data_ptr() == self.shard.data_ptr():
+            return
+        self.param_store.writer(self).copy_(self.master)
+        self.param_store.commit(self)
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:

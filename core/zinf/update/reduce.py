@@ -37,7 +37,7 @@ class GradReducer:
     def reduce(self, group: FlatParamGroup) -> None:
         full = group.take_grad_full()
         if self.comm.world == 1:
-            group.grad_shard.add_(full)
+            group.grad_shard.add_(full.to(group.grad_device))
             return
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
@@ -80,4 +80,4 @@ class GradReducer:
         with self.timers.time("reduce_scatter"):
             work.wait()
         for group, part in slices:
-            group.grad_shard.add_(part.to(torch.float32).div_(self.comm.world))
+            group.grad_shard.add_(part.to(group.grad_device, torch.float32).div_(self.comm.world))

@@ -1,0 +1,218 @@
+"""fp32 master shards and Adam moments off the device, stepped by zinf's C++ CPU-Adam.
+
+The user's torch Adam/AdamW stays the source of hyper-parameters (read from its param groups at
+every step, so LR schedulers keep working); its own param groups are not stepped. This rank's shard
+of each flat group is cut into sub-groups of at most ``offload.sub_group_numel`` elements. With the
+"cpu" tier the states are host tensors. With "nvme" each sub-group's master, exp_avg and exp_avg_sq
+are records in the swap files, and the step is a pipeline: while sub-group i is stepped, i+1 is
+being read and i-1 written. The updated compute-dtype parameter is produced in the same pass
+(``param_out``) straight into the parameter store's write buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from zinf import native
+from zinf.errors import UnsupportedModelError
+from zinf.offload.swap import Record, SwapSpace
+
+if TYPE_CHECKING:
+    from zinf.native import PinnedBufferPool
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["OffloadedAdam"]
+
+log = logging.getLogger(__name__)
+_STATES = ("master", "exp_avg", "exp_avg_sq")
+_ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
+
+
+@dataclass
+class _SubGroup:
+    group: "FlatParamGroup"
+    lo: int
+    hi: int
+    segments: list[tuple[int, int, int]]  # (lo, hi, optimizer param group index), group-shard coordinates
+    gaps: list[tuple[int, int]]  # ranges no optimizer param group steps (padding, frozen parameters)
+    last_of_group: bool
+    records: dict[str, Record] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def _hyper_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    index: dict[int, int] = {}
+    for i, pg in enumerate(optimizer.param_groups):
+        for p in pg["params"]:
+            index[id(p)] = i
+    return index
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UnsupportedModelError(
+            f"zinf: offload.optimizer='cpu'/'nvme' steps with zinf's CPU-Adam, so the optimizer must be torch.optim.Adam "
+            f"or AdamW (found {type(optimizer).__name__}). Use one of those, or set offload.optimizer='device'.")
+    for pg in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if pg.get(flag):
+                raise UnsupportedModelError(f"zinf: the offloaded CPU-Adam does not implement {flag}=True; "
+                                            "turn it off or set offload.optimizer='device'.")
+    if any(optimizer.state.values()):
+        raise UnsupportedModelError("zinf: the optimizer has already taken steps; hand it to the engine before the first step.")
+
+
+class OffloadedAdam:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"], tier: str,
+                 sub_group_numel: int, swap: SwapSpace | None = None, pool: "PinnedBufferPool | None" = None) -> None:
+        _check_optimizer(optimizer)
+        assert tier in ("cpu", "nvme") and (tier == "cpu" or swap is not None)
+        self.optimizer, self.tier, self.swap, self.pool = optimizer, tier, swap, pool  # pool: set before load_initial
+        self.groups = list(groups)
+        self.steps = [0] * len(optimizer.param_groups)
+        hyper = _hyper_index(optimizer)
+        size = max(_ALIGN_NUMEL, sub_group_numel // _ALIGN_NUMEL * _ALIGN_NUMEL)
+        self.subgroups: list[_SubGroup] = []
+        for g in groups:
+            runs = []
+            for i, p in enumerate(g.params):
+                a, b = g.local_range(i)
+                if b > a and p is not None and id(p) in hyper:
+                    runs.append((a, b, hyper[id(p)]))
+            for lo in range(0, g.shard_numel, size):
+                hi = min(g.shard_numel, lo + size)
+                segs = [(max(a, lo), min(b, hi), k) for a, b, k in runs if a < hi and b > lo]
+                gaps, cursor = [], lo
+                for a, b, _ in segs:
+                    if a > cursor:
+                        gaps.append((cursor, a))
+                    cursor = b
+                if cursor < hi:
+                    gaps.append((cursor, hi))
+                self.subgroups.append(_SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
+        for sg in self.subgroups:
+            if tier == "cpu":
+                sg.tensors = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in _STATES}
+            else:
+                sg.records = {name: swap.allocate(sg.numel * 4) for name in _STATES}  # type: ignore[union-attr]
+
+    # -- state movement (start-up, checkpoints) -------------------------------------------------
+    def load_initial(self) -> None:
+        """Take the fp32 masters the groups were built with (moments start at zero); free them there."""
+        for g in {id(sg.group): sg.group for sg in self.subgroups}.values():
+            assert g.master is not None
+            self.write_states(g, {"master": g.master, "exp_avg": torch.zeros_like(g.master),
+                                  "exp_avg_sq": torch.zeros_like(g.master)})
+            g.master = None
+
+    def _of(self, group: "FlatParamGroup") -> list[_SubGroup]:
+        return [sg for sg in self.subgroups if sg.group is group]
+
+    def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
+        """This rank's master and moments of ``group`` as host fp32 tensors (copies)."""
+        out = {name: torch.empty(group.shard_numel, dtype=torch.float32) for name in _STATES}
+        for sg in self._of(group):
+            for name in _STATES:
+                if self.tier == "cpu":
+                    out[name][sg.lo : sg.hi].copy_(sg.tensors[name])
+                else:
+                    rec = sg.records[name]
+                    buf = self.pool.acquire(rec.span)  # type: ignore[union-attr]
+                    try:
+                        self.swap.wait(self.swap.submit_read(rec, buf), rec)  # type: ignore[union-attr]
+                        self.swap.verify(rec, buf)  # type: ignore[union-attr]
+                        out[name][sg.lo : sg.hi].copy_(buf[: rec.nbytes].view(torch.float32))
+                    finally:
+                        self.pool.release(buf)  # type: ignore[union-attr]
+        return out
+
+    def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
+        for sg in self._of(group):
+            for name, value in states.items():
+                if self.tier == "cpu":
+                    sg.tensors[name].copy_(value[sg.lo : sg.hi])
+                else:
+                    rec = sg.records[name]
+                    buf = self.pool.acquire(rec.span)  # type: ignore[union-attr]
+                    try:
+                        buf[: rec.nbytes].view(torch.float32).copy_(value[sg.lo : sg.hi])
+                        self.swap.wait(self.swap.submit_write(rec, buf), rec)  # type: ignore[union-attr]
+                    finally:
+                        self.pool.release(buf)  # type: ignore[union-attr]
+
+    def state_dict(self) -> dict[str, Any]:
+        moments = [self.read_states(g) for g in self.groups]
+        return {"steps": list(self.steps), "exp_avg": [m["exp_avg"] for m in moments],
+                "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = list(state["steps"])
+        for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
+            self.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        for i in range(len(self.steps)):
+            self.steps[i] += 1
+        if self.tier == "cpu":
+            for sg in self.subgroups:
+                self._step(sg, sg.tensors)
+            return
+        pending: list[tuple[_SubGroup, dict[str, torch.Tensor], list[int]]] = []
+        reads = self._submit_reads(self.subgroups[0]) if self.subgroups else None
+        for i, sg in enumerate(self.subgroups):
+            bufs, handles = reads  # type: ignore[misc]
+            reads = self._submit_reads(self.subgroups[i + 1]) if i + 1 < len(self.subgroups) else None
+            for name in _STATES:
+                self.swap.wait(handles[name], sg.records[name])  # type: ignore[union-attr]
+                self.swap.verify(sg.records[name], bufs[name])  # type: ignore[union-attr]
+            views = {name: bufs[name][: sg.records[name].nbytes].view(torch.float32) for name in _STATES}
+            self._step(sg, views)
+            pending.append((sg, bufs, [self.swap.submit_write(sg.records[n], bufs[n]) for n in _STATES]))  # type: ignore[union-attr]
+            while len(pending) > 1:
+                self._finish_writes(*pending.pop(0))
+        for item in pending:
+            self._finish_writes(*item)
+
+    def _submit_reads(self, sg: _SubGroup) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        bufs = {name: self.pool.acquire(sg.records[name].span) for name in _STATES}  # type: ignore[union-attr]
+        return bufs, {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in _STATES}  # type: ignore[union-attr]
+
+    def _finish_writes(self, sg: _SubGroup, bufs: dict[str, torch.Tensor], handles: list[int]) -> None:
+        for name, h in zip(_STATES, handles):
+            self.swap.wait(h, sg.records[name])  # type: ignore[union-attr]
+            self.pool.release(bufs[name])  # type: ignore[union-attr]
+
+    def _step(self, sg: _SubGroup, states: dict[str, torch.Tensor]) -> None:
+        g = sg.group
+        out = g.param_store.writer(g)
+        fp32 = out.dtype == torch.float32
+        master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
+        for lo, hi, k in sg.segments:
+            pg = self.optimizer.param_groups[k]
+            beta1, beta2 = pg["betas"]
+            a, b = lo - sg.lo, hi - sg.lo
+            native.adam_step(master[a:b], g.grad_shard[lo:hi], m[a:b], v[a:b], step=self.steps[k], lr=float(pg["lr"]),
+                             beta1=beta1, beta2=beta2, eps=pg["eps"], weight_decay=pg["weight_decay"],
+                             decoupled=_decoupled(self.optimizer, pg), param_out=None if fp32 else out[lo:hi])
+            if fp32:
+                out[lo:hi].copy_(master[a:b])
+        for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
+            out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
+        if sg.last_of_group:
+            g.param_store.commit(g)
+
+    def state_bytes(self) -> int:
+        return sum(sg.numel for sg in self.subgroups) * 4 * len(_STATES)
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, pg: dict[str, Any]) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or bool(pg.get("decoupled_weight_decay", False))

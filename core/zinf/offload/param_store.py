@@ -1,0 +1,177 @@
+"""Where a group's compute-dtype parameter shard lives between uses: device, CPU or NVMe.
+
+Chosen once per engine (``offload.params``); groups only call ``fetch`` / ``done`` around their
+all-gather and ``writer`` / ``commit`` after an optimizer step. The NVMe store reads each rank's own
+shard (bandwidth-centric: every rank reads 1/world, then all-gather) into a buffer of the pinned
+pool, ahead of use when the trace asks for it (``prefetch``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zinf.offload.swap import Record, SwapSpace
+
+if TYPE_CHECKING:
+    from zinf.native import PinnedBufferPool
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["ParamStore", "DeviceParamStore", "CpuParamStore", "NvmeParamStore"]
+
+
+class ParamStore:
+    """Base and device tier: the shard stays where compute runs."""
+
+    tier = "device"
+
+    def attach(self, group: "FlatParamGroup") -> None:
+        group.param_store = self
+
+    def prefetch(self, group: "FlatParamGroup") -> bool:
+        return True
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        assert group.shard is not None
+        return group.shard
+
+    def done(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        """A compute-dtype tensor of ``shard_numel`` to write the updated shard into."""
+        assert group.shard is not None
+        return group.shard
+
+    def commit(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+DeviceParamStore = ParamStore
+
+
+class CpuParamStore(ParamStore):
+    """Shards in (pinned, with CUDA) host memory, copied to the device for each gather."""
+
+    tier = "cpu"
+
+    def attach(self, group: "FlatParamGroup") -> None:
+        super().attach(group)
+        assert group.shard is not None
+        if group.shard.device.type != "cpu":  # pragma: no cover - CUDA only
+            host = torch.empty(group.shard.shape, dtype=group.shard.dtype, pin_memory=True)
+            host.copy_(group.shard)
+            group.shard = host
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        assert group.shard is not None
+        return group.shard.to(group.device, non_blocking=True)
+
+
+class NvmeParamStore(ParamStore):
+    """Shards in this rank's swap files; see [Note: offload file format] in swap.py."""
+
+    tier = "nvme"
+
+    def __init__(self, swap: SwapSpace, pool: "PinnedBufferPool") -> None:
+        self.swap, self.pool = swap, pool
+        self.records: dict[int, Record] = {}
+        self._reads: dict[int, tuple[torch.Tensor, int]] = {}
+        self._staged: dict[int, torch.Tensor] = {}
+        self._writes: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def attach(self, group: "FlatParamGroup") -> None:
+        super().attach(group)
+        self.records[id(group)] = self.swap.allocate(group.shard_numel * group.compute_dtype.itemsize)
+
+    def write_initial(self, group: "FlatParamGroup") -> None:
+        """After ``swap.open()``: the resident shard goes to its file and its memory is freed."""
+        assert group.shard is not None
+        self.writer(group).copy_(group.shard)
+        self.commit(group)
+        self._finish_write(id(group))
+        group.shard = None
+
+    def _buffer(self, rec: Record) -> torch.Tensor:
+        return self.pool.acquire(rec.span)
+
+    def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
+        nbytes = self.records[id(group)].nbytes
+        return buf[:nbytes].view(group.compute_dtype)
+
+    def prefetch(self, group: "FlatParamGroup") -> bool:
+        """Start reading ``group``'s shard; False when the pool has no room (read-ahead is bounded by it)."""
+        from zinf.native import PoolExhaustedError
+
+        key = id(group)
+        if key in self._reads:
+            return True
+        if key in self._writes:  # a read must see the last write
+            self._finish_write(key)
+        rec = self.records[key]
+        try:
+            buf = self._buffer(rec)
+        except PoolExhaustedError:
+            return False
+        self._reads[key] = (buf, self.swap.submit_read(rec, buf))
+        return True
+
+    def _make_room(self) -> bool:
+        """Give up the most recent read-ahead (it is read again when needed); False if there is none."""
+        if not self._reads:
+            return False
+        key = next(reversed(self._reads))
+        buf, handle = self._reads.pop(key)
+        self.swap.aio.wait(handle)
+        self.pool.release(buf)
+        return True
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        while not self.prefetch(group):
+            if not self._make_room():
+                raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
+        buf, handle = self._reads[id(group)]
+        rec = self.records[id(group)]
+        self.swap.wait(handle, rec)
+        self.swap.verify(rec, buf)
+        return self._data(group, buf).to(group.device, non_blocking=True)
+
+    def done(self, group: "FlatParamGroup") -> None:
+        buf, _ = self._reads.pop(id(group))
+        self.pool.release(buf)
+
+    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        key = id(group)
+        if key in self._writes:
+            self._finish_write(key)
+        if key not in self._staged:
+            self._staged[key] = self._buffer(self.records[key])
+        return self._data(group, self._staged[key])
+
+    def commit(self, group: "FlatParamGroup") -> None:
+        key = id(group)
+        buf = self._staged.pop(key)
+        self._writes[key] = (buf, self.swap.submit_write(self.records[key], buf))
+
+    def _finish_write(self, key: int) -> None:
+        buf, handle = self._writes.pop(key)
+        self.swap.wait(handle, self.swap.records[self.records[key].record_id])
+        self.pool.release(buf)
+
+    def flush(self) -> None:
+        for key in list(self._writes):
+            self._finish_write(key)
+
+    def close(self) -> None:
+        self.flush()
+        for buf, handle in self._reads.values():
+            self.swap.aio.wait(handle)
+            self.pool.release(buf)
+        self._reads.clear()

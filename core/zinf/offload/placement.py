@@ -1,0 +1,134 @@
+"""The one place where offload tiers are chosen: stores for parameters and optimizer states, the
+swap space and pinned pool they share, and the checks that a placement fits before training starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from zinf import native
+from zinf.config import OffloadConfig
+from zinf.fetch.comm import Comm
+from zinf.offload.optimizer import OffloadedAdam
+from zinf.offload.param_store import CpuParamStore, NvmeParamStore, ParamStore
+from zinf.offload.swap import OffloadSpaceError, SwapSpace
+from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["Placement"]
+
+log = logging.getLogger(__name__)
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
+
+
+class Placement:
+    """Builds and owns the offload machinery for one engine; ``optimizer`` is the offloaded Adam or None."""
+
+    def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], comm: Comm,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.cfg, self.groups = cfg, list(groups)
+        self.swap: SwapSpace | None = None
+        self.pool = None
+        self.aio = None
+        if "nvme" in (cfg.params, cfg.optimizer):
+            native.require()
+            self.aio = native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
+                                      num_threads=cfg.aio_threads, direct=True)
+            self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio)
+        self.param_store: ParamStore = {"device": ParamStore, "cpu": CpuParamStore}.get(cfg.params, ParamStore)()
+        if cfg.params == "nvme":
+            assert self.swap is not None
+            self.param_store = NvmeParamStore(self.swap, pool=None)  # type: ignore[arg-type]  # pool set below
+        for g in self.groups:
+            self.param_store.attach(g)
+            if cfg.params != "device":
+                g.separate_full()
+        self.optimizer: OffloadedAdam | None = None
+        if cfg.optimizer != "device":
+            if optimizer is None:
+                raise OffloadSpaceError("zinf offload: offload.optimizer is set but no optimizer was given to the engine.")
+            self.optimizer = OffloadedAdam(optimizer, self.groups, cfg.optimizer, cfg.sub_group_numel, self.swap, None)
+            for g in self.groups:
+                g.grad_device = torch.device("cpu")
+                g.master_sink = lambda values, g=g: self.optimizer.write_states(g, {"master": values})  # type: ignore[union-attr]
+        self._check_host_memory()
+        if self.swap is not None:
+            self.pool = native.PinnedBufferPool(self._pool_bytes())
+            if self.pool.pin_with_cuda():  # pragma: no cover - CUDA only
+                log.info("zinf offload: pinned %d MiB for NVMe staging", cfg.pinned_pool_bytes >> 20)
+            if isinstance(self.param_store, NvmeParamStore):
+                self.param_store.pool = self.pool
+            if self.optimizer is not None:
+                self.optimizer.pool = self.pool
+            self.swap.open()
+            if isinstance(self.param_store, NvmeParamStore):
+                for g in self.groups:
+                    self.param_store.write_initial(g)
+        if self.optimizer is not None:
+            self.optimizer.load_initial()
+
+    def _pool_bytes(self) -> int:
+        """The pool must hold the reads ahead of compute plus the optimizer pipeline; fail early if it cannot."""
+        need = 0
+        if isinstance(self.param_store, NvmeParamStore):
+            # one shard being read for a gather and one updated shard staged for writing; read-ahead
+            # beyond that uses whatever room is left
+            need += 2 * max(r.span for r in self.param_store.records.values())
+        if self.optimizer is not None and self.cfg.optimizer == "nvme":
+            sub = max(r.span for sg in self.optimizer.subgroups for r in sg.records.values())
+            need += 3 * 3 * sub  # three states, for the sub-group read ahead, stepped, and written behind
+        need = need * 2  # buddy blocks round up to powers of two
+        if need > self.cfg.pinned_pool_bytes:
+            raise OffloadSpaceError(
+                f"zinf offload: offload.pinned_pool_bytes = {self.cfg.pinned_pool_bytes} is too small for this model; "
+                f"staging the largest groups and optimizer sub-groups needs about {need} bytes. Raise "
+                "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
+        return self.cfg.pinned_pool_bytes
+
+    def _check_host_memory(self) -> None:
+        shard_numel = sum(g.shard_numel for g in self.groups)
+        host = 0
+        if self.cfg.params == "cpu":
+            host += shard_numel * self.groups[0].compute_dtype.itemsize if self.groups else 0
+        if self.cfg.optimizer != "device":
+            host += shard_numel * 4  # fp32 gradient shards
+        if self.cfg.optimizer == "cpu":
+            host += shard_numel * 12  # fp32 master, exp_avg, exp_avg_sq
+        if self.swap is not None:
+            host += self.cfg.pinned_pool_bytes
+        budget = self.cfg.max_cpu_bytes or _available_ram()
+        if host > budget:
+            raise OffloadSpaceError(
+                f"zinf offload: this placement needs about {host / 2**30:.2f} GiB of host memory per rank, but "
+                f"{'offload.max_cpu_bytes allows' if self.cfg.max_cpu_bytes else 'the machine has'} "
+                f"{budget / 2**30:.2f} GiB. Move state to NVMe (offload.optimizer='nvme', offload.params='nvme'), "
+                "use more ranks, or raise offload.max_cpu_bytes.")
+
+    def bytes_by_tier(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        if isinstance(self.param_store, NvmeParamStore):
+            out.setdefault("nvme", {})["param_shards"] = sum(r.span for r in self.param_store.records.values())
+        if self.optimizer is not None:
+            tier = "nvme" if self.cfg.optimizer == "nvme" else "cpu"
+            out.setdefault(tier, {})["optimizer_state"] = self.optimizer.state_bytes()
+        if self.pool is not None:
+            out.setdefault("cpu", {})["pinned_pool"] = self.pool.capacity_bytes
+        return out
+
+    def close(self) -> None:
+        self.param_store.close()
+        if self.swap is not None:
+            self.swap.close()
+        if self.aio is not None:
+            self.aio.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -1,0 +1,177 @@
+"""NVMe swap space: this rank's offloaded tensors, in preallocated files striped across paths.
+
+[Note: offload file format]
+Each rank owns one file per NVMe path, ``zinf-r{rank}-of-{world}-{run}.swap``. The first 4096 bytes
+are a header (magic, format version, run id, rank, world, size). Every record (one tensor: a
+parameter shard, a master shard, a moment) starts 4096-aligned and ends in a 64-byte trailer
+inside its padded length: magic, run id, record id, generation (bumped on every write) and data
+size. Every read checks the trailer against what this run last wrote there, so a truncated,
+foreign (another run's or another rank's) or stale file is reported instead of being trained on.
+Files are preallocated (``posix_fallocate``) when the engine starts: a path without room fails
+then, naming the path, the bytes needed and free, and the setting to change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zinf import native
+from zinf.errors import ZinfError
+
+__all__ = ["OffloadFileError", "OffloadSpaceError", "Record", "SwapSpace", "ALIGN", "TRAILER_BYTES"]
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+TRAILER_BYTES = 64
+_MAGIC, _REC_MAGIC, _VERSION = b"ZINFSWAP", b"ZINFREC1", 1
+_TRAILER = struct.Struct("<8s16sQQQ")  # magic, run id, record id, generation, nbytes
+
+
+class OffloadFileError(ZinfError):
+    """An offload file is missing, truncated, foreign or stale, or an I/O request on it failed."""
+
+
+class OffloadSpaceError(ZinfError):
+    """An NVMe path is missing, not writable, or has too little free space for this placement."""
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Record:
+    """Where one offloaded tensor lives: file, offset, sizes; ``generation`` counts writes."""
+
+    record_id: int
+    path: str
+    offset: int
+    nbytes: int
+    generation: int = 0
+
+    @property
+    def span(self) -> int:
+        """Bytes the record occupies on disk (data, padding, trailer), a multiple of 4096."""
+        return align_up(self.nbytes + TRAILER_BYTES)
+
+
+class SwapSpace:
+    """Lays out records across this rank's files, then reads and writes them through async I/O."""
+
+    def __init__(self, paths: list[str], rank: int, world: int, aio: Any, setting: str = "offload.nvme_paths") -> None:
+        self.setting = setting
+        self.rank, self.world = rank, world
+        self.run_id = uuid.uuid4().bytes
+        self.aio = aio
+        self.dirs = [os.path.abspath(p) for p in paths]
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} does not exist. Create the directory "
+                                        f"(mkdir -p {d}) or point {setting} at an existing one.")
+            if not os.access(d, os.W_OK):
+                raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} is not writable by this process.")
+        tag = self.run_id.hex()[:8]
+        self.files = [os.path.join(d, f"zinf-r{rank}-of-{world}-{tag}.swap") for d in self.dirs]
+        self._ends = [ALIGN] * len(self.files)  # the header block comes first
+        self.records: list[Record] = []
+        self._opened = False
+
+    # -- layout ---------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> Record:
+        """Reserve a record of ``nbytes`` on the path with the least allocated (striping)."""
+        assert not self._opened, "allocate every record before open()"
+        i = min(range(len(self.files)), key=lambda k: self._ends[k])
+        rec = Record(record_id=len(self.records), path=self.files[i], offset=self._ends[i], nbytes=nbytes)
+        self._ends[i] += rec.span
+        self.records.append(rec)
+        return rec
+
+    @property
+    def bytes_per_path(self) -> dict[str, int]:
+        return {d: end for d, end in zip(self.dirs, self._ends)}
+
+    def open(self) -> None:
+        """Check free space on every path, then create, preallocate and stamp the files."""
+        for d, need in self.bytes_per_path.items():
+            free = shutil.disk_usage(d).free
+            if need > free:
+                raise OffloadSpaceError(
+                    f"zinf offload: {d!r} needs {need / 2**30:.2f} GiB for rank {self.rank}'s offloaded state but has "
+                    f"{free / 2**30:.2f} GiB free. Free space there, add another drive to {self.setting}, or offload "
+                    "less (offload.params / offload.optimizer).")
+        for f, end in zip(self.files, self._ends):
+            fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, end)
+                except OSError as exc:
+                    raise OffloadSpaceError(f"zinf offload: cannot reserve {end} bytes in {f}: {exc}. Free space on "
+                                            f"that drive or change {self.setting}.") from exc
+                header = json.dumps({"magic": _MAGIC.decode(), "version": _VERSION, "run": self.run_id.hex(),
+                                     "rank": self.rank, "world": self.world, "bytes": end}).encode()
+                os.pwrite(fd, header.ljust(ALIGN, b"\0"), 0)
+            finally:
+                os.close(fd)
+        self._opened = True
+        log.info("zinf offload: rank %d swap files %s", self.rank,
+                 ", ".join(f"{f} ({e / 2**20:.0f} MiB)" for f, e in zip(self.files, self._ends)))
+
+    def close(self, remove: bool = True) -> None:
+        if remove:
+            for f in self.files:
+                if os.path.exists(f):
+                    os.unlink(f)
+
+    # -- I/O ------------------------------------------------------------------------------------
+    def stamp(self, rec: Record, buf: torch.Tensor) -> None:
+        """Write the trailer of ``rec``'s next generation into ``buf`` (a uint8 buffer of ``rec.span`` bytes)."""
+        rec.generation += 1
+        trailer = _TRAILER.pack(_REC_MAGIC, self.run_id, rec.record_id, rec.generation, rec.nbytes)
+        buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + len(trailer)].copy_(
+            torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+
+    def submit_write(self, rec: Record, buf: torch.Tensor) -> int:
+        """Write a whole record (data already in ``buf``); stamps the trailer first."""
+        self.stamp(rec, buf)
+        return self.aio.submit_write(buf[: rec.span], rec.path, rec.offset)
+
+    def submit_read(self, rec: Record, buf: torch.Tensor) -> int:
+        return self.aio.submit_read(buf[: rec.span], rec.path, rec.offset)
+
+    def wait(self, handle: int, rec: Record) -> None:
+        try:
+            self.aio.wait(handle)
+        except native.AIONoSpaceError as exc:
+            raise OffloadSpaceError(
+                f"zinf offload: {rec.path} is full (no space left while writing record {rec.record_id} at offset "
+                f"{rec.offset}). Training stopped; checkpoints written before are untouched. Free space or add a "
+                f"drive to {self.setting}.") from exc
+        except native.AIOShortReadError as exc:
+            raise OffloadFileError(f"zinf offload: {rec.path} is truncated: record {rec.record_id} at offset "
+                                   f"{rec.offset} could not be read in full ({exc}).") from exc
+        except native.AIOError as exc:
+            raise OffloadFileError(f"zinf offload: I/O on {rec.path} failed at offset {rec.offset}: {exc}") from exc
+
+    def verify(self, rec: Record, buf: torch.Tensor) -> None:
+        """Check the trailer that was just read into ``buf`` (see [Note: offload file format])."""
+        raw = bytes(buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + _TRAILER.size].numpy().tobytes())
+        magic, run, rid, gen, nbytes = _TRAILER.unpack(raw)
+        if magic != _REC_MAGIC:
+            raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} at offset {rec.offset} is not a zinf "
+                                   "record (the file was overwritten, truncated or is foreign).")
+        if run != self.run_id or rid != rec.record_id:
+            raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} belongs to another run or rank "
+                                   f"(run {run.hex()[:8]}, record {rid}); refusing to train on it.")
+        if gen != rec.generation or nbytes != rec.nbytes:
+            raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} is stale (generation {gen}, "
+                                   f"expected {rec.generation}); a write was lost.")
