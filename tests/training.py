@@ -70,6 +70,8 @@ def zinf_worker(rank: int, world: int, recipe: Recipe) -> dict[str, Any]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     report = engine.report()
-    return {"losses": losses, "state": engine.full_state_dict(), "skipped": skipped,
-            "report": None if report is None else report.summary(),
-            "rerecords": {k: t.num_rerecords for k, t in engine.hooks.traces.items()}}
+    result = {"losses": losses, "state": engine.full_state_dict(), "skipped": skipped,
+              "report": None if report is None else report.summary(),
+              "rerecords": {k: t.num_rerecords for k, t in engine.hooks.traces.items()}}
+    engine.close()
+    return result

@@ -7,8 +7,10 @@ subprocess launcher starts the ranks. Each rank writes what it saw to ``<out>/ra
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -126,6 +128,7 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="also run validation each epoch, test and predict")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (hang diagnosis)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # the same CPU reduction order in every run

@@ -1,0 +1,62 @@
+"""Names, precision conversion and configuration, without starting processes."""
+
+from __future__ import annotations
+
+import pytest
+
+import lightning_zinf
+import zinf
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+
+@pytest.mark.parametrize("registry", [StrategyRegistry, STRATEGY_REGISTRY], ids=["pytorch", "fabric"])
+def test_names_registered(registry) -> None:
+    for name in ("zero_infinity", "zero_infinity_offload", "zero_infinity_nvme"):
+        assert name in registry
+
+
+@pytest.mark.parametrize("name", ["zero_infinity_offload", "zero_infinity_nvme"])
+def test_offload_presets_say_not_available(name: str) -> None:
+    with pytest.raises(NotImplementedError, match="offload engine .* not available yet"):
+        Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(NotImplementedError, match=name):
+        Fabric(strategy=name, accelerator="cpu", devices=2)
+
+
+@pytest.mark.parametrize("flag,expected", [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("bf16-true", "bf16"),
+                                           ("16-mixed", "fp16")])
+def test_precision_flags_become_engine_precision(flag: str, expected: str) -> None:
+    strategy = lightning_zinf.ZeroInfinityStrategy()
+    Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=flag, logger=False)
+    assert isinstance(strategy.precision_plugin, lightning_zinf.ZeroInfinityPrecision)
+    # "16-mixed" on CPU: Lightning itself switches to bf16-mixed before the strategy sees it
+    assert strategy.zero_config.precision == ("bf16" if flag == "16-mixed" else expected)
+    fabric_strategy = lightning_zinf.ZeroInfinityFabricStrategy()
+    if flag != "16-mixed":
+        Fabric(strategy=fabric_strategy, accelerator="cpu", devices=2, precision=flag)
+        assert isinstance(fabric_strategy.precision, lightning_zinf.ZeroInfinityFabricPrecision)
+        assert fabric_strategy.zero_config.precision == expected
+
+
+def test_config_precision_and_conflicts() -> None:
+    strategy = lightning_zinf.ZeroInfinityStrategy({"precision": "bf16"})
+    Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # default "32-true": config wins
+    assert strategy.zero_config.precision == "bf16"
+    with pytest.raises(ValueError, match="Set only one of them"):
+        Trainer(strategy=lightning_zinf.ZeroInfinityStrategy({"precision": "fp16"}), accelerator="cpu", devices=2,
+                precision="bf16-mixed", logger=False)
+    with pytest.raises(ValueError, match="not supported"):
+        Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, precision="64-true", logger=False)
+    with pytest.raises(zinf.ConfigError, match="gradient_clipping"):
+        lightning_zinf.ZeroInfinityStrategy({"gradient_clip": 1.0})
+
+
+def test_usable_by_class_path() -> None:
+    hydra_utils = pytest.importorskip("hydra.utils")
+    strategy = hydra_utils.instantiate({"_target_": "lightning_zinf.ZeroInfinityStrategy",
+                                        "config": {"precision": "bf16", "overlap": {"prefetch_modules": 2}}})
+    assert isinstance(strategy, lightning_zinf.ZeroInfinityStrategy)
+    assert strategy.zero_config.overlap.prefetch_modules == 2

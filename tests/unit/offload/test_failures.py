@@ -1,0 +1,125 @@
+"""Each offload failure a user can hit gets the error that names the setting and the fix; nothing
+already written is trained on. One process (world 1), real files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+from zinf.offload import OffloadFileError, OffloadSpaceError
+
+
+def _engine(tmp: Path | str, **offload) -> zinf.ZeroInfinityEngine:
+    torch.manual_seed(0)
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp)],
+                                                 "pinned_pool_bytes": 4 << 20, **offload}})
+    with zinf.Init(cfg):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    return zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+
+
+def _step(engine: zinf.ZeroInfinityEngine) -> None:
+    loss = engine(torch.randn(8, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(OffloadSpaceError, match=r"offload.nvme_paths entry '.*/nope' does not exist. Create the directory"):
+        _engine(tmp_path / "nope")
+
+
+def test_no_nvme_path_configured() -> None:
+    with pytest.raises(zinf.ConfigError, match=r"'offload.nvme_paths' = \[\] is not allowed; expected at least one directory"):
+        zinf.ZeroConfig.from_dict({"offload": {"params": "nvme"}})
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_no_space_fails_before_training(tiny_fs: Path) -> None:
+    with pytest.raises(OffloadSpaceError, match=r"needs 0\.\d+ GiB for rank 0's offloaded state but has 0\.\d+ GiB free"):
+        _engine(tiny_fs)
+    assert not list(tiny_fs.iterdir()), "a placement that does not fit must not leave files behind"
+
+
+def _swap_file(tmp: Path) -> Path:
+    files = list(tmp.glob("*.swap"))
+    assert len(files) == 1
+    return files[0]
+
+
+def test_truncated_file_is_detected(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    _step(engine)
+    os.truncate(_swap_file(tmp_path), 8192)
+    with pytest.raises(OffloadFileError, match="is truncated"):
+        _step(engine)
+
+
+def test_foreign_record_is_detected(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    _step(engine)
+    path = _swap_file(tmp_path)
+    with open(path, "r+b") as f:  # another program scribbles over the file
+        f.seek(4096)
+        f.write(os.urandom(os.path.getsize(path) - 4096))
+    with pytest.raises(OffloadFileError, match="is not a zinf record"):
+        _step(engine)
+
+
+def test_stale_file_is_detected(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    _step(engine)
+    path = _swap_file(tmp_path)
+    snapshot = tmp_path / "old.bin"
+    shutil.copyfile(path, snapshot)
+    _step(engine)
+    shutil.copyfile(snapshot, path)  # the last step's writes are lost (the initial write was generation 1)
+    with pytest.raises(OffloadFileError, match=r"is stale \(generation 2, expected 3\)"):
+        _step(engine)
+
+
+def test_file_from_another_run_is_detected(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    first.mkdir()
+    second.mkdir()
+    a, b = _engine(first), _engine(second)
+    _step(a)
+    _step(b)
+    shutil.copyfile(_swap_file(first), _swap_file(second))  # same layout, other run
+    with pytest.raises(OffloadFileError, match="belongs to another run or rank"):
+        _step(b)
+
+
+def test_host_memory_budget_too_small(tmp_path: Path) -> None:
+    with pytest.raises(OffloadSpaceError, match=r"needs about .* GiB of host memory per rank, but offload.max_cpu_bytes allows"):
+        _engine(tmp_path, optimizer="cpu", params="cpu", max_cpu_bytes=1024)
+
+
+def test_pinned_pool_too_small(tmp_path: Path) -> None:
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 1 << 20}})
+    model = nn.Linear(1024, 1024)
+    with pytest.raises(OffloadSpaceError, match=r"offload.pinned_pool_bytes = 1048576 is too small"):
+        zinf.initialize(model, torch.optim.Adam(model.parameters()), cfg)
+
+
+def test_offloaded_optimizer_needs_adam(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"optimizer": "cpu"}})
+    with pytest.raises(zinf.UnsupportedModelError, match="must be torch.optim.Adam or AdamW .*found SGD"):
+        zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
