@@ -51,12 +51,14 @@ class ZeroInfinityEngine:
         self.module = model
         _check_model(model)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
-        self.placement = Placement(self.config.offload, self.groups, self.comm, optimizer) if self.config.offload.enabled else None
+        self.timers = StepTimers()
+        self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers)
+                          if self.config.offload.enabled else None)
+        self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.persistent = True
                 g.to_gathered()
-        self.timers = StepTimers()
         self.fetcher = ParamFetcher(self.config.overlap, self.timers)
         self.reducer = GradReducer(self.comm, self.config.overlap.reduce_bucket_bytes, self.timers)
         self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer)
@@ -94,8 +96,10 @@ class ZeroInfinityEngine:
             loss.backward(**kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping."""
+        """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping.
+        A step after an explicit clip does not clip again with ``config.gradient_clipping``."""
         self._unscale()
+        self._clipped = True
         return clip_grad_norm_(self.params, self.groups, max_norm, self.comm)
 
     def grad_norm(self) -> torch.Tensor:
@@ -228,9 +232,14 @@ class ZeroInfinityEngine:
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, report: StepReport, skipped: bool) -> None:
         seconds, counts = self.timers.take()
+        # NVMe read waits of parameter shards happen inside the all-gather waits (the gather needs the shard)
         waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand
+        swap = self.placement.swap if self.placement is not None else None
+        if swap is not None:
+            counts["nvme_read_bytes"], counts["nvme_written_bytes"] = swap.bytes_read, swap.bytes_written
+            swap.bytes_read = swap.bytes_written = 0
         self.fetcher.num_prefetched = self.fetcher.num_demand = 0
         report.seconds, report.counts, report.skipped = seconds, counts, skipped
         report.bytes = self.resident_bytes()

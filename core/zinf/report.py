@@ -48,7 +48,10 @@ class StepTimers:
 @dataclass
 class StepReport:
     """One optimizer step. ``seconds``: forward, backward and step wall time, and inside them the
-    host waits for all_gather and reduce_scatter; ``compute`` is forward + backward minus those waits.
+    host waits for all_gather and reduce_scatter; ``compute`` is forward + backward minus those waits;
+    with NVMe offload, ``nvme_read`` / ``nvme_write`` are the waits for swap-file I/O (reads of parameter
+    shards fall inside the all-gather waits; optimizer-state I/O inside ``optimizer``), and counts hold
+    ``nvme_read_bytes`` / ``nvme_written_bytes``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 
@@ -64,8 +67,9 @@ class StepReport:
     def summary(self) -> str:
         s = self.seconds
         parts = [f"step {self.step}"]
-        for key in ("compute", "all_gather", "reduce_scatter", "optimizer"):
-            parts.append(f"{key} {s.get(key, 0.0) * 1e3:.1f} ms")
+        for key in ("compute", "all_gather", "reduce_scatter", "optimizer", "nvme_read", "nvme_write"):
+            if key in s or not key.startswith("nvme"):
+                parts.append(f"{key} {s.get(key, 0.0) * 1e3:.1f} ms")
         for tier, kinds in sorted(self.bytes.items()):
             parts.append(f"{tier} {sum(kinds.values()) / 2**20:.1f} MiB")
         if self.skipped:

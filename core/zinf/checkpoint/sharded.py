@@ -23,7 +23,7 @@ from zinf.errors import ZinfError
 if TYPE_CHECKING:
     from zinf.engine import ZeroInfinityEngine
 
-__all__ = ["save_sharded", "load_sharded", "consolidate", "CheckpointError"]
+__all__ = ["save_sharded", "load_sharded", "consolidate", "read_client_state", "CheckpointError"]
 
 FORMAT = "zinf-sharded-v1"
 
@@ -103,6 +103,14 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
         engine.loss_scaler.load_state_dict(payload["loss_scaler"])
     engine.global_step = payload["global_step"]
     return payload["client_state"]
+
+
+def read_client_state(path: str | os.PathLike) -> dict:
+    """The ``client_state`` saved with a checkpoint (the same on every rank; read from rank 0's file)."""
+    files = sorted(Path(path).glob("rank00000-of-*.pt"))
+    if not files:
+        raise CheckpointError(f"zinf checkpoint: no rank00000-of-*.pt file in {path}.")
+    return _read(files[0])["client_state"]
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -129,7 +129,7 @@ class NvmeParamStore(ParamStore):
             return False
         key = next(reversed(self._reads))
         buf, handle = self._reads.pop(key)
-        self.swap.aio.wait(handle)
+        self.swap.wait(handle, self.records[key])
         self.pool.release(buf)
         return True
 
@@ -162,7 +162,7 @@ class NvmeParamStore(ParamStore):
 
     def _finish_write(self, key: int) -> None:
         buf, handle = self._writes.pop(key)
-        self.swap.wait(handle, self.swap.records[self.records[key].record_id])
+        self.swap.wait(handle, self.records[key])
         self.pool.release(buf)
 
     def flush(self) -> None:
@@ -171,7 +171,7 @@ class NvmeParamStore(ParamStore):
 
     def close(self) -> None:
         self.flush()
-        for buf, handle in self._reads.values():
-            self.swap.aio.wait(handle)
+        for key, (buf, handle) in self._reads.items():
+            self.swap.wait(handle, self.records[key])
             self.pool.release(buf)
         self._reads.clear()

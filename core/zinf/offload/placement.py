@@ -16,6 +16,7 @@ from zinf.offload.optimizer import OffloadedAdam
 from zinf.offload.param_store import CpuParamStore, NvmeParamStore, ParamStore
 from zinf.offload.swap import OffloadSpaceError, SwapSpace
 from zinf.param.flat_group import FlatParamGroup
+from zinf.report import StepTimers
 
 __all__ = ["Placement"]
 
@@ -34,7 +35,7 @@ class Placement:
     """Builds and owns the offload machinery for one engine; ``optimizer`` is the offloaded Adam or None."""
 
     def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], comm: Comm,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None) -> None:
         self.cfg, self.groups = cfg, list(groups)
         self.swap: SwapSpace | None = None
         self.pool = None
@@ -43,7 +44,7 @@ class Placement:
             native.require()
             self.aio = native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
                                       num_threads=cfg.aio_threads, direct=True)
-            self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio)
+            self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio, timers=timers)
         self.param_store: ParamStore = {"device": ParamStore, "cpu": CpuParamStore}.get(cfg.params, ParamStore)()
         if cfg.params == "nvme":
             assert self.swap is not None

@@ -26,6 +26,7 @@ import torch
 
 from zinf import native
 from zinf.errors import ZinfError
+from zinf.report import StepTimers
 
 __all__ = ["OffloadFileError", "OffloadSpaceError", "Record", "SwapSpace", "ALIGN", "TRAILER_BYTES"]
 
@@ -68,8 +69,12 @@ class Record:
 class SwapSpace:
     """Lays out records across this rank's files, then reads and writes them through async I/O."""
 
-    def __init__(self, paths: list[str], rank: int, world: int, aio: Any, setting: str = "offload.nvme_paths") -> None:
+    def __init__(self, paths: list[str], rank: int, world: int, aio: Any, setting: str = "offload.nvme_paths",
+                 timers: StepTimers | None = None) -> None:
         self.setting = setting
+        self.timers = timers or StepTimers()
+        self.bytes_read = self.bytes_written = 0
+        self._kind: dict[int, tuple[str, int]] = {}  # handle -> ("nvme_read" | "nvme_write", bytes)
         self.rank, self.world = rank, world
         self.run_id = uuid.uuid4().bytes
         self.aio = aio
@@ -143,14 +148,25 @@ class SwapSpace:
     def submit_write(self, rec: Record, buf: torch.Tensor) -> int:
         """Write a whole record (data already in ``buf``); stamps the trailer first."""
         self.stamp(rec, buf)
-        return self.aio.submit_write(buf[: rec.span], rec.path, rec.offset)
+        handle = self.aio.submit_write(buf[: rec.span], rec.path, rec.offset)
+        self._kind[handle] = ("nvme_write", rec.span)
+        return handle
 
     def submit_read(self, rec: Record, buf: torch.Tensor) -> int:
-        return self.aio.submit_read(buf[: rec.span], rec.path, rec.offset)
+        handle = self.aio.submit_read(buf[: rec.span], rec.path, rec.offset)
+        self._kind[handle] = ("nvme_read", rec.span)
+        return handle
 
     def wait(self, handle: int, rec: Record) -> None:
+        """Wait for one request; the time spent waiting is what the step could not hide behind compute."""
+        kind, nbytes = self._kind.pop(handle, ("nvme_read", 0))
+        if kind == "nvme_read":
+            self.bytes_read += nbytes
+        else:
+            self.bytes_written += nbytes
         try:
-            self.aio.wait(handle)
+            with self.timers.time(kind):
+                self.aio.wait(handle)
         except native.AIONoSpaceError as exc:
             raise OffloadSpaceError(
                 f"zinf offload: {rec.path} is full (no space left while writing record {rec.record_id} at offset "

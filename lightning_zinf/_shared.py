@@ -1,0 +1,126 @@
+"""What the Lightning strategy and the Fabric strategy share: config and precision resolution, the
+root module the engine hooks, building the engine, and the name prefix that root adds.
+
+[Note: the step root]
+The engine is given a ``StepRoot`` that holds the user's module as its only child, ``module``.
+Calling the root with a method name (``"training_step"``, ``"forward"``, ...) runs that method of
+the user's module inside ``engine.forward``, so inputs are cast to the compute dtype and parameters
+used outside their own module (tied weights, a LightningModule's own parameters read in
+``training_step``) are detected. The user's module is never called re-entrantly by the adapter,
+which matters for the common ``training_step`` that calls ``self(x)``. The price is a ``module.``
+prefix on every name the engine records (sharded checkpoint layouts, ``full_state_dict``);
+``strip_prefix`` removes it wherever names leave the adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+import zinf
+
+__all__ = [
+    "StepRoot", "PREFIX", "resolve_config", "zinf_precision", "with_precision", "build_engine", "strip_prefix",
+    "OFFLOAD_PRESETS", "offload_not_available",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "module."
+
+# Lightning precision flag -> engine compute dtype. "mixed" and "true" mean the same here: the engine
+# computes in that dtype with fp32 master shards (there is no autocast: parameters are gathered in it).
+_PRECISIONS: dict[str, str] = {
+    "32-true": "fp32", "32": "fp32",
+    "bf16-mixed": "bf16", "bf16-true": "bf16",
+    "16-mixed": "fp16", "16-true": "fp16",
+}
+_LIGHTNING_NAME = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+OFFLOAD_PRESETS = ("zero_infinity_offload", "zero_infinity_nvme")
+
+
+class StepRoot(nn.Module):
+    """The module the engine hooks; see [Note: the step root]."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, method)(*args, **kwargs)
+
+
+def resolve_config(config: zinf.ZeroConfig | Mapping[str, Any] | None) -> zinf.ZeroConfig:
+    """The engine config from what a user passed: a ZeroConfig, a dict / DictConfig, or nothing."""
+    if config is None:
+        return zinf.ZeroConfig()
+    if isinstance(config, zinf.ZeroConfig):
+        return config
+    return zinf.ZeroConfig.from_dict(config)
+
+
+def zinf_precision(lightning_precision: str) -> str:
+    """"bf16-mixed" -> "bf16" and so on; anything the engine cannot run is an error naming the choices."""
+    flag = str(lightning_precision)
+    if flag not in _PRECISIONS:
+        raise ValueError(
+            f"zero_infinity: precision={flag!r} is not supported. Use one of "
+            f"{sorted(k for k in _PRECISIONS if '-' in k)} (mixed and true both compute in that dtype with "
+            "fp32 master weights)."
+        )
+    return _PRECISIONS[flag]
+
+
+def with_precision(config: zinf.ZeroConfig, lightning_precision: str) -> zinf.ZeroConfig:
+    """Reconcile the Trainer/Fabric ``precision`` with ``config.precision``.
+
+    A non-default Trainer precision wins over a default (fp32) config; a config that asks for a low
+    precision wins over the default Trainer precision ("32-true"); two different explicit choices are
+    an error.
+    """
+    wanted = zinf_precision(lightning_precision)
+    if wanted == config.precision:
+        return config
+    if wanted == "fp32":
+        log.info("zero_infinity: using precision %r from the zinf config", config.precision)
+        return config
+    if config.precision != "fp32":
+        raise ValueError(
+            f"zero_infinity: precision={lightning_precision!r} was passed to Lightning but the zinf config says "
+            f"precision={config.precision!r}. Set only one of them (e.g. precision="
+            f"{_LIGHTNING_NAME[config.precision]!r}, or drop 'precision' from the zinf config)."
+        )
+    return zinf.ZeroConfig.from_dict({**config.to_dict(), "precision": wanted})
+
+
+def lightning_precision_name(config: zinf.ZeroConfig) -> str:
+    return _LIGHTNING_NAME[config.precision]
+
+
+def build_engine(module: nn.Module, optimizers: list[torch.optim.Optimizer], config: zinf.ZeroConfig,
+                 device: torch.device) -> zinf.ZeroInfinityEngine:
+    """One engine over ``StepRoot(module)`` with at most one optimizer built on ``module.parameters()``."""
+    if len(optimizers) > 1:
+        raise ValueError(
+            f"zero_infinity: found {len(optimizers)} optimizers; the engine steps exactly one. Return one optimizer "
+            "from configure_optimizers (use parameter groups for different hyper-parameters)."
+        )
+    optimizer = optimizers[0] if optimizers else None
+    return zinf.ZeroInfinityEngine(StepRoot(module), optimizer, config, device=device)
+
+
+def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Names recorded under the step root, as the user's module names them."""
+    return {(k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in state.items()}
+
+
+def offload_not_available(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"strategy={name!r}: the zinf offload engine (CPU/NVMe placement of parameters, gradients and optimizer "
+        "states) is not available yet in this version of zinf. Use strategy='zero_infinity' (everything on the "
+        "device, partitioned across ranks) until it lands."
+    )

@@ -1,0 +1,51 @@
+"""Strategy names: "zero_infinity", plus the offload presets (which say that offload is not there yet).
+
+Lightning has no entry-point discovery for strategies; ``import lightning_zinf`` calls ``register_all``.
+The standalone ``pytorch_lightning`` / ``lightning_fabric`` packages carry their own copies of
+Lightning's classes (a strategy built on ``lightning.pytorch`` is rejected by ``pytorch_lightning.Trainer``),
+so they are not registered: only the unified ``lightning`` package is supported for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning_zinf._shared import OFFLOAD_PRESETS
+
+__all__ = ["register_all", "register_pytorch", "register_fabric", "NAME"]
+
+log = logging.getLogger(__name__)
+
+NAME = "zero_infinity"
+_DESCRIPTION = "ZeRO-Infinity (zinf): parameters, gradients and optimizer states partitioned across ranks"
+
+
+def _register(registry: Any, strategy: type, offload: type) -> None:
+    if NAME not in registry:
+        registry.register(NAME, strategy, description=_DESCRIPTION)
+    for preset in OFFLOAD_PRESETS:
+        if preset not in registry:
+            registry.register(preset, offload, description=f"{_DESCRIPTION} (offload: not available yet)",
+                              preset=preset)
+
+
+def register_pytorch(registry: Any, strategy: type | None = None) -> None:
+    from lightning_zinf.strategy import ZeroInfinityOffloadStrategy, ZeroInfinityStrategy
+
+    _register(registry, strategy or ZeroInfinityStrategy, ZeroInfinityOffloadStrategy)
+
+
+def register_fabric(registry: Any, strategy: type | None = None) -> None:
+    from lightning_zinf.fabric import ZeroInfinityFabricOffloadStrategy, ZeroInfinityFabricStrategy
+
+    _register(registry, strategy or ZeroInfinityFabricStrategy, ZeroInfinityFabricOffloadStrategy)
+
+
+def register_all() -> None:
+    """Register in ``lightning.pytorch`` and ``lightning.fabric``."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_pytorch(StrategyRegistry)
+    register_fabric(STRATEGY_REGISTRY)
