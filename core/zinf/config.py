@@ -78,6 +78,9 @@ class OffloadConfig:
     pinned_pool_bytes: the fixed pool of aligned (and, with CUDA, pinned) buffers NVMe traffic is
         staged through.
     sub_group_numel: elements per optimizer sub-group (the unit of the NVMe optimizer pipeline).
+    overlap_optimizer: run the offloaded optimizer step in the background, overlapped with the next
+        forward pass; a group's next gather waits only for that group's update, the next backward for
+        the whole step.
     max_cpu_bytes: the most host memory zinf may use for offloaded state (0: what the machine has
         available); a placement that cannot fit fails before training starts.
     """
@@ -87,6 +90,7 @@ class OffloadConfig:
     nvme_paths: list[str] = field(default_factory=list)
     pinned_pool_bytes: int = 256 * 2**20
     sub_group_numel: int = 32 * 2**20
+    overlap_optimizer: bool = True
     max_cpu_bytes: int = 0
     aio_block_bytes: int = 1 << 20
     aio_queue_depth: int = 32
@@ -102,6 +106,7 @@ class OffloadConfig:
                  "a list of directory paths")
         _require(self.pinned_pool_bytes >= 1 << 20, "offload.pinned_pool_bytes", self.pinned_pool_bytes, "at least 1 MiB")
         _require(self.sub_group_numel >= 1024, "offload.sub_group_numel", self.sub_group_numel, "at least 1024")
+        _require(isinstance(self.overlap_optimizer, bool), "offload.overlap_optimizer", self.overlap_optimizer, "true or false")
         _require(self.max_cpu_bytes >= 0, "offload.max_cpu_bytes", self.max_cpu_bytes, "an integer >= 0 (0 = available RAM)")
         for key in ("aio_block_bytes", "aio_queue_depth", "aio_threads"):
             _require(getattr(self, key) >= 1, f"offload.{key}", getattr(self, key), "a positive integer")

@@ -74,6 +74,8 @@ class ZeroInfinityEngine:
         self.num_backward = 0
         self.last_report: StepReport | None = None
         self.hooks.on_backward_end.append(self._count_backward)
+        if isinstance(self.optimizer, OffloadedAdam):  # gradients land in shards a background step may still read
+            self.hooks.on_backward_start.append(self.optimizer.wait)
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
@@ -121,20 +123,32 @@ class ZeroInfinityEngine:
             if self.config.gradient_clipping > 0 and not self._clipped:
                 report.grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
             self._unscale()
-            self.optimizer.step()
+            self.optimizer.step()  # an offloaded optimizer zeroes each gradient shard once it has used it
             for g in self.groups:
                 if g.master is not None:  # device-tier optimizer: the parameter shard follows the master
                     g.refresh_shard_from_master()
                 if g.persistent and g.owns_full:
                     g.to_sharded()
                     g.to_gathered()
-        self.zero_grad()
+        if skipped or not isinstance(self.optimizer, OffloadedAdam):
+            self.zero_grad()
+        self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
         self._finish_report(report, skipped)
         return not skipped
 
+    def synchronize(self) -> None:
+        """Wait for background work (an offloaded optimizer step, parameter shard writes) to finish;
+        raises what it raised. Needed only before touching offload files from outside."""
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.wait()
+        if self.placement is not None:
+            self.placement.param_store.flush()
+
     def zero_grad(self) -> None:
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.wait()
         for g in self.groups:
             g.grad_shard.zero_()
         self._unscaled = False

@@ -7,11 +7,20 @@ of each flat group is cut into sub-groups of at most ``offload.sub_group_numel``
 are records in the swap files, and the step is a pipeline: while sub-group i is stepped, i+1 is
 being read and i-1 written. The updated compute-dtype parameter is produced in the same pass
 (``param_out``) straight into the parameter store's write buffer.
+
+[Note: background step]
+With ``offload.overlap_optimizer`` the step runs on a background thread (the C++ Adam and the I/O
+waits release the GIL), in group order, which is the order the next forward needs them. Each group
+carries ``await_update`` until its new shard is committed and its gradient shard zeroed; its next
+gather (and any NVMe read-ahead of it) waits on that. The next backward, checkpoints and state reads
+wait for the whole step (``wait``). If the step fails, every waiting group raises the error instead
+of training on a half-updated model.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -72,11 +81,16 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 class OffloadedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"], tier: str,
-                 sub_group_numel: int, swap: SwapSpace | None = None, pool: "PinnedBufferPool | None" = None) -> None:
+                 sub_group_numel: int, swap: SwapSpace | None = None, pool: "PinnedBufferPool | None" = None,
+                 background: bool = False) -> None:
         _check_optimizer(optimizer)
         assert tier in ("cpu", "nvme") and (tier == "cpu" or swap is not None)
         self.optimizer, self.tier, self.swap, self.pool = optimizer, tier, swap, pool  # pool: set before load_initial
         self.groups = list(groups)
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done: dict[int, threading.Event] = {}
         self.steps = [0] * len(optimizer.param_groups)
         hyper = _hyper_index(optimizer)
         size = max(_ALIGN_NUMEL, sub_group_numel // _ALIGN_NUMEL * _ALIGN_NUMEL)
@@ -118,6 +132,7 @@ class OffloadedAdam:
 
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         """This rank's master and moments of ``group`` as host fp32 tensors (copies)."""
+        self.wait()
         out = {name: torch.empty(group.shard_numel, dtype=torch.float32) for name in _STATES}
         for sg in self._of(group):
             for name in _STATES:
@@ -135,6 +150,7 @@ class OffloadedAdam:
         return out
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
+        self.wait()
         for sg in self._of(group):
             for name, value in states.items():
                 if self.tier == "cpu":
@@ -160,8 +176,55 @@ class OffloadedAdam:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
+        """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
+        self.wait()
         for i in range(len(self.steps)):
             self.steps[i] += 1
+        if not self.background:
+            self._run()
+            return
+        self._done = {id(g): threading.Event() for g in self.groups}
+        for g in self.groups:
+            g.await_update = lambda g=g: self._await(g)
+        self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until a background step has finished; raise its error here (and on every later call:
+        after a failed step the model is half updated and must not be trained on)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            log.error("zinf: the background optimizer step failed; the model is partly updated and will not train "
+                      "further. Restart from the last checkpoint.")
+            raise self._error
+
+    def _await(self, group: "FlatParamGroup") -> None:
+        self._done[id(group)].wait()
+        if self._error is not None:
+            self.wait()
+
+    def _background(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+        finally:
+            for g in self.groups:
+                if self._error is None:
+                    g.await_update = None
+                self._done[id(g)].set()
+
+    def _finish_group(self, group: "FlatParamGroup") -> None:
+        group.param_store.commit(group)
+        group.grad_shard.zero_()
+        if id(group) in self._done:
+            if self._error is None:
+                group.await_update = None
+            self._done[id(group)].set()
+
+    def _run(self) -> None:
         if self.tier == "cpu":
             for sg in self.subgroups:
                 self._step(sg, sg.tensors)
@@ -208,7 +271,7 @@ class OffloadedAdam:
         for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
             out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
         if sg.last_of_group:
-            g.param_store.commit(g)
+            self._finish_group(g)
 
     def state_bytes(self) -> int:
         return sum(sg.numel for sg in self.subgroups) * 4 * len(_STATES)

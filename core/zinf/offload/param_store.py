@@ -8,6 +8,7 @@ pool, ahead of use when the trace asks for it (``prefetch``).
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,6 +87,9 @@ class NvmeParamStore(ParamStore):
         self._reads: dict[int, tuple[torch.Tensor, int]] = {}
         self._staged: dict[int, torch.Tensor] = {}
         self._writes: dict[int, tuple[torch.Tensor, int]] = {}
+        # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
+        # share these tables; see [Note: background step] in optimizer.py
+        self._lock = threading.RLock()
 
     def attach(self, group: "FlatParamGroup") -> None:
         super().attach(group)
@@ -111,54 +115,62 @@ class NvmeParamStore(ParamStore):
         from zinf.native import PoolExhaustedError
 
         key = id(group)
-        if key in self._reads:
+        if group.await_update is not None:
+            return True  # its new shard is still being computed: read it when it is needed
+        with self._lock:
+            if key in self._reads:
+                return True
+            if key in self._writes:  # a read must see the last write
+                self._finish_write(key)
+            rec = self.records[key]
+            try:
+                buf = self._buffer(rec)
+            except PoolExhaustedError:
+                return False
+            self._reads[key] = (buf, self.swap.submit_read(rec, buf))
             return True
-        if key in self._writes:  # a read must see the last write
-            self._finish_write(key)
-        rec = self.records[key]
-        try:
-            buf = self._buffer(rec)
-        except PoolExhaustedError:
-            return False
-        self._reads[key] = (buf, self.swap.submit_read(rec, buf))
-        return True
 
     def _make_room(self) -> bool:
         """Give up the most recent read-ahead (it is read again when needed); False if there is none."""
-        if not self._reads:
-            return False
-        key = next(reversed(self._reads))
-        buf, handle = self._reads.pop(key)
-        self.swap.wait(handle, self.records[key])
-        self.pool.release(buf)
-        return True
+        with self._lock:
+            if not self._reads:
+                return False
+            key = next(reversed(self._reads))
+            buf, handle = self._reads.pop(key)
+            self.swap.wait(handle, self.records[key])
+            self.pool.release(buf)
+            return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         while not self.prefetch(group):
             if not self._make_room():
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
-        buf, handle = self._reads[id(group)]
-        rec = self.records[id(group)]
-        self.swap.wait(handle, rec)
-        self.swap.verify(rec, buf)
-        return self._data(group, buf).to(group.device, non_blocking=True)
+        with self._lock:
+            buf, handle = self._reads[id(group)]
+            rec = self.records[id(group)]
+            self.swap.wait(handle, rec)
+            self.swap.verify(rec, buf)
+            return self._data(group, buf).to(group.device, non_blocking=True)
 
     def done(self, group: "FlatParamGroup") -> None:
-        buf, _ = self._reads.pop(id(group))
-        self.pool.release(buf)
+        with self._lock:
+            buf, _ = self._reads.pop(id(group))
+            self.pool.release(buf)
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)
-        if key in self._writes:
-            self._finish_write(key)
-        if key not in self._staged:
-            self._staged[key] = self._buffer(self.records[key])
-        return self._data(group, self._staged[key])
+        with self._lock:
+            if key in self._writes:
+                self._finish_write(key)
+            if key not in self._staged:
+                self._staged[key] = self._buffer(self.records[key])
+            return self._data(group, self._staged[key])
 
     def commit(self, group: "FlatParamGroup") -> None:
         key = id(group)
-        buf = self._staged.pop(key)
-        self._writes[key] = (buf, self.swap.submit_write(self.records[key], buf))
+        with self._lock:
+            buf = self._staged.pop(key)
+            self._writes[key] = (buf, self.swap.submit_write(self.records[key], buf))
 
     def _finish_write(self, key: int) -> None:
         buf, handle = self._writes.pop(key)
@@ -166,12 +178,14 @@ class NvmeParamStore(ParamStore):
         self.pool.release(buf)
 
     def flush(self) -> None:
-        for key in list(self._writes):
-            self._finish_write(key)
+        with self._lock:
+            for key in list(self._writes):
+                self._finish_write(key)
 
     def close(self) -> None:
         self.flush()
-        for key, (buf, handle) in self._reads.items():
-            self.swap.wait(handle, self.records[key])
-            self.pool.release(buf)
-        self._reads.clear()
+        with self._lock:
+            for key, (buf, handle) in self._reads.items():
+                self.swap.wait(handle, self.records[key])
+                self.pool.release(buf)
+            self._reads.clear()

@@ -57,7 +57,8 @@ class Placement:
         if cfg.optimizer != "device":
             if optimizer is None:
                 raise OffloadSpaceError("zinf offload: offload.optimizer is set but no optimizer was given to the engine.")
-            self.optimizer = OffloadedAdam(optimizer, self.groups, cfg.optimizer, cfg.sub_group_numel, self.swap, None)
+            self.optimizer = OffloadedAdam(optimizer, self.groups, cfg.optimizer, cfg.sub_group_numel, self.swap, None,
+                                           background=cfg.overlap_optimizer)
             for g in self.groups:
                 g.grad_device = torch.device("cpu")
                 g.master_sink = lambda values, g=g: self.optimizer.write_states(g, {"master": values})  # type: ignore[union-attr]
@@ -126,6 +127,8 @@ class Placement:
         return out
 
     def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.wait()
         self.param_store.close()
         if self.swap is not None:
             self.swap.close()

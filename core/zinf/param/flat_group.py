@@ -113,6 +113,9 @@ class FlatParamGroup:
         self.shard: torch.Tensor | None = master if compute_dtype == torch.float32 else master.to(compute_dtype)
         self.param_store: ParamStore = _DEVICE_STORE
         self.master_sink: Callable[[torch.Tensor], None] | None = None  # set when the master is offloaded
+        # set while a background optimizer step has not yet produced this group's new shard; see
+        # zinf/offload/optimizer.py [Note: background step]
+        self.await_update: Callable[[], None] | None = None
         # With one rank the shard is the whole flat vector: gathering is free.
         self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         if comm.world > 1:
@@ -147,6 +150,8 @@ class FlatParamGroup:
 
     def start_gather(self) -> None:
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
+        if self.await_update is not None:
+            self.await_update()
         if self.owns_full:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         source = self.param_store.fetch(self)

@@ -83,6 +83,7 @@ class ModuleHooks:
         self.stack: list[_Call] = []
         self.in_backward = False
         self.busy = 0  # > 0 while a hook body runs; see _engine_code
+        self.on_backward_start: list[Callable[[], None]] = []
         self.on_backward_end: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         for module in self.states:
@@ -156,6 +157,8 @@ class ModuleHooks:
     def _backward_pre(self, module: nn.Module) -> None:
         if not self.in_backward:
             self.in_backward = True
+            for fn in self.on_backward_start:
+                fn()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         state = self.states[module]
         trace = self.traces["backward"]

@@ -29,6 +29,7 @@ def _step(engine: zinf.ZeroInfinityEngine) -> None:
     loss = engine(torch.randn(8, 64)).square().mean()
     engine.backward(loss)
     engine.step()
+    engine.synchronize()  # the offloaded step runs in the background; finish it before touching the files
 
 
 def test_missing_path(tmp_path: Path) -> None:
@@ -123,3 +124,18 @@ def test_offloaded_optimizer_needs_adam(tmp_path: Path) -> None:
     cfg = zinf.ZeroConfig.from_dict({"offload": {"optimizer": "cpu"}})
     with pytest.raises(zinf.UnsupportedModelError, match="must be torch.optim.Adam or AdamW .*found SGD"):
         zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+
+
+def test_failed_background_step_stops_training(tmp_path: Path) -> None:
+    engine = _engine(tmp_path)
+    _step(engine)
+    path = _swap_file(tmp_path)
+    with open(path, "r+b") as f:  # the last record in the file is an optimizer state: break its trailer
+        f.seek(os.path.getsize(path) - 64)
+        f.write(b"\0" * 64)
+    loss = engine(torch.randn(8, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()  # runs in the background and fails there
+    for _ in range(2):  # every later use raises, so nothing trains on a half-updated model
+        with pytest.raises(OffloadFileError, match="is not a zinf record"):
+            engine(torch.randn(8, 64)).square().mean().backward()

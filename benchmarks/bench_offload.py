@@ -1,0 +1,124 @@
+"""Is NVMe offload hidden behind compute? One rank, a GPT, four ways back to back in one process.
+
+    python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 6 --nvme /tmp/zinf-nvme]
+
+Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters and optimizer
+states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (sequential
+O_DIRECT read and write through zinf's AsyncIO). The target: NVMe step <= 1.15 x max(in-memory step,
+I/O alone). "hidden" is the share of the I/O time that did not add to the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import zinf  # noqa: E402
+from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from zinf import native  # noqa: E402
+
+
+def disk_bandwidth(path: str, nbytes: int = 1 << 30) -> tuple[float, float]:
+    """Sequential write and read GB/s of one file through the native AsyncIO (O_DIRECT, 1 MiB blocks)."""
+    pool = native.PinnedBufferPool(nbytes)
+    buf = pool.acquire(nbytes)
+    buf.fill_(1)
+    f = os.path.join(path, "bandwidth.bin")
+    with native.AsyncIO(block_size=1 << 20, queue_depth=32, num_threads=2) as aio:
+        t = time.perf_counter()
+        aio.wait(aio.submit_write(buf, f, 0))
+        os.sync()
+        w = nbytes / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        aio.wait(aio.submit_read(buf, f, 0))
+        r = nbytes / (time.perf_counter() - t) / 1e9
+    os.unlink(f)
+    pool.release(buf)
+    pool.close()
+    return w, r
+
+
+def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None) -> dict:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict(zcfg) if zcfg is not None else None
+    if config is None:
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        with zinf.Init(config):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = zinf.initialize(model, opt, config)
+    times, reports = [], []
+    for step in range(args.steps):
+        idx, tgt = synthetic_batch(cfg, args.batch, step)
+        t = time.perf_counter()
+        if config is None:
+            loss = model(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            engine.step()
+            reports.append(engine.report())
+        times.append(time.perf_counter() - t)
+    out = {"step": statistics.median(times[2:]), "loss": loss.item()}
+    if reports:
+        keep = reports[2:]
+        for key in ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write"):
+            out[key] = statistics.median(r.seconds.get(key, 0.0) for r in keep)
+        out["io_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) + r.counts.get("nvme_written_bytes", 0) for r in keep)
+        out["read_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) for r in keep)
+        out["write_bytes"] = statistics.median(r.counts.get("nvme_written_bytes", 0) for r in keep)
+        engine.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--embd", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--nvme", default="/tmp/zinf-nvme")
+    p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
+    args = p.parse_args()
+    os.makedirs(args.nvme, exist_ok=True)
+    cfg = GPTConfig(vocab=args.vocab, block=128, n_embd=args.embd, n_head=8, n_layer=args.layers)
+    numel = sum(p.numel() for p in dict.fromkeys(GPT(cfg).parameters()))
+    print(f"GPT {numel / 1e6:.1f}M parameters, batch {args.batch}x{cfg.block}, {torch.get_num_threads()} threads, "
+          f"native {native.info().simd_level}/{native.info().io_backend}")
+    wbw, rbw = disk_bandwidth(args.nvme)
+    print(f"disk ({args.nvme}): write {wbw:.2f} GB/s, read {rbw:.2f} GB/s")
+    if args.adam_threads:
+        native.set_num_threads(args.adam_threads)
+    plain = run(cfg, args, None)
+    mem = run(cfg, args, {})
+    nvme = run(cfg, args, {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
+                                       "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20}})
+    io_alone = nvme["read_bytes"] / (rbw * 1e9) + nvme["write_bytes"] / (wbw * 1e9)
+    bound = max(mem["step"], io_alone)
+    hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
+    print()
+    print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'I/O GB':>8}")
+    for name, r in [("plain PyTorch", plain), ("zinf in memory", mem), ("zinf params+optim on NVMe", nvme)]:
+        cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write"))
+        print(f"{name:<28}{r['step']:>9.3f}{cells}{r.get('io_bytes', 0) / 1e9:>8.2f}")
+    print(f"{'I/O alone at disk speed':<28}{io_alone:>9.3f}")
+    print()
+    print(f"NVMe step / max(in-memory, I/O alone) = {nvme['step']:.3f} / {bound:.3f} = {nvme['step'] / bound:.2f}x "
+          f"(target <= 1.15x); NVMe step / in-memory step = {nvme['step'] / mem['step']:.2f}x; "
+          f"I/O hidden behind compute: {100 * hidden:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
