@@ -14,6 +14,8 @@ prefix on every name the engine records (sharded checkpoint layouts, ``full_stat
 
 from __future__ import annotations
 
+import os
+
 import logging
 from typing import Any, Mapping
 
@@ -24,7 +26,7 @@ import zinf
 
 __all__ = [
     "StepRoot", "PREFIX", "resolve_config", "zinf_precision", "with_precision", "build_engine", "strip_prefix",
-    "OFFLOAD_PRESETS", "offload_not_available",
+    "OFFLOAD_PRESETS", "offload_preset",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,23 @@ def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     return {(k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in state.items()}
 
 
-def offload_not_available(name: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"strategy={name!r}: the zinf offload engine (CPU/NVMe placement of parameters, gradients and optimizer "
-        "states) is not available yet in this version of zinf. Use strategy='zero_infinity' (everything on the "
-        "device, partitioned across ranks) until it lands."
-    )
+def offload_preset(name: str, config: Any) -> dict[str, Any]:
+    """The engine config of an offload preset, with the user's settings (if any) on top.
+
+    "zero_infinity_offload": parameter shards and Adam states in CPU memory. "zero_infinity_nvme": both
+    on NVMe, in the directories listed in the environment variable ZINF_NVME_PATHS (os.pathsep-separated).
+    """
+    offload: dict[str, Any] = {"params": "cpu", "optimizer": "cpu"}
+    if name == "zero_infinity_nvme":
+        paths = [p for p in os.environ.get("ZINF_NVME_PATHS", "").split(os.pathsep) if p]
+        if not paths:
+            raise ValueError(
+                f"strategy={name!r} puts parameters and optimizer states on NVMe and needs to know where: set "
+                "ZINF_NVME_PATHS=/mnt/nvme0[:/mnt/nvme1...] or pass ZeroInfinityStrategy({'offload': {'params': "
+                "'nvme', 'optimizer': 'nvme', 'nvme_paths': [...]}}).")
+        offload = {"params": "nvme", "optimizer": "nvme", "nvme_paths": paths}
+    base = zinf.ZeroConfig.from_dict({"offload": offload}).to_dict()
+    if config is not None:
+        user = config.to_dict() if isinstance(config, zinf.ZeroConfig) else dict(config)
+        base = {**base, **user, "offload": {**base["offload"], **dict(user.get("offload", {}))}}
+    return base

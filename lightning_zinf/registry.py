@@ -1,4 +1,5 @@
-"""Strategy names: "zero_infinity", plus the offload presets (which say that offload is not there yet).
+"""Strategy names: "zero_infinity", plus the offload presets "zero_infinity_offload" (CPU) and
+"zero_infinity_nvme" (NVMe directories from ZINF_NVME_PATHS).
 
 Lightning has no entry-point discovery for strategies; ``import lightning_zinf`` calls ``register_all``.
 The standalone ``pytorch_lightning`` / ``lightning_fabric`` packages carry their own copies of
@@ -26,7 +27,7 @@ def _register(registry: Any, strategy: type, offload: type) -> None:
         registry.register(NAME, strategy, description=_DESCRIPTION)
     for preset in OFFLOAD_PRESETS:
         if preset not in registry:
-            registry.register(preset, offload, description=f"{_DESCRIPTION} (offload: not available yet)",
+            registry.register(preset, offload, description=f"{_DESCRIPTION} ({'NVMe' if 'nvme' in preset else 'CPU'} offload)",
                               preset=preset)
 
 

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 import zinf
 from lightning_zinf._shared import (
-    build_engine, lightning_precision_name, offload_not_available, resolve_config, strip_prefix, with_precision,
+    build_engine, lightning_precision_name, offload_preset, resolve_config, strip_prefix, with_precision,
 )
 from lightning_zinf.precision import ZeroInfinityPrecision
 
@@ -246,10 +246,10 @@ class ZeroInfinityStrategy(DDPStrategy):
 
 
 class ZeroInfinityOffloadStrategy(ZeroInfinityStrategy):
-    """A placeholder for the offload presets: constructing it says that offload is not available yet."""
+    """The offload presets: "zero_infinity_offload" (CPU) and "zero_infinity_nvme" (ZINF_NVME_PATHS)."""
 
-    def __init__(self, *args: Any, preset: str = "zero_infinity_offload", **kwargs: Any) -> None:
-        raise offload_not_available(preset)
+    def __init__(self, config: Any = None, *args: Any, preset: str = "zero_infinity_offload", **kwargs: Any) -> None:
+        super().__init__(offload_preset(preset, config), *args, **kwargs)
 
 
 def _check_trainer(trainer: "pl.Trainer") -> None:

@@ -18,12 +18,16 @@ def test_names_registered(registry) -> None:
         assert name in registry
 
 
-@pytest.mark.parametrize("name", ["zero_infinity_offload", "zero_infinity_nvme"])
-def test_offload_presets_say_not_available(name: str) -> None:
-    with pytest.raises(NotImplementedError, match="offload engine .* not available yet"):
-        Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(NotImplementedError, match=name):
-        Fabric(strategy=name, accelerator="cpu", devices=2)
+def test_offload_presets_configure_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    trainer = Trainer(strategy="zero_infinity_offload", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.zero_config.offload.params == "cpu" and trainer.strategy.zero_config.offload.optimizer == "cpu"
+    monkeypatch.delenv("ZINF_NVME_PATHS", raising=False)
+    with pytest.raises(ValueError, match="set ZINF_NVME_PATHS"):
+        Trainer(strategy="zero_infinity_nvme", accelerator="cpu", devices=2, logger=False)
+    monkeypatch.setenv("ZINF_NVME_PATHS", str(tmp_path))
+    fabric = Fabric(strategy="zero_infinity_nvme", accelerator="cpu", devices=2)
+    assert fabric.strategy.zero_config.offload.nvme_paths == [str(tmp_path)]
+    assert fabric.strategy.zero_config.offload.optimizer == "nvme"
 
 
 @pytest.mark.parametrize("flag,expected", [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("bf16-true", "bf16"),
