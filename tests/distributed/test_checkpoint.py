@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,11 @@ def _train(engine: zinf.ZeroInfinityEngine, data, rank: int, world: int) -> list
 
 
 def _resume(rank: int, world: int, ckpt: str, precision: str) -> dict:
-    config = zinf.ZeroConfig(precision=precision, gradient_clipping=1.0)
+    offload = {}
+    if precision == "fp32+nvme":  # parameters and Adam states on NVMe, the step in the background
+        precision, offload = "fp32", {"params": "nvme", "optimizer": "nvme", "nvme_paths": [os.path.dirname(ckpt)],
+                                      "pinned_pool_bytes": 4 << 20}
+    config = zinf.ZeroConfig.from_dict({"precision": precision, "gradient_clipping": 1.0, "offload": offload})
     data = batches("gpt", 16, 8)
     first = _engine(config)
     _train(first, data[:8], rank, world)
@@ -48,7 +53,7 @@ def _resume(rank: int, world: int, ckpt: str, precision: str) -> dict:
     return {"straight": straight, "resumed": resumed, "client": client, "step": second.global_step, "full": full}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32+nvme"])
 def test_resume_matches_uninterrupted_run(tmp_path: Path, precision: str) -> None:
     ckpt = str(tmp_path / "ckpt")
     results = run_distributed(_resume, 2, ckpt, precision)

@@ -186,7 +186,8 @@ class OffloadedAdam:
         self._done = {id(g): threading.Event() for g in self.groups}
         for g in self.groups:
             g.await_update = lambda g=g: self._await(g)
-        self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=True)
+        # not a daemon: interpreter exit waits for a running step instead of killing it inside native code
+        self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
         self._thread.start()
 
     def wait(self) -> None:
