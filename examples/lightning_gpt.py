@@ -12,74 +12,18 @@ model. At the end the sharded checkpoint is turned into an ordinary single-file 
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_zinf  # registers strategy="zero_infinity"
 
-
-@dataclass
-class GPTConfig:
-    vocab: int = 96
-    block: int = 32
-    n_embd: int = 64
-    n_head: int = 4
-    n_layer: int = 4
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.attn = SelfAttention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """GPT-2 shape: token + learned position embeddings, pre-norm layers, a head tied to the embedding."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)
-        self.wpe = nn.Parameter(torch.zeros(cfg.block, cfg.n_embd))
-        self.layers = nn.ModuleList([Layer(cfg) for _ in range(cfg.n_layer)])
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
-        self.head.weight = self.wte.weight
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if name.endswith("mlp.2.weight") else 1.0))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe[: idx.shape[1]]
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.ln_f(x))
+sys.path.insert(0, str(Path(__file__).parent))
+from gpt import GPT, GPTConfig  # noqa: E402  (the same model as examples/train_gpt.py)
 
 
 class CopyTask(Dataset):
@@ -147,7 +91,7 @@ def main() -> None:
     args = p.parse_args()
 
     pl.seed_everything(0)
-    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd)
+    cfg = GPTConfig(vocab=96, block=32, n_embd=args.n_embd, n_head=4, n_layer=args.n_layer)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy="zero_infinity", precision=args.precision,
         max_steps=args.steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
