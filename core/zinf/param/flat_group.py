@@ -241,20 +241,26 @@ class FlatParamGroup:
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
-        """Place one parameter's full gradient in the flat gradient; True once every one has arrived."""
-        if self._grad_full is None:
-            self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
+        """Place one parameter's full gradient in the flat gradient; True once every one has arrived.
+
+        With one rank the gradient shard is the whole flat vector, so the gradient is accumulated into
+        it directly (the same 0 + g, then + g2, as through a flat buffer) and nothing is left to reduce."""
         slot = self.slots[self.index_of(param)]
-        self._grad_full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        if self.comm.world == 1:
+            self.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(self.grad_device))
+        else:
+            if self._grad_full is None:
+                self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
+            self._grad_full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
         self._grads_ready += 1
         return self._grads_ready == self.num_grad_params
 
     @property
     def has_pending_grads(self) -> bool:
-        return self._grad_full is not None
+        return self._grads_ready > 0
 
-    def take_grad_full(self) -> torch.Tensor:
-        assert self._grad_full is not None, f"{self.name}: no gradient to reduce"
+    def take_grad_full(self) -> torch.Tensor | None:
+        """The flat gradient to reduce-scatter (None with one rank: it is already in the shard)."""
         full, self._grad_full, self._grads_ready = self._grad_full, None, 0
         return full
 

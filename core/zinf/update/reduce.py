@@ -36,8 +36,7 @@ class GradReducer:
 
     def reduce(self, group: FlatParamGroup) -> None:
         full = group.take_grad_full()
-        if self.comm.world == 1:
-            group.grad_shard.add_(full.to(group.grad_device))
+        if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
             return
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
