@@ -1,10 +1,9 @@
 """Strategy names: "zero_infinity", plus the offload presets "zero_infinity_offload" (CPU) and
 "zero_infinity_nvme" (NVMe directories from ZINF_NVME_PATHS).
 
-Lightning has no entry-point discovery for strategies; ``import lightning_zinf`` calls ``register_all``.
-The standalone ``pytorch_lightning`` / ``lightning_fabric`` packages carry their own copies of
-Lightning's classes (a strategy built on ``lightning.pytorch`` is rejected by ``pytorch_lightning.Trainer``),
-so they are not registered: only the unified ``lightning`` package is supported for now.
+Lightning has no entry-point discovery for strategies; ``import lightning_zinf`` calls ``register_all``,
+which registers in the unified ``lightning`` package and, when they are installed, in the standalone
+``pytorch_lightning`` / ``lightning_fabric`` packages (with classes built for them: standalone.py).
 """
 
 from __future__ import annotations
@@ -44,9 +43,13 @@ def register_fabric(registry: Any, strategy: type | None = None) -> None:
 
 
 def register_all() -> None:
-    """Register in ``lightning.pytorch`` and ``lightning.fabric``."""
+    """Register in ``lightning.pytorch`` and ``lightning.fabric``, and the standalone packages if installed."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     register_pytorch(StrategyRegistry)
     register_fabric(STRATEGY_REGISTRY)
+
+    from lightning_zinf.standalone import register_standalone
+
+    register_standalone()
