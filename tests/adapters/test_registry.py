@@ -64,3 +64,22 @@ def test_usable_by_class_path() -> None:
                                         "config": {"precision": "bf16", "overlap": {"prefetch_modules": 2}}})
     assert isinstance(strategy, lightning_zinf.ZeroInfinityStrategy)
     assert strategy.zero_config.overlap.prefetch_modules == 2
+
+
+def test_usable_by_path_from_hydra_and_lightning_cli() -> None:
+    from hydra.utils import instantiate
+    from lightning.pytorch.cli import instantiate_class
+
+    from lightning_zinf import ZeroInfinityStrategy
+
+    hydra_made = instantiate({"_target_": "lightning_zinf.ZeroInfinityStrategy",
+                              "config": {"precision": "bf16", "overlap": {"prefetch_modules": 2}}})
+    assert isinstance(hydra_made, ZeroInfinityStrategy)
+    assert hydra_made.zero_config.precision == "bf16" and hydra_made.zero_config.overlap.prefetch_modules == 2
+    cli_made = instantiate_class((), {"class_path": "lightning_zinf.ZeroInfinityStrategy",
+                                      "init_args": {"config": {"gradient_clipping": 1.0}}})
+    assert isinstance(cli_made, ZeroInfinityStrategy) and cli_made.zero_config.gradient_clipping == 1.0
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match="unknown key 'precison'. Did you mean 'precision'"):  # ours, inside Hydra's
+        instantiate({"_target_": "lightning_zinf.ZeroInfinityStrategy", "config": {"precison": "bf16"}})
