@@ -91,6 +91,7 @@ class OffloadedAdam:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done: dict[int, threading.Event] = {}
+        self._hyper: list[_Hyper] = []
         self.steps = [0] * len(optimizer.param_groups)
         hyper = _hyper_index(optimizer)
         size = max(_ALIGN_NUMEL, sub_group_numel // _ALIGN_NUMEL * _ALIGN_NUMEL)
@@ -180,6 +181,13 @@ class OffloadedAdam:
         self.wait()
         for i in range(len(self.steps)):
             self.steps[i] += 1
+        # hyper-parameters as they are now: an LR scheduler stepped right after engine.step() returns
+        # must not change the learning rate of sub-groups the background step has not reached yet
+        self._hyper = [_Hyper.of(self.optimizer, pg) for pg in self.optimizer.param_groups]
+        # The user's optimizer "steps" too: its parameters' gradients were all consumed (set to None) by
+        # the engine, so torch skips every one of them; its step hooks run and LR schedulers see the step.
+        assert all(p.grad is None for pg in self.optimizer.param_groups for p in pg["params"])
+        self.optimizer.step()
         if not self.background:
             self._run()
             return
@@ -261,12 +269,11 @@ class OffloadedAdam:
         fp32 = out.dtype == torch.float32
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
         for lo, hi, k in sg.segments:
-            pg = self.optimizer.param_groups[k]
-            beta1, beta2 = pg["betas"]
+            h = self._hyper[k]
             a, b = lo - sg.lo, hi - sg.lo
-            native.adam_step(master[a:b], g.grad_shard[lo:hi], m[a:b], v[a:b], step=self.steps[k], lr=float(pg["lr"]),
-                             beta1=beta1, beta2=beta2, eps=pg["eps"], weight_decay=pg["weight_decay"],
-                             decoupled=_decoupled(self.optimizer, pg), param_out=None if fp32 else out[lo:hi])
+            native.adam_step(master[a:b], g.grad_shard[lo:hi], m[a:b], v[a:b], step=self.steps[k], lr=h.lr,
+                             beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                             decoupled=h.decoupled, param_out=None if fp32 else out[lo:hi])
             if fp32:
                 out[lo:hi].copy_(master[a:b])
         for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
@@ -278,5 +285,19 @@ class OffloadedAdam:
         return sum(sg.numel for sg in self.subgroups) * 4 * len(_STATES)
 
 
-def _decoupled(optimizer: torch.optim.Optimizer, pg: dict[str, Any]) -> bool:
-    return isinstance(optimizer, torch.optim.AdamW) or bool(pg.get("decoupled_weight_decay", False))
+@dataclass(frozen=True)
+class _Hyper:
+    """One param group's hyper-parameters, read once per step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, pg: dict[str, Any]) -> "_Hyper":
+        beta1, beta2 = pg["betas"]
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(pg.get("decoupled_weight_decay", False))
+        return cls(float(pg["lr"]), float(beta1), float(beta2), float(pg["eps"]), float(pg["weight_decay"]), decoupled)
