@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -13,19 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _entry(rank: int, world: int, outdir: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     if backend == "nccl":  # pragma: no cover - GPU machines only
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # rendezvous through a file of this run: a port picked here and bound later can be taken in between
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
@@ -34,13 +28,19 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
         raise
     finally:
         dist.destroy_process_group()
+    # The result is saved. Leave without interpreter finalization: in torch 2.13 gloo's worker threads can
+    # still hold finished work objects whose tensors are then freed without the GIL, which aborts the
+    # process ("terminate called without an active exception") after a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args, backend), nprocs=world, start_method="spawn")
+            mp.start_processes(_entry, args=(world, outdir, fn, args, backend), nprocs=world, start_method="spawn")
         except Exception as exc:
             errors = []
             for r in range(world):

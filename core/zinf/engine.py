@@ -95,7 +95,11 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         with self.timers.time("backward"):
-            loss.backward(**kwargs)
+            try:
+                loss.backward(**kwargs)
+            except BaseException:
+                self.hooks.abandon_backward()
+                raise
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping.
@@ -118,11 +122,13 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None:
             report.loss_scale = self.loss_scaler.scale
             skipped = found_nonfinite(self.groups, self.comm)
-            self.loss_scaler.update(skipped)
         if not skipped:
             if self.config.gradient_clipping > 0 and not self._clipped:
                 report.grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
-            self._unscale()
+            self._unscale()  # with the scale the gradients were made with: the scaler adapts only after
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(skipped)
+        if not skipped:
             self.optimizer.step()  # an offloaded optimizer zeroes each gradient shard once it has used it
             for g in self.groups:
                 if g.master is not None:  # device-tier optimizer: the parameter shard follows the master

@@ -95,3 +95,46 @@ def test_lr_scheduler_on_the_users_optimizer_still_drives_the_shards() -> None:
     sched.step()
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _fp16_delta(growth_interval: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({"precision": "fp16", "loss_scale": {"initial_scale": 1024.0,
+                                                                             "growth_interval": growth_interval}})
+    model = nn.Linear(8, 4)
+    engine = zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    before = engine.full_state_dict()["weight"]
+    engine.backward(engine(torch.ones(2, 8)).float().square().mean())
+    assert engine.step()
+    return engine.full_state_dict()["weight"] - before
+
+
+def test_fp16_step_that_grows_the_scale_unscales_with_the_old_one() -> None:
+    # regression: the scale grew before the gradients were unscaled, halving that step's update
+    torch.testing.assert_close(_fp16_delta(growth_interval=1), _fp16_delta(growth_interval=1000), rtol=0, atol=0)
+
+
+def test_backward_that_raises_leaves_the_engine_usable() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    engine = zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 6)
+    out = engine(x)
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    out.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.backward(out.sum())
+    assert not engine.hooks.in_backward and all(not g.backward_held for g in engine.groups)
+    engine.zero_grad()
+    engine.backward(engine(x).sum())
+    engine.step()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(x).sum().backward()
+    opt.step()
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())

@@ -90,6 +90,8 @@ class NvmeParamStore(ParamStore):
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
         # share these tables; see [Note: background step] in optimizer.py
         self._lock = threading.RLock()
+        self._fetched: set[int] = set()  # reads handed to a gather: their buffers are in use until done()
+        self.reserve_bytes = 0  # pool bytes read-ahead must leave free (the offloaded optimizer's pipeline)
 
     def attach(self, group: "FlatParamGroup") -> None:
         super().attach(group)
@@ -110,12 +112,13 @@ class NvmeParamStore(ParamStore):
         nbytes = self.records[id(group)].nbytes
         return buf[:nbytes].view(group.compute_dtype)
 
-    def prefetch(self, group: "FlatParamGroup") -> bool:
-        """Start reading ``group``'s shard; False when the pool has no room (read-ahead is bounded by it)."""
+    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+        """Start reading ``group``'s shard; False when the pool has no room. Read-ahead (not ``demand``)
+        is bounded by the pool less ``reserve_bytes``, which the offloaded optimizer's pipeline needs."""
         from zinf.native import PoolExhaustedError
 
         key = id(group)
-        if group.await_update is not None:
+        if group.await_update is not None and not demand:
             return True  # its new shard is still being computed: read it when it is needed
         with self._lock:
             if key in self._reads:
@@ -123,6 +126,8 @@ class NvmeParamStore(ParamStore):
             if key in self._writes:  # a read must see the last write
                 self._finish_write(key)
             rec = self.records[key]
+            if not demand and self.pool.capacity_bytes - self.pool.bytes_in_use < self.reserve_bytes + 2 * rec.span:
+                return False
             try:
                 buf = self._buffer(rec)
             except PoolExhaustedError:
@@ -133,16 +138,17 @@ class NvmeParamStore(ParamStore):
     def _make_room(self) -> bool:
         """Give up the most recent read-ahead (it is read again when needed); False if there is none."""
         with self._lock:
-            if not self._reads:
+            spare = [k for k in self._reads if k not in self._fetched]
+            if not spare:
                 return False
-            key = next(reversed(self._reads))
+            key = spare[-1]
             buf, handle = self._reads.pop(key)
             self.swap.wait(handle, self.records[key])
             self.pool.release(buf)
             return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        while not self.prefetch(group):
+        while not self.prefetch(group, demand=True):
             if not self._make_room():
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
         with self._lock:
@@ -150,10 +156,12 @@ class NvmeParamStore(ParamStore):
             rec = self.records[id(group)]
             self.swap.wait(handle, rec)
             self.swap.verify(rec, buf)
+            self._fetched.add(id(group))
             return self._data(group, buf).to(group.device, non_blocking=True)
 
     def done(self, group: "FlatParamGroup") -> None:
         with self._lock:
+            self._fetched.discard(id(group))
             buf, _ = self._reads.pop(id(group))
             self.pool.release(buf)
 

@@ -79,16 +79,21 @@ class Placement:
             self.optimizer.load_initial()
 
     def _pool_bytes(self) -> int:
-        """The pool must hold the reads ahead of compute plus the optimizer pipeline; fail early if it cannot."""
-        need = 0
-        if isinstance(self.param_store, NvmeParamStore):
-            # one shard being read for a gather and one updated shard staged for writing; read-ahead
-            # beyond that uses whatever room is left
-            need += 2 * max(r.span for r in self.param_store.records.values())
+        """Check the pool can hold what must never wait for room, and set the read-ahead reserve.
+
+        Always needed (buddy blocks round up to powers of two, hence x2): the offloaded optimizer's
+        pipeline (three states for the sub-groups read ahead, stepped and written behind) and, with
+        parameters on NVMe, one shard read for a gather plus one updated shard staged for writing.
+        Parameter read-ahead may use the rest of the pool, never this reserve."""
+        optimizer_bytes = 0
         if self.optimizer is not None and self.cfg.optimizer == "nvme":
             sub = max(r.span for sg in self.optimizer.subgroups for r in sg.records.values())
-            need += 3 * 3 * sub  # three states, for the sub-group read ahead, stepped, and written behind
-        need = need * 2  # buddy blocks round up to powers of two
+            optimizer_bytes = 2 * 3 * 3 * sub
+        need = optimizer_bytes
+        if isinstance(self.param_store, NvmeParamStore):
+            largest = max(r.span for r in self.param_store.records.values())
+            self.param_store.reserve_bytes = optimizer_bytes + 2 * largest
+            need += 2 * 2 * largest
         if need > self.cfg.pinned_pool_bytes:
             raise OffloadSpaceError(
                 f"zinf offload: offload.pinned_pool_bytes = {self.cfg.pinned_pool_bytes} is too small for this model; "

@@ -183,7 +183,11 @@ class FlatParamGroup:
         self.state = GroupState.SHARDED
 
     def acquire(self) -> None:
-        """Take a hold: the group is gathered (waiting for an in-flight gather) until the last release."""
+        """Take a hold: the group is gathered (waiting for an in-flight gather) until the last release.
+        A group that stays gathered (persistent, or one rank gathering in place) is read without a new
+        gather, so a pending background update must be waited for here too."""
+        if self.await_update is not None:
+            self.await_update()
         self.to_gathered()
         self.holds += 1
 

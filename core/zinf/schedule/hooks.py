@@ -185,6 +185,18 @@ class ModuleHooks:
             group.backward_held = False
             self.fetcher.release([group])
 
+    def abandon_backward(self) -> None:
+        """After a backward that raised: drop its partial gradients and holds so the next one starts clean."""
+        if not self.in_backward:
+            return
+        for state in self.states.values():
+            for g in state.needed():
+                if g.has_pending_grads:
+                    g.take_grad_full()
+                self._drop_backward_hold(g)
+        self.fetcher.sweep()
+        self.in_backward = False
+
     @_engine_code
     def _finalize_backward(self) -> None:
         for state in self.states.values():
