@@ -2,7 +2,7 @@
 
     python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 6 --nvme /tmp/zinf-nvme]
 
-Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters and optimizer
+Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
 states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (sequential
 O_DIRECT read and write through zinf's AsyncIO). The target: NVMe step <= 1.15 x max(in-memory step,
 I/O alone). "hidden" is the share of the I/O time that did not add to the step.
@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
+    p.add_argument("--grads", default="auto", choices=["auto", "cpu", "nvme"], help="offload.grads (auto: NVMe, with the optimizer)")
     p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
     args = p.parse_args()
     os.makedirs(args.nvme, exist_ok=True)
@@ -104,13 +105,14 @@ def main() -> None:
     plain = run(cfg, args, None)
     mem = run(cfg, args, {})
     nvme = run(cfg, args, {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
-                                       "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20}})
+                                       "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20,
+                                       "grads": args.grads}})
     io_alone = nvme["read_bytes"] / (rbw * 1e9) + nvme["write_bytes"] / (wbw * 1e9)
     bound = max(mem["step"], io_alone)
     hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
     print()
     print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'I/O GB':>8}")
-    for name, r in [("plain PyTorch", plain), ("zinf in memory", mem), ("zinf params+optim on NVMe", nvme)]:
+    for name, r in [("plain PyTorch", plain), ("zinf in memory", mem), (f"zinf NVMe (grads {args.grads})", nvme)]:
         cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write"))
         print(f"{name:<28}{r['step']:>9.3f}{cells}{r.get('io_bytes', 0) / 1e9:>8.2f}")
     print(f"{'I/O alone at disk speed':<28}{io_alone:>9.3f}")

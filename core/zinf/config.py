@@ -72,7 +72,10 @@ class OffloadConfig:
     optimizer: fp32 master shards and Adam moments: "device" (the user's torch optimizer steps them
         in place), "cpu" or "nvme" (zinf's C++ CPU-Adam steps them, sub-group by sub-group; with
         "nvme" reading the next sub-group, stepping this one and writing the last overlap).
-        Gradient shards live in CPU memory whenever the optimizer is offloaded.
+    grads: this rank's fp32 gradient shards between backward and the optimizer step: "auto" (default:
+        with the optimizer's tier, so device, CPU or NVMe), "cpu", or "nvme" (needs optimizer "nvme").
+        On NVMe each group's shard is written as soon as its gradient is complete during backward,
+        and the optimizer reads it with the states of the same sub-group.
     nvme_paths: one or more directories (one per drive, no RAID needed); each rank's shards are
         striped across them, in files of its own.
     pinned_pool_bytes: the fixed pool of aligned (and, with CUDA, pinned) buffers NVMe traffic is
@@ -87,6 +90,7 @@ class OffloadConfig:
 
     params: str = "device"
     optimizer: str = "device"
+    grads: str = "auto"
     nvme_paths: list[str] = field(default_factory=list)
     pinned_pool_bytes: int = 256 * 2**20
     sub_group_numel: int = 32 * 2**20
@@ -99,6 +103,11 @@ class OffloadConfig:
     def validate(self) -> None:
         _require(self.params in TIERS, "offload.params", self.params, f"one of {list(TIERS)}")
         _require(self.optimizer in TIERS, "offload.optimizer", self.optimizer, f"one of {list(TIERS)}")
+        _require(self.grads in ("auto", "cpu", "nvme"), "offload.grads", self.grads, "one of ['auto', 'cpu', 'nvme']")
+        _require(self.grads != "nvme" or self.optimizer == "nvme", "offload.grads", self.grads,
+                 "'nvme' only with offload.optimizer='nvme' (the NVMe optimizer pipeline reads them); use 'auto'")
+        _require(self.grads != "cpu" or self.optimizer != "device", "offload.grads", self.grads,
+                 "'cpu' only with an offloaded optimizer (offload.optimizer 'cpu' or 'nvme'); use 'auto'")
         uses_nvme = "nvme" in (self.params, self.optimizer)
         _require(not uses_nvme or bool(self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
                  "at least one directory when offload.params or offload.optimizer is 'nvme'")
@@ -115,6 +124,11 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.params != "device" or self.optimizer != "device"
+
+    @property
+    def grads_tier(self) -> str:
+        """Where gradient shards wait for the optimizer: "device", "cpu" or "nvme"."""
+        return self.optimizer if self.grads == "auto" else self.grads
 
 
 @dataclass(kw_only=True)

@@ -52,7 +52,8 @@ class ZeroInfinityEngine:
         _check_model(model)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
         self.timers = StepTimers()
-        self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers)
+        self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
+                                    check_finite=self.config.precision == "fp16")
                           if self.config.offload.enabled else None)
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
@@ -76,6 +77,8 @@ class ZeroInfinityEngine:
         self.hooks.on_backward_end.append(self._count_backward)
         if isinstance(self.optimizer, OffloadedAdam):  # gradients land in shards a background step may still read
             self.hooks.on_backward_start.append(self.optimizer.wait)
+            if self.optimizer.grads_on_nvme:
+                self.hooks.on_backward_end.append(self.optimizer.flush_grads)
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
@@ -156,7 +159,7 @@ class ZeroInfinityEngine:
         if isinstance(self.optimizer, OffloadedAdam):
             self.optimizer.wait()
         for g in self.groups:
-            g.grad_shard.zero_()
+            g.zero_grad()
         self._unscaled = False
         self._clipped = False
 
@@ -167,7 +170,7 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None and not self._unscaled:
             inv = 1.0 / self.loss_scaler.scale
             for g in self.groups:
-                g.grad_shard.mul_(inv)
+                g.scale_grad(inv)
         self._unscaled = True
 
     def _cast_input(self, x: Any) -> Any:
@@ -283,7 +286,8 @@ class ZeroInfinityEngine:
                 add("param_shards", g.shard)
             if g.master is not None and (g.shard is None or g.master.data_ptr() != g.shard.data_ptr()):
                 add("master", g.master)
-            add("grad_shards", g.grad_shard)
+            if g.resident_grad_shard is not None:
+                add("grad_shards", g.resident_grad_shard)
             if g.owns_full:
                 add("gathered", g.full)
         if isinstance(self.optimizer, ShardedOptimizer):

@@ -15,6 +15,16 @@ carries ``await_update`` until its new shard is committed and its gradient shard
 gather (and any NVMe read-ahead of it) waits on that. The next backward, checkpoints and state reads
 wait for the whole step (``wait``). If the step fails, every waiting group raises the error instead
 of training on a half-updated model.
+
+[Note: gradients on NVMe]
+With ``offload.grads`` on NVMe (the default when the optimizer is there) each sub-group also has a
+"grad" record. When a group's gradient is complete during backward (``FlatParamGroup.grad_complete``:
+after its reduce-scatter, or its last gradient with one rank) the shard's per-parameter norms (and,
+for fp16, whether it is finite) are taken, it is copied into pool buffers, written, and freed, so
+gradient memory is bounded by the writes in flight rather than the model. Clipping and fp16
+unscaling record their factor on the group and the step applies it when it reads the gradient (the
+same multiplications as on a resident shard, so results are unchanged). A later micro-batch reads a
+stashed shard back before accumulating into it. The writes are finished when backward ends.
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from zinf import native
 from zinf.errors import UnsupportedModelError
+from zinf.offload.param_store import acquire_waiting
 from zinf.offload.swap import Record, SwapSpace
 
 if TYPE_CHECKING:
@@ -39,6 +50,7 @@ __all__ = ["OffloadedAdam"]
 log = logging.getLogger(__name__)
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 _ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
+_GRAD_WRITES_IN_FLIGHT = 4  # gradient sub-group writes in flight during backward (each holds a pool buffer)
 
 
 @dataclass
@@ -82,19 +94,22 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 class OffloadedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"], tier: str,
                  sub_group_numel: int, swap: SwapSpace | None = None, pool: "PinnedBufferPool | None" = None,
-                 background: bool = False) -> None:
+                 background: bool = False, grads_on_nvme: bool = False, check_finite: bool = False) -> None:
         _check_optimizer(optimizer)
         assert tier in ("cpu", "nvme") and (tier == "cpu" or swap is not None)
         self.optimizer, self.tier, self.swap, self.pool = optimizer, tier, swap, pool  # pool: set before load_initial
         self.groups = list(groups)
         self.background = background
+        self.make_room: Callable[[], bool] | None = None  # the NVMe parameter store's: drop a read-ahead
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done: dict[int, threading.Event] = {}
         self._hyper: list[_Hyper] = []
         self.steps = [0] * len(optimizer.param_groups)
         hyper = _hyper_index(optimizer)
-        size = max(_ALIGN_NUMEL, sub_group_numel // _ALIGN_NUMEL * _ALIGN_NUMEL)
+        # a record's trailer lives inside its span: one block less keeps a power-of-two sub-group's states
+        # (and the pool's buddy blocks that stage them) at the power of two instead of rounding up to twice it
+        size = max(_ALIGN_NUMEL, (sub_group_numel - 1) // _ALIGN_NUMEL * _ALIGN_NUMEL)
         self.subgroups: list[_SubGroup] = []
         for g in groups:
             runs = []
@@ -113,20 +128,25 @@ class OffloadedAdam:
                 if cursor < hi:
                     gaps.append((cursor, hi))
                 self.subgroups.append(_SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
+        self.grads_on_nvme, self.check_finite = grads_on_nvme, check_finite
+        assert not grads_on_nvme or tier == "nvme"
+        self._grad_writes: list[tuple[torch.Tensor, int, Record]] = []
         for sg in self.subgroups:
             if tier == "cpu":
                 sg.tensors = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in _STATES}
             else:
-                sg.records = {name: swap.allocate(sg.numel * 4) for name in _STATES}  # type: ignore[union-attr]
+                sg.records = {name: swap.allocate(sg.numel * 4) for name in _STATES + (("grad",) if grads_on_nvme else ())}  # type: ignore[union-attr]
+        if grads_on_nvme:
+            for g in self.groups:
+                g.grad_store = self
 
     # -- state movement (start-up, checkpoints) -------------------------------------------------
-    def load_initial(self) -> None:
-        """Take the fp32 masters the groups were built with (moments start at zero); free them there."""
-        for g in {id(sg.group): sg.group for sg in self.subgroups}.values():
-            assert g.master is not None
-            self.write_states(g, {"master": g.master, "exp_avg": torch.zeros_like(g.master),
-                                  "exp_avg_sq": torch.zeros_like(g.master)})
-            g.master = None
+    def load_initial(self, group: "FlatParamGroup") -> None:
+        """Take the fp32 master ``group`` was built with (moments start at zero); free it there."""
+        assert group.master is not None
+        zeros = torch.zeros_like(group.master)
+        self.write_states(group, {"master": group.master, "exp_avg": zeros, "exp_avg_sq": zeros})
+        group.master = None
 
     def _of(self, group: "FlatParamGroup") -> list[_SubGroup]:
         return [sg for sg in self.subgroups if sg.group is group]
@@ -141,7 +161,7 @@ class OffloadedAdam:
                     out[name][sg.lo : sg.hi].copy_(sg.tensors[name])
                 else:
                     rec = sg.records[name]
-                    buf = self.pool.acquire(rec.span)  # type: ignore[union-attr]
+                    buf = self._acquire(rec.span)
                     try:
                         self.swap.wait(self.swap.submit_read(rec, buf), rec)  # type: ignore[union-attr]
                         self.swap.verify(rec, buf)  # type: ignore[union-attr]
@@ -158,7 +178,7 @@ class OffloadedAdam:
                     sg.tensors[name].copy_(value[sg.lo : sg.hi])
                 else:
                     rec = sg.records[name]
-                    buf = self.pool.acquire(rec.span)  # type: ignore[union-attr]
+                    buf = self._acquire(rec.span)
                     try:
                         buf[: rec.nbytes].view(torch.float32).copy_(value[sg.lo : sg.hi])
                         self.swap.wait(self.swap.submit_write(rec, buf), rec)  # type: ignore[union-attr]
@@ -174,6 +194,45 @@ class OffloadedAdam:
         self.steps = list(state["steps"])
         for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
             self.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
+
+    # -- gradient shards on NVMe (see [Note: gradients on NVMe]) ---------------------------------
+    def stash_grad(self, group: "FlatParamGroup", shard: torch.Tensor) -> None:
+        norms = torch.stack([torch.linalg.vector_norm(shard[a:b]) for a, b in
+                             (group.local_range(i) for i in range(len(group.slots)))])
+        finite = bool(torch.isfinite(shard).all()) if self.check_finite else True
+        group.grad_stats, group.grad_scales = (norms, finite), []
+        for sg in self._of(group):
+            rec = sg.records["grad"]
+            buf = self._acquire(rec.span)
+            buf[: rec.nbytes].view(torch.float32).copy_(shard[sg.lo : sg.hi])
+            self._grad_writes.append((buf, self.swap.submit_write(rec, buf), rec))  # type: ignore[union-attr]
+            while len(self._grad_writes) > _GRAD_WRITES_IN_FLIGHT:
+                self._finish_grad_write()
+
+    def _finish_grad_write(self) -> None:
+        buf, handle, rec = self._grad_writes.pop(0)
+        self.swap.wait(handle, rec)  # type: ignore[union-attr]
+        self.pool.release(buf)  # type: ignore[union-attr]
+
+    def flush_grads(self) -> None:
+        """Finish the gradient writes still in flight (at the end of backward)."""
+        while self._grad_writes:
+            self._finish_grad_write()
+
+    def load_grad(self, group: "FlatParamGroup") -> torch.Tensor:
+        """A stashed gradient shard read back into memory (scales not applied: the group does that)."""
+        self.flush_grads()
+        out = torch.empty(group.shard_numel, dtype=torch.float32, device=group.grad_device)
+        for sg in self._of(group):
+            rec = sg.records["grad"]
+            buf = self._acquire(rec.span)
+            try:
+                self.swap.wait(self.swap.submit_read(rec, buf), rec)  # type: ignore[union-attr]
+                self.swap.verify(rec, buf)  # type: ignore[union-attr]
+                out[sg.lo : sg.hi].copy_(buf[: rec.nbytes].view(torch.float32))
+            finally:
+                self.pool.release(buf)  # type: ignore[union-attr]
+        return out
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -227,7 +286,7 @@ class OffloadedAdam:
 
     def _finish_group(self, group: "FlatParamGroup") -> None:
         group.param_store.commit(group)
-        group.grad_shard.zero_()
+        group.zero_grad()
         if id(group) in self._done:
             if self._error is None:
                 group.await_update = None
@@ -238,25 +297,38 @@ class OffloadedAdam:
             for sg in self.subgroups:
                 self._step(sg, sg.tensors)
             return
+        self.flush_grads()
         pending: list[tuple[_SubGroup, dict[str, torch.Tensor], list[int]]] = []
         reads = self._submit_reads(self.subgroups[0]) if self.subgroups else None
         for i, sg in enumerate(self.subgroups):
             bufs, handles = reads  # type: ignore[misc]
             reads = self._submit_reads(self.subgroups[i + 1]) if i + 1 < len(self.subgroups) else None
-            for name in _STATES:
+            for name in handles:
                 self.swap.wait(handles[name], sg.records[name])  # type: ignore[union-attr]
                 self.swap.verify(sg.records[name], bufs[name])  # type: ignore[union-attr]
-            views = {name: bufs[name][: sg.records[name].nbytes].view(torch.float32) for name in _STATES}
-            self._step(sg, views)
+            views = {name: bufs[name][: sg.records[name].nbytes].view(torch.float32) for name in handles}
+            grad_buf = bufs.pop("grad", None)
+            if grad_buf is not None:
+                for factor in sg.group.grad_scales:  # unscale / clip, in the order they were asked for
+                    views["grad"].mul_(factor)
+            try:
+                self._step(sg, views)
+            finally:
+                if grad_buf is not None:
+                    self.pool.release(grad_buf)  # type: ignore[union-attr]
             pending.append((sg, bufs, [self.swap.submit_write(sg.records[n], bufs[n]) for n in _STATES]))  # type: ignore[union-attr]
             while len(pending) > 1:
                 self._finish_writes(*pending.pop(0))
         for item in pending:
             self._finish_writes(*item)
 
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        return acquire_waiting(self.pool, nbytes, self.make_room)  # type: ignore[arg-type]
+
     def _submit_reads(self, sg: _SubGroup) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        bufs = {name: self.pool.acquire(sg.records[name].span) for name in _STATES}  # type: ignore[union-attr]
-        return bufs, {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in _STATES}  # type: ignore[union-attr]
+        names = _STATES + (("grad",) if sg.group.grad_stashed else ())
+        bufs = {name: self._acquire(sg.records[name].span) for name in names}
+        return bufs, {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in names}  # type: ignore[union-attr]
 
     def _finish_writes(self, sg: _SubGroup, bufs: dict[str, torch.Tensor], handles: list[int]) -> None:
         for name, h in zip(_STATES, handles):
@@ -268,10 +340,11 @@ class OffloadedAdam:
         out = g.param_store.writer(g)
         fp32 = out.dtype == torch.float32
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
+        grad = states["grad"] if "grad" in states else g.grad_shard[sg.lo : sg.hi]
         for lo, hi, k in sg.segments:
             h = self._hyper[k]
             a, b = lo - sg.lo, hi - sg.lo
-            native.adam_step(master[a:b], g.grad_shard[lo:hi], m[a:b], v[a:b], step=self.steps[k], lr=h.lr,
+            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=self.steps[k], lr=h.lr,
                              beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                              decoupled=h.decoupled, param_out=None if fp32 else out[lo:hi])
             if fp32:
@@ -283,6 +356,9 @@ class OffloadedAdam:
 
     def state_bytes(self) -> int:
         return sum(sg.numel for sg in self.subgroups) * 4 * len(_STATES)
+
+    def stashed_grad_bytes(self) -> int:
+        return sum(sg.numel * 4 for sg in self.subgroups if sg.group.grad_stashed)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ pool, ahead of use when the trace asks for it (``prefetch``).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -20,6 +21,27 @@ if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["ParamStore", "DeviceParamStore", "CpuParamStore", "NvmeParamStore"]
+
+
+ACQUIRE_TIMEOUT_S = 120.0
+
+
+def acquire_waiting(pool: "PinnedBufferPool", nbytes: int, make_room: Callable[[], bool] | None) -> torch.Tensor:
+    """A pool buffer for work that must not fail for room (the optimizer pipeline, an updated shard).
+    The pool keeps a reserve for it, but buddy fragmentation can still leave no block of the size:
+    then parameter read-ahead is given up (``make_room``), or buffers held by gathers in flight are
+    waited for, for at most ``ACQUIRE_TIMEOUT_S``. Never call it holding a lock those gathers need."""
+    from zinf.native import PoolExhaustedError
+
+    deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
+    while True:
+        try:
+            return pool.acquire(nbytes)
+        except PoolExhaustedError:
+            if time.monotonic() > deadline:
+                raise
+            if make_room is None or not make_room():
+                time.sleep(0.002)
 
 
 class ParamStore:
@@ -135,7 +157,7 @@ class NvmeParamStore(ParamStore):
             self._reads[key] = (buf, self.swap.submit_read(rec, buf))
             return True
 
-    def _make_room(self) -> bool:
+    def make_room(self) -> bool:
         """Give up the most recent read-ahead (it is read again when needed); False if there is none."""
         with self._lock:
             spare = [k for k in self._reads if k not in self._fetched]
@@ -149,7 +171,7 @@ class NvmeParamStore(ParamStore):
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         while not self.prefetch(group, demand=True):
-            if not self._make_room():
+            if not self.make_room():
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
         with self._lock:
             buf, handle = self._reads[id(group)]
@@ -170,15 +192,23 @@ class NvmeParamStore(ParamStore):
         with self._lock:
             if key in self._writes:
                 self._finish_write(key)
-            if key not in self._staged:
-                self._staged[key] = self._buffer(self.records[key])
-            return self._data(group, self._staged[key])
+            if key in self._staged:
+                return self._data(group, self._staged[key])
+        buf = acquire_waiting(self.pool, self.records[key].span, self.make_room)  # not under the lock: done() frees room
+        with self._lock:
+            self._staged[key] = buf
+            return self._data(group, buf)
 
     def commit(self, group: "FlatParamGroup") -> None:
+        """Start writing the staged shard; the writes before it are finished now, so at most one write
+        holds a pool buffer while the next shard is staged (pending writes never fill the pool)."""
         key = id(group)
         with self._lock:
             buf = self._staged.pop(key)
+            older = [k for k in self._writes if k != key]
             self._writes[key] = (buf, self.swap.submit_write(self.records[key], buf))
+            for k in older:
+                self._finish_write(k)
 
     def _finish_write(self, key: int) -> None:
         buf, handle = self._writes.pop(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -35,7 +36,8 @@ class Placement:
     """Builds and owns the offload machinery for one engine; ``optimizer`` is the offloaded Adam or None."""
 
     def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], comm: Comm,
-                 optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None,
+                 check_finite: bool = False) -> None:
         self.cfg, self.groups = cfg, list(groups)
         self.swap: SwapSpace | None = None
         self.pool = None
@@ -58,7 +60,8 @@ class Placement:
             if optimizer is None:
                 raise OffloadSpaceError("zinf offload: offload.optimizer is set but no optimizer was given to the engine.")
             self.optimizer = OffloadedAdam(optimizer, self.groups, cfg.optimizer, cfg.sub_group_numel, self.swap, None,
-                                           background=cfg.overlap_optimizer)
+                                           background=cfg.overlap_optimizer, grads_on_nvme=cfg.grads_tier == "nvme",
+                                           check_finite=check_finite)
             for g in self.groups:
                 g.grad_device = torch.device("cpu")
                 g.master_sink = lambda values, g=g: self.optimizer.write_states(g, {"master": values})  # type: ignore[union-attr]
@@ -71,29 +74,50 @@ class Placement:
                 self.param_store.pool = self.pool
             if self.optimizer is not None:
                 self.optimizer.pool = self.pool
+                if isinstance(self.param_store, NvmeParamStore):
+                    self.optimizer.make_room = self.param_store.make_room
             self.swap.open()
-            if isinstance(self.param_store, NvmeParamStore):
-                for g in self.groups:
-                    self.param_store.write_initial(g)
-        if self.optimizer is not None:
-            self.optimizer.load_initial()
+        self._move_initial_state()
+
+    def _move_initial_state(self) -> None:
+        """Hand each group's built shard and master to their stores (to NVMe: written, then freed),
+        with a progress line every tenth of the groups when it goes to NVMe."""
+        nvme_params = isinstance(self.param_store, NvmeParamStore)
+        to_nvme = nvme_params or (self.optimizer is not None and self.cfg.optimizer == "nvme")
+        start, step = time.perf_counter(), max(1, len(self.groups) // 10)
+        for i, g in enumerate(self.groups, 1):
+            if nvme_params:
+                self.param_store.write_initial(g)  # type: ignore[attr-defined]
+            if self.optimizer is not None:
+                self.optimizer.load_initial(g)
+            if to_nvme and (i % step == 0 or i == len(self.groups)) and self.swap is not None:
+                log.info("zinf offload: initial state of %d/%d groups written to NVMe (%.2f GiB, %.1f s)", i,
+                         len(self.groups), self.swap.bytes_written / 2**30, time.perf_counter() - start)
+        if self.swap is not None:
+            self.swap.bytes_read = self.swap.bytes_written = 0  # start-up I/O is not part of the first step
 
     def _pool_bytes(self) -> int:
         """Check the pool can hold what must never wait for room, and set the read-ahead reserve.
 
-        Always needed (buddy blocks round up to powers of two, hence x2): the offloaded optimizer's
-        pipeline (three states for the sub-groups read ahead, stepped and written behind) and, with
-        parameters on NVMe, one shard read for a gather plus one updated shard staged for writing.
-        Parameter read-ahead may use the rest of the pool, never this reserve."""
-        optimizer_bytes = 0
+        Never waits: the offloaded optimizer's pipeline (three states each for the sub-groups read
+        ahead, stepped and written behind) and, with parameters on NVMe, the largest shard three times
+        (one read for a gather, one updated shard staged, one being written), in the pool's power-of-two
+        block sizes; plus room to read one shard ahead. Parameter read-ahead may use the pool beyond the
+        reserve. When fragmentation leaves no block of a size, the optimizer gives up read-ahead or waits
+        for gathers in flight to release theirs (``acquire_waiting``)."""
+        def block(nbytes: int) -> int:
+            return 1 << max(12, (nbytes - 1).bit_length())
+
+        reserve = 0
         if self.optimizer is not None and self.cfg.optimizer == "nvme":
-            sub = max(r.span for sg in self.optimizer.subgroups for r in sg.records.values())
-            optimizer_bytes = 2 * 3 * 3 * sub
-        need = optimizer_bytes
+            per_subgroup = 4 if self.optimizer.grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
+            reserve += 3 * per_subgroup * block(max(r.span for sg in self.optimizer.subgroups for r in sg.records.values()))
+        need = reserve
         if isinstance(self.param_store, NvmeParamStore):
-            largest = max(r.span for r in self.param_store.records.values())
-            self.param_store.reserve_bytes = optimizer_bytes + 2 * largest
-            need += 2 * 2 * largest
+            largest = block(max(r.span for r in self.param_store.records.values()))
+            reserve += 3 * largest
+            self.param_store.reserve_bytes = reserve
+            need = reserve + largest
         if need > self.cfg.pinned_pool_bytes:
             raise OffloadSpaceError(
                 f"zinf offload: offload.pinned_pool_bytes = {self.cfg.pinned_pool_bytes} is too small for this model; "
@@ -102,17 +126,24 @@ class Placement:
         return self.cfg.pinned_pool_bytes
 
     def _check_host_memory(self) -> None:
+        """Host memory this placement keeps during training, against what is free once the shards and
+        masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""
         shard_numel = sum(g.shard_numel for g in self.groups)
         host = 0
         if self.cfg.params == "cpu":
             host += shard_numel * self.groups[0].compute_dtype.itemsize if self.groups else 0
-        if self.cfg.optimizer != "device":
+        if self.cfg.grads_tier == "cpu":
             host += shard_numel * 4  # fp32 gradient shards
         if self.cfg.optimizer == "cpu":
             host += shard_numel * 12  # fp32 master, exp_avg, exp_avg_sq
         if self.swap is not None:
             host += self.cfg.pinned_pool_bytes
-        budget = self.cfg.max_cpu_bytes or _available_ram()
+        leaving: dict[int, int] = {}  # host storages that move to NVMe and are freed there
+        for g in self.groups:
+            for t, moves in ((g.shard, self.cfg.params == "nvme"), (g.master, self.cfg.optimizer == "nvme")):
+                if moves and t is not None and t.device.type == "cpu":
+                    leaving[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        budget = self.cfg.max_cpu_bytes or _available_ram() + sum(leaving.values())
         if host > budget:
             raise OffloadSpaceError(
                 f"zinf offload: this placement needs about {host / 2**30:.2f} GiB of host memory per rank, but "
@@ -127,6 +158,8 @@ class Placement:
         if self.optimizer is not None:
             tier = "nvme" if self.cfg.optimizer == "nvme" else "cpu"
             out.setdefault(tier, {})["optimizer_state"] = self.optimizer.state_bytes()
+            if self.optimizer.grads_on_nvme:
+                out.setdefault("nvme", {})["grad_shards"] = self.optimizer.stashed_grad_bytes()
         if self.pool is not None:
             out.setdefault("cpu", {})["pinned_pool"] = self.pool.capacity_bytes
         return out

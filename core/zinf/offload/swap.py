@@ -19,6 +19,7 @@ import os
 import shutil
 import struct
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,12 @@ class Record:
     def span(self) -> int:
         """Bytes the record occupies on disk (data, padding, trailer), a multiple of 4096."""
         return align_up(self.nbytes + TRAILER_BYTES)
+
+
+def _remove(files: list[str]) -> None:
+    for f in files:
+        if os.path.exists(f):
+            os.unlink(f)
 
 
 class SwapSpace:
@@ -128,14 +135,20 @@ class SwapSpace:
             finally:
                 os.close(fd)
         self._opened = True
+        # scratch, not checkpoints: removed by close(), and at interpreter exit after a failure too, so a
+        # crashed run does not leave tens of GB behind (only a killed process can)
+        self._cleanup = weakref.finalize(self, _remove, list(self.files))
         log.info("zinf offload: rank %d swap files %s", self.rank,
                  ", ".join(f"{f} ({e / 2**20:.0f} MiB)" for f, e in zip(self.files, self._ends)))
 
     def close(self, remove: bool = True) -> None:
-        if remove:
-            for f in self.files:
-                if os.path.exists(f):
-                    os.unlink(f)
+        cleanup = getattr(self, "_cleanup", None)
+        if remove and cleanup is not None:
+            cleanup()
+        elif cleanup is not None:
+            cleanup.detach()
+        elif remove:
+            _remove(self.files)
 
     # -- I/O ------------------------------------------------------------------------------------
     def stamp(self, rec: Record, buf: torch.Tensor) -> None:

@@ -122,6 +122,13 @@ class FlatParamGroup:
             self.full.untyped_storage().resize_(0)
         self._grad_shard: torch.Tensor | None = None  # allocated by the engine, not at construction
         self.grad_device = device  # the offload engine keeps gradient shards in host memory
+        # With gradient shards on NVMe (zinf/offload/optimizer.py [Note: gradients on NVMe]) the store
+        # takes a complete shard; while it is there, grad_stats has its per-parameter norms and whether it
+        # is finite, and grad_scales the factors (unscale, clip) still to apply when it is read back.
+        self.grad_store: Any = None
+        self.grad_stashed = False
+        self.grad_stats: tuple[torch.Tensor, bool] | None = None
+        self.grad_scales: list[torch.Tensor | float] = []
         self._grad_full: torch.Tensor | None = None
         self._grads_ready = 0
         self._to_placeholders()
@@ -133,10 +140,41 @@ class FlatParamGroup:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        """This rank's fp32 gradient shard (allocated on first use, i.e. by the engine)."""
+        """This rank's fp32 gradient shard (allocated on first use, i.e. by the engine; read back, with
+        its pending scales applied, when it was stashed on NVMe)."""
         if self._grad_shard is None:
-            self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.grad_device)
+            if self.grad_stashed:
+                self._grad_shard = self.grad_store.load_grad(self)
+                for factor in self.grad_scales:
+                    self._grad_shard.mul_(factor)
+                self.grad_stashed, self.grad_stats, self.grad_scales = False, None, []
+            else:
+                self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.grad_device)
         return self._grad_shard
+
+    @property
+    def resident_grad_shard(self) -> torch.Tensor | None:
+        """The gradient shard if it is in memory (None when not allocated or stashed on NVMe)."""
+        return self._grad_shard
+
+    def grad_complete(self) -> None:
+        """This backward's gradient of the group is final (reduced): hand it to an NVMe gradient store."""
+        if self.grad_store is not None and self._grad_shard is not None:
+            self.grad_store.stash_grad(self, self._grad_shard)
+            self._grad_shard, self.grad_stashed = None, True
+
+    def scale_grad(self, factor: torch.Tensor | float) -> None:
+        """Multiply the gradient shard by ``factor`` (unscaling, clipping); deferred while it is on NVMe."""
+        if self.grad_stashed:
+            self.grad_scales.append(factor)
+        else:
+            self.grad_shard.mul_(factor)
+
+    def zero_grad(self) -> None:
+        if self.grad_stashed:
+            self.grad_stashed, self.grad_stats, self.grad_scales = False, None, []
+        elif self._grad_shard is not None:
+            self._grad_shard.zero_()
 
     # -- parameter state transitions ------------------------------------------------------------
     @property

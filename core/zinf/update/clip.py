@@ -24,7 +24,11 @@ def grad_norm(params: Sequence[nn.Parameter], comm: Comm) -> torch.Tensor:
     for p in params:
         g = group_of(p)
         assert g is not None
-        a, b = g.local_range(g.index_of(p))
+        i = g.index_of(p)
+        if g.grad_stashed and not g.grad_scales and g.grad_stats is not None:  # on NVMe: norms taken when stashed
+            norms.append(g.grad_stats[0][i])
+            continue
+        a, b = g.local_range(i)
         norms.append(torch.linalg.vector_norm(g.grad_shard[a:b]))
     if not norms:
         return torch.zeros(())
@@ -39,5 +43,5 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], groups: Sequence[FlatParamGr
     total = grad_norm(params, comm)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in groups:
-        g.grad_shard.mul_(coef)
+        g.scale_grad(coef)
     return total

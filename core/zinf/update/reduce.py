@@ -37,6 +37,7 @@ class GradReducer:
     def reduce(self, group: FlatParamGroup) -> None:
         full = group.take_grad_full()
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
+            group.grad_complete()
             return
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
@@ -80,3 +81,4 @@ class GradReducer:
             work.wait()
         for group, part in slices:
             group.grad_shard.add_(part.to(group.grad_device, torch.float32).div_(self.comm.world))
+            group.grad_complete()

@@ -33,5 +33,26 @@ def _losses(overlap: bool, persistent: int, offload: dict) -> list[float]:
 def test_background_equals_synchronous(tier: str, persistent: int, tmp_path: Path) -> None:
     # regression: groups that stay gathered (persistent, or one rank gathering in place) were read by the
     # next forward while the background step was still writing them
-    offload = {"optimizer": tier, "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 128 << 20}
+    offload = {"optimizer": tier, "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 256 << 20}
     assert _losses(True, persistent, offload) == _losses(False, persistent, offload)
+
+
+def test_parameter_writes_do_not_fill_a_small_pool(tmp_path: Path) -> None:
+    # regression (3.2B run, step 3): every updated parameter shard kept its pool buffer until that group
+    # was next read, so once the shards outgrew the pool the background step failed with PoolExhaustedError
+    torch.manual_seed(0)
+    layers = [m for _ in range(12) for m in (nn.Linear(256, 256), nn.Tanh())]
+    model = nn.Sequential(*layers, nn.Linear(256, 4))
+    config = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path)],
+                                                    "sub_group_numel": 1024, "pinned_pool_bytes": 4 << 20}})
+    engine = zinf.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), config)
+    shard_block = 1 << (256 * 257 * 4).bit_length()  # the pool's power-of-two block for one layer's shard
+    assert 12 * shard_block > engine.placement.pool.capacity_bytes  # the shards do not all fit in the pool
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 256, generator=g), torch.randint(0, 4, (8,), generator=g)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+    engine.synchronize()
+    assert engine.placement.pool.bytes_in_use <= engine.placement.pool.capacity_bytes // 2
+    engine.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,7 @@ def test_offloaded_optimizer_needs_adam(tmp_path: Path) -> None:
 
 
 def test_failed_background_step_stops_training(tmp_path: Path) -> None:
-    engine = _engine(tmp_path)
+    engine = _engine(tmp_path, grads="cpu")  # so the file's last record is an optimizer state, not a gradient
     _step(engine)
     path = _swap_file(tmp_path)
     with open(path, "r+b") as f:  # the last record in the file is an optimizer state: break its trailer
@@ -139,3 +140,19 @@ def test_failed_background_step_stops_training(tmp_path: Path) -> None:
     for _ in range(2):  # every later use raises, so nothing trains on a half-updated model
         with pytest.raises(OffloadFileError, match="is not a zinf record"):
             engine(torch.randn(8, 64)).square().mean().backward()
+
+
+def test_a_crashed_run_does_not_leave_its_swap_files(tmp_path: Path) -> None:
+    script = f"""
+import torch, zinf
+from torch import nn
+model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+cfg = zinf.ZeroConfig.from_dict({{"offload": {{"params": "nvme", "optimizer": "nvme", "nvme_paths": [{str(tmp_path)!r}],
+                                              "pinned_pool_bytes": 4 << 20}}}})
+engine = zinf.initialize(model, torch.optim.Adam(model.parameters()), cfg)
+assert any(p.name.endswith(".swap") for p in __import__("pathlib").Path({str(tmp_path)!r}).iterdir())
+raise RuntimeError("the training script failed")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the training script failed" in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []

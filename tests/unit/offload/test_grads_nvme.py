@@ -1,0 +1,60 @@
+"""Gradient shards on NVMe give exactly the numbers of gradient shards in memory, and leave memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+
+
+def _run(tmp_path: Path, grads: str, precision: str = "fp32", accumulate: int = 2) -> tuple[list[float], zinf.ZeroInfinityEngine]:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({
+        "precision": precision, "gradient_clipping": 0.5,
+        "offload": {"params": "nvme", "optimizer": "nvme", "grads": grads, "nvme_paths": [str(tmp_path)],
+                    "sub_group_numel": 4096, "pinned_pool_bytes": 8 << 20}})
+    with zinf.Init(config):
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(5):
+        for _ in range(accumulate):
+            x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            losses.append(loss.item())
+        engine.step()
+    return losses, engine
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nvme_gradients_match_gradients_in_memory(precision: str, tmp_path: Path) -> None:
+    # accumulation reads a stashed shard back; clipping (and fp16 unscaling) are deferred to the step
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    on_disk, engine = _run(tmp_path / "a", "nvme", precision)
+    engine.close()
+    in_memory, engine = _run(tmp_path / "b", "cpu", precision)
+    engine.close()
+    assert on_disk == in_memory
+
+
+def test_nvme_gradients_leave_host_memory(tmp_path: Path) -> None:
+    _, engine = _run(tmp_path, "nvme", accumulate=1)
+    engine.synchronize()
+    x = torch.randn(8, 64)
+    engine.backward(engine(x).square().mean())
+    assert all(g.resident_grad_shard is None and g.grad_stashed for g in engine.groups)
+    assert "grad_shards" not in engine.resident_bytes().get("cpu", {})
+    assert engine.resident_bytes()["nvme"]["grad_shards"] == sum(g.shard_numel * 4 for g in engine.groups)
+    engine.close()
+
+
+def test_nvme_gradients_need_the_nvme_optimizer() -> None:
+    with pytest.raises(zinf.ConfigError, match=r"offload.grads.*'nvme' only with offload.optimizer='nvme'"):
+        zinf.ZeroConfig.from_dict({"offload": {"optimizer": "cpu", "grads": "nvme"}})
