@@ -1,11 +1,15 @@
 """Is NVMe offload hidden behind compute? One rank, a GPT, four ways back to back in one process.
 
-    python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 6 --nvme /tmp/zinf-nvme]
+    python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 12 --nvme /tmp/zinf-nvme]
 
 Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
 states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (sequential
 O_DIRECT read and write through zinf's AsyncIO). The target: NVMe step <= 1.15 x max(in-memory step,
-I/O alone). "hidden" is the share of the I/O time that did not add to the step.
+I/O alone). "hidden" is the share of the I/O time that did not add to the step. Step times are medians
+over the steps after two of warm-up. Columns: "gather" is the training thread's time in gathers (with
+NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
+"nvme rd/wr" the training thread's own I/O waits, "bg rd/wr" the background optimizer step's (hidden
+unless a gather waits for it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import zinf  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zinf import native  # noqa: E402
+
+
+_COLUMNS = ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
 
 
 def disk_bandwidth(path: str, nbytes: int = 1 << 30) -> tuple[float, float]:
@@ -73,7 +80,7 @@ def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None) -> dict:
     out = {"step": statistics.median(times[2:]), "loss": loss.item()}
     if reports:
         keep = reports[2:]
-        for key in ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write"):
+        for key in _COLUMNS:
             out[key] = statistics.median(r.seconds.get(key, 0.0) for r in keep)
         out["io_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) + r.counts.get("nvme_written_bytes", 0) for r in keep)
         out["read_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) for r in keep)
@@ -88,7 +95,7 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=512)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
     p.add_argument("--grads", default="auto", choices=["auto", "cpu", "nvme"], help="offload.grads (auto: NVMe, with the optimizer)")
     p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
@@ -111,9 +118,10 @@ def main() -> None:
     bound = max(mem["step"], io_alone)
     hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
     print()
-    print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'I/O GB':>8}")
+    print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'bg rd':>9}{'bg wr':>9}"
+          f"{'I/O GB':>8}")
     for name, r in [("plain PyTorch", plain), ("zinf in memory", mem), (f"zinf NVMe (grads {args.grads})", nvme)]:
-        cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write"))
+        cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in _COLUMNS)
         print(f"{name:<28}{r['step']:>9.3f}{cells}{r.get('io_bytes', 0) / 1e9:>8.2f}")
     print(f"{'I/O alone at disk speed':<28}{io_alone:>9.3f}")
     print()

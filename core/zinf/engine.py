@@ -76,9 +76,11 @@ class ZeroInfinityEngine:
         self.last_report: StepReport | None = None
         self.hooks.on_backward_end.append(self._count_backward)
         if isinstance(self.optimizer, OffloadedAdam):  # gradients land in shards a background step may still read
-            self.hooks.on_backward_start.append(self.optimizer.wait)
+            self.hooks.on_backward_start.append(self.optimizer.wait_updates)
             if self.optimizer.grads_on_nvme:
                 self.hooks.on_backward_end.append(self.optimizer.flush_grads)
+        if self.placement is not None:
+            self.hooks.on_backward_start.append(self.placement.param_store.stop_keeping)
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
@@ -91,6 +93,8 @@ class ZeroInfinityEngine:
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
+        if self.placement is not None:  # a training forward's shards are gathered again by its backward
+            self.placement.param_store.keep_gathered = torch.is_grad_enabled()
         with self.timers.time("forward"), mode:
             return self.module(*args, **kwargs)
 
@@ -151,7 +155,7 @@ class ZeroInfinityEngine:
         """Wait for background work (an offloaded optimizer step, parameter shard writes) to finish;
         raises what it raised. Needed only before touching offload files from outside."""
         if isinstance(self.optimizer, OffloadedAdam):
-            self.optimizer.wait()
+            self.optimizer.settle()
         if self.placement is not None:
             self.placement.param_store.flush()
 
@@ -255,7 +259,8 @@ class ZeroInfinityEngine:
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, report: StepReport, skipped: bool) -> None:
         seconds, counts = self.timers.take()
-        # NVMe read waits of parameter shards happen inside the all-gather waits (the gather needs the shard)
+        # NVMe read waits of parameter shards and waits for a group's background update happen inside the
+        # all-gather time (the gather needs the shard)
         waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand

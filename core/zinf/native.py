@@ -383,6 +383,10 @@ class AsyncIO(_AsyncIOBase):
     def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0) -> int:
         return self._submit(False, tensor, path, offset)
 
+    def done(self, handle: int) -> bool:
+        """Whether the request has finished; never blocks (``wait`` still gives its result)."""
+        return bool(self._engine.done(handle))
+
     def wait(self, handle: int) -> int:
         """Block until the request is done; return its byte count or raise an AIOError."""
         res = self._engine.wait(handle)
@@ -468,6 +472,12 @@ class PythonAsyncIO(_AsyncIOBase):
 
     def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0) -> int:
         return self._submit(False, tensor, path, offset)
+
+    def done(self, handle: int) -> bool:
+        with self._lock:
+            if handle not in self._futures:
+                raise ValueError(f"unknown or already waited AsyncIO handle {handle}")
+            return self._futures[handle][0].done()
 
     def wait(self, handle: int) -> int:
         with self._lock:

@@ -49,8 +49,10 @@ class StepTimers:
 class StepReport:
     """One optimizer step. ``seconds``: forward, backward and step wall time, and inside them the
     host waits for all_gather and reduce_scatter; ``compute`` is forward + backward minus those waits;
-    with NVMe offload, ``nvme_read`` / ``nvme_write`` are the waits for swap-file I/O (reads of parameter
-    shards fall inside the all-gather waits; optimizer-state I/O inside ``optimizer``), and counts hold
+    with NVMe offload, ``nvme_read`` / ``nvme_write`` are the training thread's waits for swap-file I/O
+    (reads of parameter shards fall inside the all-gather waits; optimizer-state I/O inside
+    ``optimizer``), ``background_nvme_read`` / ``background_nvme_write`` the background optimizer step's
+    (hidden unless a gather waits for that step: ``optimizer_wait``, inside ``all_gather``), and counts hold
     ``nvme_read_bytes`` / ``nvme_written_bytes``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""

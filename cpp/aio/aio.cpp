@@ -230,6 +230,19 @@ WaitResult Engine::wait(int64_t handle) {
   return w;
 }
 
+bool Engine::done(int64_t handle) const {
+  std::shared_ptr<Request> req;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = pending_.find(handle);
+    if (it == pending_.end())
+      throw std::invalid_argument("unknown or already waited AsyncIO handle " + std::to_string(handle));
+    req = it->second;
+  }
+  std::lock_guard<std::mutex> lk(req->mu);
+  return req->done;
+}
+
 std::vector<std::pair<int64_t, WaitResult>> Engine::wait_all() {
   std::vector<int64_t> handles;
   {

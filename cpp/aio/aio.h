@@ -96,6 +96,9 @@ class Engine {
 
   int64_t submit(Op op, uintptr_t addr, size_t nbytes, const std::string& path, int64_t offset);
   WaitResult wait(int64_t handle);
+  // Whether the request has finished (successfully or not); never blocks, and the handle still
+  // has to be waited for its result.
+  bool done(int64_t handle) const;
   // Waits for every outstanding request; returns (handle, result) of the failed ones.
   std::vector<std::pair<int64_t, WaitResult>> wait_all();
   void close();

@@ -33,6 +33,7 @@ void bind_aio(py::module_& m) {
           },
           py::arg("write"), py::arg("addr"), py::arg("nbytes"), py::arg("path"), py::arg("offset"))
       .def("wait", &Engine::wait, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
+      .def("done", &Engine::done, py::arg("handle"))
       .def("wait_all", &Engine::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("backend", &Engine::backend_name)

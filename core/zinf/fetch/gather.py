@@ -28,7 +28,7 @@ class ParamFetcher:
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
         for g in groups:  # issue every gather first, then wait: the module's gathers run together
             if g.state is GroupState.SHARDED:
-                g.start_gather()
+                self._start(g)
                 self._count(g, +1)
                 self.num_demand += 1
         waiting = [g for g in groups if g.state is GroupState.GATHERING]
@@ -62,11 +62,13 @@ class ParamFetcher:
             for g in groups:
                 if g.state is not GroupState.SHARDED:
                     continue
+                if g.await_update is not None:
+                    continue  # its background update is not done: gathering now would stall this module
                 if g.nbytes_full > budget:
                     budget = -1  # the gather window is full; reads may still go ahead
                     continue
                 budget -= g.nbytes_full
-                g.start_gather()
+                self._start(g)
                 self._count(g, +1)
                 self.num_prefetched += 1
                 self._ahead.append(g)
@@ -80,6 +82,12 @@ class ParamFetcher:
                 g.to_sharded()
                 self._count(g, -1)
         self._ahead.clear()
+
+    def _start(self, g: FlatParamGroup) -> None:
+        """Start a gather; the time it blocks (its shard's NVMe read, its pending background update) is
+        gather time too."""
+        with self.timers.time("all_gather"):
+            g.start_gather()
 
     def _count(self, g: FlatParamGroup, sign: int) -> None:
         if not g.owns_full:

@@ -12,9 +12,27 @@ being read and i-1 written. The updated compute-dtype parameter is produced in t
 With ``offload.overlap_optimizer`` the step runs on a background thread (the C++ Adam and the I/O
 waits release the GIL), in group order, which is the order the next forward needs them. Each group
 carries ``await_update`` until its new shard is committed and its gradient shard zeroed; its next
-gather (and any NVMe read-ahead of it) waits on that. The next backward, checkpoints and state reads
-wait for the whole step (``wait``). If the step fails, every waiting group raises the error instead
-of training on a half-updated model.
+gather (and any NVMe read-ahead of it) waits on that. The next backward waits for every group's
+update (``wait_updates``), not for the state writes still trailing on disk; the next step,
+checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
+group raises the error instead of training on a half-updated model.
+
+[Note: trailing writes]
+With states on NVMe a stepped sub-group's writes are not waited for at once: they trail behind the
+step while the pool has room, so the step (and the forward waiting on it) moves at the speed of the
+reads and the Adam math, not of the writes. Before the next sub-group's reads are submitted, the
+oldest trailing writes are finished until the pool keeps ``param_reserve_bytes`` free beyond those
+reads, room the parameter store needs to stage shards for the forward and backward. Any thread that
+needs a pool buffer (the step, gradient stashing in backward) may finish the oldest trailing write to
+get one (``_retire_oldest``).
+
+[Note: state read-ahead]
+A step's master and moments do not depend on the gradient, so once a step's writes are done the
+background thread starts reading the first sub-groups' states for the next step, into the pool room
+that the backward leaves (``backward_reserve_bytes``: parameter shards to stage, gradient shards to
+write). The next step starts from them, so the forward that waits on it is not bound by the reads of
+its first groups. A thread short of pool room gives them up (last first); new state from outside
+(``write_states``) drops them.
 
 [Note: gradients on NVMe]
 With ``offload.grads`` on NVMe (the default when the optimizer is there) each sub-group also has a
@@ -29,6 +47,7 @@ stashed shard back before accumulating into it. The writes are finished when bac
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -40,6 +59,7 @@ from zinf import native
 from zinf.errors import UnsupportedModelError
 from zinf.offload.param_store import acquire_waiting
 from zinf.offload.swap import Record, SwapSpace
+from zinf.report import StepTimers
 
 if TYPE_CHECKING:
     from zinf.native import PinnedBufferPool
@@ -50,7 +70,13 @@ __all__ = ["OffloadedAdam"]
 log = logging.getLogger(__name__)
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 _ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
+_READ_AHEAD_BYTES = 64 << 20  # optimizer-state reads in flight ahead of the step, at most
 _GRAD_WRITES_IN_FLIGHT = 4  # gradient sub-group writes in flight during backward (each holds a pool buffer)
+
+
+def _block(nbytes: int) -> int:
+    """The pool's (buddy) block size for a request of ``nbytes``."""
+    return 1 << max(12, (nbytes - 1).bit_length())
 
 
 @dataclass
@@ -67,6 +93,9 @@ class _SubGroup:
     @property
     def numel(self) -> int:
         return self.hi - self.lo
+
+
+_Reads = tuple[_SubGroup, dict[str, torch.Tensor], dict[str, int]]  # a sub-group's buffers and their reads in flight
 
 
 def _hyper_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -94,13 +123,15 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 class OffloadedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"], tier: str,
                  sub_group_numel: int, swap: SwapSpace | None = None, pool: "PinnedBufferPool | None" = None,
-                 background: bool = False, grads_on_nvme: bool = False, check_finite: bool = False) -> None:
+                 background: bool = False, grads_on_nvme: bool = False, check_finite: bool = False,
+                 timers: StepTimers | None = None) -> None:
         _check_optimizer(optimizer)
         assert tier in ("cpu", "nvme") and (tier == "cpu" or swap is not None)
         self.optimizer, self.tier, self.swap, self.pool = optimizer, tier, swap, pool  # pool: set before load_initial
         self.groups = list(groups)
         self.background = background
-        self.make_room: Callable[[], bool] | None = None  # the NVMe parameter store's: drop a read-ahead
+        self.timers = timers or StepTimers()
+        self.make_room: Callable[[], bool] = self.free_own  # the placement's, for every user of the pool
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done: dict[int, threading.Event] = {}
@@ -131,6 +162,13 @@ class OffloadedAdam:
         self.grads_on_nvme, self.check_finite = grads_on_nvme, check_finite
         assert not grads_on_nvme or tier == "nvme"
         self._grad_writes: list[tuple[torch.Tensor, int, Record]] = []
+        # state writes trailing behind the step, oldest first; see [Note: trailing writes]
+        self._trailing: collections.deque[tuple[_SubGroup, dict[str, torch.Tensor], list[int]]] = collections.deque()
+        self._trailing_lock = threading.Lock()
+        self.param_reserve_bytes = 0  # pool bytes trailing writes leave free for the parameter store
+        # the first sub-groups' states read for the next step; see [Note: state read-ahead]
+        self._preread: collections.deque[_Reads] = collections.deque()
+        self.backward_reserve_bytes = 0  # pool bytes the read-ahead leaves free for the backward
         for sg in self.subgroups:
             if tier == "cpu":
                 sg.tensors = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in _STATES}
@@ -172,6 +210,8 @@ class OffloadedAdam:
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         self.wait()
+        while self._drop_preread():  # read before these states changed
+            pass
         for sg in self._of(group):
             for name, value in states.items():
                 if self.tier == "cpu":
@@ -268,12 +308,25 @@ class OffloadedAdam:
                       "further. Restart from the last checkpoint.")
             raise self._error
 
+    def wait_updates(self) -> None:
+        """Block until every group's update of a background step is done (its state writes may still be
+        trailing); raise its error as ``wait`` does."""
+        for event in list(self._done.values()):
+            event.wait()
+        if self._error is not None:
+            self.wait()
+
     def _await(self, group: "FlatParamGroup") -> None:
-        self._done[id(group)].wait()
+        event = self._done[id(group)]
+        if not event.is_set():
+            with self.timers.time("optimizer_wait"):  # the background step did not stay ahead of this gather
+                event.wait()
         if self._error is not None:
             self.wait()
 
     def _background(self) -> None:
+        if self.swap is not None:
+            self.swap.background.active = True
         try:
             self._run()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
@@ -298,11 +351,23 @@ class OffloadedAdam:
                 self._step(sg, sg.tensors)
             return
         self.flush_grads()
-        pending: list[tuple[_SubGroup, dict[str, torch.Tensor], list[int]]] = []
-        reads = self._submit_reads(self.subgroups[0]) if self.subgroups else None
-        for i, sg in enumerate(self.subgroups):
-            bufs, handles = reads  # type: ignore[misc]
-            reads = self._submit_reads(self.subgroups[i + 1]) if i + 1 < len(self.subgroups) else None
+        with self._trailing_lock:
+            reading, self._preread = self._preread, collections.deque()
+        for sg, bufs, handles in reading:  # states read ahead: the gradient is read now
+            if sg.group.grad_stashed:
+                bufs["grad"] = self._acquire(sg.records["grad"].span)
+                handles["grad"] = self.swap.submit_read(sg.records["grad"], bufs["grad"])  # type: ignore[union-attr]
+        upcoming = iter(self.subgroups[len(reading):])
+        following = next(upcoming, None)
+        for sg in self.subgroups:
+            # reads run ahead of the step by up to _READ_AHEAD_BYTES (always the sub-group stepped next),
+            # and only into room the trailing writes and the parameter store leave
+            while following is not None and (not reading or (self._reading_bytes(reading) < _READ_AHEAD_BYTES
+                                                             and self._room_for(following))):
+                reading.append((following, *self._submit_reads(following)))
+                following = next(upcoming, None)
+            read_sg, bufs, handles = reading.popleft()
+            assert read_sg is sg
             for name in handles:
                 self.swap.wait(handles[name], sg.records[name])  # type: ignore[union-attr]
                 self.swap.verify(sg.records[name], bufs[name])  # type: ignore[union-attr]
@@ -316,17 +381,88 @@ class OffloadedAdam:
             finally:
                 if grad_buf is not None:
                     self.pool.release(grad_buf)  # type: ignore[union-attr]
-            pending.append((sg, bufs, [self.swap.submit_write(sg.records[n], bufs[n]) for n in _STATES]))  # type: ignore[union-attr]
-            while len(pending) > 1:
-                self._finish_writes(*pending.pop(0))
-        for item in pending:
-            self._finish_writes(*item)
+            writes = [self.swap.submit_write(sg.records[n], bufs[n]) for n in _STATES]  # type: ignore[union-attr]
+            with self._trailing_lock:
+                self._trailing.append((sg, bufs, writes))
+        while self._retire_oldest():
+            pass
+        self._read_ahead_states()
+
+    def _read_ahead_states(self) -> None:
+        """Start reading the first sub-groups' states for the next step (see [Note: state read-ahead])."""
+        from zinf.native import PoolExhaustedError
+
+        room = self.pool.capacity_bytes - self.pool.bytes_in_use - self.backward_reserve_bytes  # type: ignore[union-attr]
+        for sg in self.subgroups:
+            need = sum(_block(sg.records[n].span) for n in _STATES)
+            if need > room:
+                return
+            bufs: dict[str, torch.Tensor] = {}
+            try:
+                for name in _STATES:
+                    bufs[name] = self.pool.acquire(sg.records[name].span)  # type: ignore[union-attr]
+            except PoolExhaustedError:
+                for buf in bufs.values():
+                    self.pool.release(buf)  # type: ignore[union-attr]
+                return
+            handles = {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in _STATES}  # type: ignore[union-attr]
+            with self._trailing_lock:
+                self._preread.append((sg, bufs, handles))
+            room -= need
+
+    def _drop_preread(self) -> bool:
+        """Give up the last sub-group read ahead for the next step; False if there is none."""
+        with self._trailing_lock:
+            if not self._preread:
+                return False
+            sg, bufs, handles = self._preread.pop()
+        for name, handle in handles.items():
+            self.swap.wait(handle, sg.records[name])  # type: ignore[union-attr]
+            self.pool.release(bufs[name])  # type: ignore[union-attr]
+        return True
+
+    def settle(self) -> None:
+        """Wait for the step in flight and give back the states read ahead: afterwards the files alone
+        hold the optimizer's state."""
+        self.wait()
+        while self._drop_preread():
+            pass
+
+    @staticmethod
+    def _reading_bytes(reading: "collections.deque[_Reads]") -> int:
+        return sum(sg.records[name].span for sg, _, handles in reading for name in handles)
+
+    def _room_for(self, sg: _SubGroup) -> bool:
+        """Whether ``sg``'s reads fit in the pool beside ``param_reserve_bytes``, after finishing trailing
+        writes as far as needed (see [Note: trailing writes])."""
+        need = sum(_block(sg.records[n].span) for n in self._read_names(sg)) + self.param_reserve_bytes
+        while self.pool.capacity_bytes - self.pool.bytes_in_use < need:  # type: ignore[union-attr]
+            if not self._retire_oldest():
+                return False
+        return True
+
+    def _retire_oldest(self) -> bool:
+        """Finish the oldest trailing state writes and free their buffers; False if none trail."""
+        with self._trailing_lock:
+            if not self._trailing:
+                return False
+            item = self._trailing.popleft()
+        self._finish_writes(*item)
+        return True
+
+    def free_own(self) -> bool:
+        """Free pool room this optimizer holds without need: trailing writes first, then read-ahead."""
+        return self._retire_oldest() or self._drop_preread()
 
     def _acquire(self, nbytes: int) -> torch.Tensor:
         return acquire_waiting(self.pool, nbytes, self.make_room)  # type: ignore[arg-type]
 
+    @staticmethod
+    def _read_names(sg: _SubGroup) -> tuple[str, ...]:
+        return _STATES + (("grad",) if sg.group.grad_stashed else ())
+
     def _submit_reads(self, sg: _SubGroup) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        names = _STATES + (("grad",) if sg.group.grad_stashed else ())
+        names = self._read_names(sg)
         bufs = {name: self._acquire(sg.records[name].span) for name in names}
         return bufs, {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in names}  # type: ignore[union-attr]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -48,6 +49,12 @@ class ParamStore:
     """Base and device tier: the shard stays where compute runs."""
 
     tier = "device"
+    # set by the engine: True during a training forward, whose shards its backward gathers again
+    keep_gathered = False
+
+    def stop_keeping(self) -> None:
+        """The backward has started: a shard it gathers is not needed again before the next update."""
+        self.keep_gathered = False
 
     def attach(self, group: "FlatParamGroup") -> None:
         group.param_store = self
@@ -98,22 +105,53 @@ class CpuParamStore(ParamStore):
         return group.shard.to(group.device, non_blocking=True)
 
 
+@dataclass(eq=False)
+class _Slot:
+    """One group's shard in a pool buffer of the NVMe store. See [Note: NVMe parameter slots]."""
+
+    buf: torch.Tensor
+    read: int | None = None  # a read of the file into ``buf`` is in flight
+    write: int | None = None  # a write of ``buf`` to the file is in flight
+    in_use: bool = False  # handed to a gather: fetch() .. done()
+    staged: bool = False  # the optimizer is writing the updated shard into it: writer() .. commit()
+    consumed: bool = False  # its gather is done and the pool is short: release it once its write has finished
+    used: int = 0  # when its last gather finished (the store's counter); 0: not gathered since it was filled
+
+    @property
+    def idle(self) -> bool:
+        return not (self.in_use or self.staged)
+
+
 class NvmeParamStore(ParamStore):
-    """Shards in this rank's swap files; see [Note: offload file format] in swap.py."""
+    """Shards in this rank's swap files; see [Note: offload file format] in swap.py.
+
+    [Note: NVMe parameter slots]
+    A group has at most one slot: a pool buffer that is either being read (read-ahead), holds the shard
+    (read, or staged by the optimizer and committed), or is being filled by the optimizer. An updated
+    shard is written back and *kept* in its slot, so the next forward gathers it from memory instead of
+    reading back what was just written. After a gather in a training forward (``keep_gathered``) the
+    slot stays while the pool has room beyond ``reserve_bytes`` (the backward then gathers the same
+    shard without a read); otherwise it is released once its write has finished. Idle slots are a cache that ``evict_one`` empties when the
+    pool is short: first slots only waiting for their write, then gathered ones, least recently used
+    first (the forward's first modules are the backward's last), then the ones not gathered yet, most
+    recently filled first (the forward reaches them last); ``flush`` empties it. Writes never block the
+    optimizer: finished ones are collected (``_reap``) whenever the store is called, or waited for when
+    their buffer is needed.
+    """
 
     tier = "nvme"
 
     def __init__(self, swap: SwapSpace, pool: "PinnedBufferPool") -> None:
         self.swap, self.pool = swap, pool
         self.records: dict[int, Record] = {}
-        self._reads: dict[int, tuple[torch.Tensor, int]] = {}
-        self._staged: dict[int, torch.Tensor] = {}
-        self._writes: dict[int, tuple[torch.Tensor, int]] = {}
+        self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
-        # share these tables; see [Note: background step] in optimizer.py
+        # share the slots; see [Note: background step] in optimizer.py
         self._lock = threading.RLock()
-        self._fetched: set[int] = set()  # reads handed to a gather: their buffers are in use until done()
-        self.reserve_bytes = 0  # pool bytes read-ahead must leave free (the offloaded optimizer's pipeline)
+        self.reserve_bytes = 0  # pool bytes read-ahead and kept slots leave free (for a demand read and a staged update)
+        self._clock = 0  # counts finished gathers, for the least-recently-used order of kept slots
+        # frees pool room for a demand read; the placement widens it to the optimizer's buffers
+        self.make_room: Callable[[], bool] = self.evict_one
 
     def attach(self, group: "FlatParamGroup") -> None:
         super().attach(group)
@@ -124,11 +162,9 @@ class NvmeParamStore(ParamStore):
         assert group.shard is not None
         self.writer(group).copy_(group.shard)
         self.commit(group)
-        self._finish_write(id(group))
+        with self._lock:
+            self._drop(id(group))
         group.shard = None
-
-    def _buffer(self, rec: Record) -> torch.Tensor:
-        return self.pool.acquire(rec.span)
 
     def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
         nbytes = self.records[id(group)].nbytes
@@ -136,94 +172,125 @@ class NvmeParamStore(ParamStore):
 
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         """Start reading ``group``'s shard; False when the pool has no room. Read-ahead (not ``demand``)
-        is bounded by the pool less ``reserve_bytes``, which the offloaded optimizer's pipeline needs."""
+        is bounded by the pool less ``reserve_bytes``; the optimizer evicts it when it needs the room."""
         from zinf.native import PoolExhaustedError
 
         key = id(group)
         if group.await_update is not None and not demand:
-            return True  # its new shard is still being computed: read it when it is needed
+            return True  # its new shard is still being computed: it will be in its slot when needed
         with self._lock:
-            if key in self._reads:
+            self._reap()
+            if key in self._slots:
                 return True
-            if key in self._writes:  # a read must see the last write
-                self._finish_write(key)
             rec = self.records[key]
             if not demand and self.pool.capacity_bytes - self.pool.bytes_in_use < self.reserve_bytes + 2 * rec.span:
                 return False
             try:
-                buf = self._buffer(rec)
+                buf = self.pool.acquire(rec.span)
             except PoolExhaustedError:
                 return False
-            self._reads[key] = (buf, self.swap.submit_read(rec, buf))
+            self._slots[key] = _Slot(buf, read=self.swap.submit_read(rec, buf))
             return True
 
-    def make_room(self) -> bool:
-        """Give up the most recent read-ahead (it is read again when needed); False if there is none."""
+    def evict_one(self) -> bool:
+        """Free one idle slot, the one needed last (read-ahead or kept updates, most recent first; a
+        consumed one before all); False if there is none."""
         with self._lock:
-            spare = [k for k in self._reads if k not in self._fetched]
-            if not spare:
+            idle = [(k, s) for k, s in self._slots.items() if s.idle]
+            if not idle:
                 return False
-            key = spare[-1]
-            buf, handle = self._reads.pop(key)
-            self.swap.wait(handle, self.records[key])
-            self.pool.release(buf)
+            consumed = [k for k, s in idle if s.consumed]
+            gathered = sorted((s.used, k) for k, s in idle if s.used)
+            self._drop(consumed[0] if consumed else gathered[0][1] if gathered else idle[-1][0])
             return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
         while not self.prefetch(group, demand=True):
-            if not self.make_room():
+            if self.make_room():
+                continue
+            if time.monotonic() > deadline:  # nothing came free: the optimizer step holds the rest
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
+            time.sleep(0.002)
         with self._lock:
-            buf, handle = self._reads[id(group)]
-            rec = self.records[id(group)]
-            self.swap.wait(handle, rec)
-            self.swap.verify(rec, buf)
-            self._fetched.add(id(group))
-            return self._data(group, buf).to(group.device, non_blocking=True)
+            slot, rec = self._slots[id(group)], self.records[id(group)]
+            assert not slot.staged, f"{group.name}: gathered while its update is being staged"
+            if slot.read is not None:
+                self.swap.wait(slot.read, rec)
+                slot.read = None
+                self.swap.verify(rec, slot.buf)
+            slot.in_use, slot.consumed = True, False
+            return self._data(group, slot.buf).to(group.device, non_blocking=True)
 
     def done(self, group: "FlatParamGroup") -> None:
         with self._lock:
-            self._fetched.discard(id(group))
-            buf, _ = self._reads.pop(id(group))
-            self.pool.release(buf)
+            key = id(group)
+            slot = self._slots[key]
+            self._clock += 1
+            slot.in_use, slot.used = False, self._clock
+            if not self.keep_gathered or self.pool.capacity_bytes - self.pool.bytes_in_use < self.reserve_bytes:
+                slot.consumed = True  # not needed again soon, or no room to keep it
+                if slot.write is None:
+                    self._drop(key)
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)
         with self._lock:
-            if key in self._writes:
-                self._finish_write(key)
-            if key in self._staged:
-                return self._data(group, self._staged[key])
+            slot = self._slots.get(key)
+            if slot is not None and slot.staged:  # the next sub-group of the same update
+                return self._data(group, slot.buf)
+            if slot is not None:
+                assert slot.idle, f"{group.name}: its shard is updated while a gather uses it"
+                self._settle(key, slot)
+                self._slots[key] = self._slots.pop(key)  # most recently filled: last
+                slot.staged, slot.consumed, slot.used = True, False, 0
+                return self._data(group, slot.buf)
         buf = acquire_waiting(self.pool, self.records[key].span, self.make_room)  # not under the lock: done() frees room
         with self._lock:
-            self._staged[key] = buf
+            self._slots[key] = _Slot(buf, staged=True)
             return self._data(group, buf)
 
     def commit(self, group: "FlatParamGroup") -> None:
-        """Start writing the staged shard; the writes before it are finished now, so at most one write
-        holds a pool buffer while the next shard is staged (pending writes never fill the pool)."""
+        """Start writing the staged shard; it stays in its slot for the next gather."""
         key = id(group)
         with self._lock:
-            buf = self._staged.pop(key)
-            older = [k for k in self._writes if k != key]
-            self._writes[key] = (buf, self.swap.submit_write(self.records[key], buf))
-            for k in older:
-                self._finish_write(k)
+            slot = self._slots[key]
+            assert slot.staged and slot.write is None
+            slot.staged = False
+            slot.write = self.swap.submit_write(self.records[key], slot.buf)
+            self._reap()
 
-    def _finish_write(self, key: int) -> None:
-        buf, handle = self._writes.pop(key)
-        self.swap.wait(handle, self.records[key])
-        self.pool.release(buf)
+    def _settle(self, key: int, slot: _Slot) -> None:
+        """Finish the I/O in flight on ``slot``."""
+        rec = self.records[key]
+        if slot.read is not None:
+            self.swap.wait(slot.read, rec)
+            slot.read = None
+            self.swap.verify(rec, slot.buf)
+        if slot.write is not None:
+            self.swap.wait(slot.write, rec)
+            slot.write = None
+
+    def _drop(self, key: int) -> None:
+        slot = self._slots.pop(key)
+        assert slot.idle
+        self._settle(key, slot)
+        self.pool.release(slot.buf)
+
+    def _reap(self) -> None:
+        """Collect finished writes, releasing the slots that were only waiting for them."""
+        for key, slot in list(self._slots.items()):
+            if slot.write is not None and self.swap.aio.done(slot.write):
+                self.swap.wait(slot.write, self.records[key])
+                slot.write = None
+                if slot.consumed and slot.idle:
+                    self._drop(key)
 
     def flush(self) -> None:
+        """Finish every write and empty the cache: afterwards the files alone hold the shards."""
         with self._lock:
-            for key in list(self._writes):
-                self._finish_write(key)
+            for key in [k for k, s in self._slots.items() if s.idle]:
+                self._drop(key)
 
     def close(self) -> None:
         self.flush()
-        with self._lock:
-            for key, (buf, handle) in self._reads.items():
-                self.swap.wait(handle, self.records[key])
-                self.pool.release(buf)
-            self._reads.clear()

@@ -13,7 +13,7 @@ import torch
 from zinf import native
 from zinf.config import OffloadConfig
 from zinf.fetch.comm import Comm
-from zinf.offload.optimizer import OffloadedAdam
+from zinf.offload.optimizer import _GRAD_WRITES_IN_FLIGHT, OffloadedAdam, _block
 from zinf.offload.param_store import CpuParamStore, NvmeParamStore, ParamStore
 from zinf.offload.swap import OffloadSpaceError, SwapSpace
 from zinf.param.flat_group import FlatParamGroup
@@ -61,7 +61,7 @@ class Placement:
                 raise OffloadSpaceError("zinf offload: offload.optimizer is set but no optimizer was given to the engine.")
             self.optimizer = OffloadedAdam(optimizer, self.groups, cfg.optimizer, cfg.sub_group_numel, self.swap, None,
                                            background=cfg.overlap_optimizer, grads_on_nvme=cfg.grads_tier == "nvme",
-                                           check_finite=check_finite)
+                                           check_finite=check_finite, timers=timers)
             for g in self.groups:
                 g.grad_device = torch.device("cpu")
                 g.master_sink = lambda values, g=g: self.optimizer.write_states(g, {"master": values})  # type: ignore[union-attr]
@@ -74,10 +74,18 @@ class Placement:
                 self.param_store.pool = self.pool
             if self.optimizer is not None:
                 self.optimizer.pool = self.pool
-                if isinstance(self.param_store, NvmeParamStore):
-                    self.optimizer.make_room = self.param_store.make_room
+                self.optimizer.make_room = self._make_room
+            if isinstance(self.param_store, NvmeParamStore):
+                self.param_store.make_room = self._make_room
             self.swap.open()
         self._move_initial_state()
+
+    def _make_room(self) -> bool:
+        """Free one piece of the pinned pool that is not needed right now, for whoever is short of room:
+        the optimizer's trailing writes or state read-ahead, then the parameter store's idle slots."""
+        if self.optimizer is not None and self.optimizer.free_own():
+            return True
+        return isinstance(self.param_store, NvmeParamStore) and self.param_store.evict_one()
 
     def _move_initial_state(self) -> None:
         """Hand each group's built shard and master to their stores (to NVMe: written, then freed),
@@ -97,27 +105,30 @@ class Placement:
             self.swap.bytes_read = self.swap.bytes_written = 0  # start-up I/O is not part of the first step
 
     def _pool_bytes(self) -> int:
-        """Check the pool can hold what must never wait for room, and set the read-ahead reserve.
+        """Check the pool can hold what must never wait for room, and set how much of it each user leaves.
 
-        Never waits: the offloaded optimizer's pipeline (three states each for the sub-groups read
-        ahead, stepped and written behind) and, with parameters on NVMe, the largest shard three times
-        (one read for a gather, one updated shard staged, one being written), in the pool's power-of-two
-        block sizes; plus room to read one shard ahead. Parameter read-ahead may use the pool beyond the
-        reserve. When fragmentation leaves no block of a size, the optimizer gives up read-ahead or waits
-        for gathers in flight to release theirs (``acquire_waiting``)."""
-        def block(nbytes: int) -> int:
-            return 1 << max(12, (nbytes - 1).bit_length())
-
-        reserve = 0
+        Never waits: the offloaded optimizer's pipeline (three states each, and the gradient when it is on
+        NVMe, for the sub-groups read ahead, stepped and written behind) and, with parameters on NVMe, the
+        largest shard three times (one read for a gather, one updated shard staged, one being written), in
+        the pool's power-of-two block sizes; plus room to read one shard ahead. Everything beyond that is
+        opportunistic and given back on demand (``_make_room``): parameter read-ahead and kept shards leave
+        ``3 x largest shard`` free, the optimizer's trailing writes the same, and its read-ahead of the next
+        step's states leaves what the backward needs (those shards, gradient writes, a quarter of the pool
+        for parameter read-ahead)."""
+        pipeline = largest = 0
         if self.optimizer is not None and self.cfg.optimizer == "nvme":
             per_subgroup = 4 if self.optimizer.grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
-            reserve += 3 * per_subgroup * block(max(r.span for sg in self.optimizer.subgroups for r in sg.records.values()))
-        need = reserve
+            pipeline = 3 * per_subgroup * _block(max(r.span for sg in self.optimizer.subgroups for r in sg.records.values()))
         if isinstance(self.param_store, NvmeParamStore):
-            largest = block(max(r.span for r in self.param_store.records.values()))
-            reserve += 3 * largest
-            self.param_store.reserve_bytes = reserve
-            need = reserve + largest
+            largest = _block(max(r.span for r in self.param_store.records.values()))
+            self.param_store.reserve_bytes = 3 * largest
+        need = pipeline + (4 * largest if largest else 0)
+        if self.optimizer is not None:
+            self.optimizer.param_reserve_bytes = 3 * largest
+            grad_writes = 0
+            if self.optimizer.grads_on_nvme:
+                grad_writes = (_GRAD_WRITES_IN_FLIGHT + 1) * _block(max(sg.records["grad"].span for sg in self.optimizer.subgroups))
+            self.optimizer.backward_reserve_bytes = 3 * largest + grad_writes + self.cfg.pinned_pool_bytes // 4
         if need > self.cfg.pinned_pool_bytes:
             raise OffloadSpaceError(
                 f"zinf offload: offload.pinned_pool_bytes = {self.cfg.pinned_pool_bytes} is too small for this model; "
@@ -166,7 +177,7 @@ class Placement:
 
     def close(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.wait()
+            self.optimizer.settle()
         self.param_store.close()
         if self.swap is not None:
             self.swap.close()

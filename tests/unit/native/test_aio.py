@@ -195,6 +195,20 @@ def test_wait_all_raises_and_unknown_handle(aio: native.AsyncIO, tmp_path: Path)
     assert (tmp_path / "ok.bin").stat().st_size == 1000
 
 
+def test_done_polls_without_consuming_the_handle(aio: native.AsyncIO, tmp_path: Path) -> None:
+    data = _rand(1 << 20, 3)
+    handle = aio.submit_write(data, tmp_path / "polled.bin")
+    while not aio.done(handle):  # never blocks; turns True once the write has finished
+        pass
+    assert aio.done(handle)  # asking again is allowed: the handle is still to be waited
+    assert aio.wait(handle) == 1 << 20
+    with pytest.raises(ValueError):
+        aio.done(handle)  # waited: unknown now
+    back = _aligned(1 << 20)
+    aio.wait(aio.submit_read(back, tmp_path / "polled.bin"))
+    assert torch.equal(back, data)
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt = _mount(tmp_path, "tmpfs", ["-o", "size=1m"])

@@ -130,6 +130,7 @@ def test_offloaded_optimizer_needs_adam(tmp_path: Path) -> None:
 def test_failed_background_step_stops_training(tmp_path: Path) -> None:
     engine = _engine(tmp_path, grads="cpu")  # so the file's last record is an optimizer state, not a gradient
     _step(engine)
+    engine.synchronize()  # as before touching offload files from outside: nothing of them is held in memory
     path = _swap_file(tmp_path)
     with open(path, "r+b") as f:  # the last record in the file is an optimizer state: break its trailer
         f.seek(os.path.getsize(path) - 64)
