@@ -30,7 +30,7 @@ get one (``_retire_oldest``).
 A step's master and moments do not depend on the gradient, so once a step's writes are done the
 background thread starts reading the first sub-groups' states for the next step, into the pool room
 that the backward leaves (``backward_reserve_bytes``: parameter shards to stage, gradient shards to
-write). The next step starts from them, so the forward that waits on it is not bound by the reads of
+write); the parameter store extends it as the backward releases shards. The next step starts from them, so the forward that waits on it is not bound by the reads of
 its first groups. A thread short of pool room gives them up (last first); new state from outside
 (``write_states``) drops them.
 
@@ -169,6 +169,8 @@ class OffloadedAdam:
         # the first sub-groups' states read for the next step; see [Note: state read-ahead]
         self._preread: collections.deque[_Reads] = collections.deque()
         self.backward_reserve_bytes = 0  # pool bytes the read-ahead leaves free for the backward
+        self._preread_lock = threading.Lock()  # one thread at a time extends the read-ahead
+        self._writes_done = True  # the last step's state writes are finished: its records may be read ahead
         for sg in self.subgroups:
             if tier == "cpu":
                 sg.tensors = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in _STATES}
@@ -278,6 +280,7 @@ class OffloadedAdam:
     def step(self) -> None:
         """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
         self.wait()
+        self._writes_done = False
         for i in range(len(self.steps)):
             self.steps[i] += 1
         # hyper-parameters as they are now: an LR scheduler stepped right after engine.step() returns
@@ -386,14 +389,24 @@ class OffloadedAdam:
                 self._trailing.append((sg, bufs, writes))
         while self._retire_oldest():
             pass
-        self._read_ahead_states()
+        self._writes_done = True
+        self.read_ahead_states()
 
-    def _read_ahead_states(self) -> None:
-        """Start reading the first sub-groups' states for the next step (see [Note: state read-ahead])."""
+    def read_ahead_states(self) -> None:
+        """Extend the read-ahead of the next step's first sub-group states into the pool room there is
+        now (see [Note: state read-ahead]); the parameter store calls it as the backward frees room."""
+        if self.tier != "nvme" or not self._writes_done or not self._preread_lock.acquire(blocking=False):
+            return
+        try:
+            self._extend_read_ahead()
+        finally:
+            self._preread_lock.release()
+
+    def _extend_read_ahead(self) -> None:
         from zinf.native import PoolExhaustedError
 
         room = self.pool.capacity_bytes - self.pool.bytes_in_use - self.backward_reserve_bytes  # type: ignore[union-attr]
-        for sg in self.subgroups:
+        for sg in self.subgroups[len(self._preread):]:
             need = sum(_block(sg.records[n].span) for n in _STATES)
             if need > room:
                 return

@@ -152,6 +152,9 @@ class NvmeParamStore(ParamStore):
         self._clock = 0  # counts finished gathers, for the least-recently-used order of kept slots
         # frees pool room for a demand read; the placement widens it to the optimizer's buffers
         self.make_room: Callable[[], bool] = self.evict_one
+        # told when a gather gives its slot back outside a training forward (the placement: the
+        # optimizer extends its read-ahead of the next step's states into the room)
+        self.on_room: Callable[[], None] | None = None
 
     def attach(self, group: "FlatParamGroup") -> None:
         super().attach(group)
@@ -228,10 +231,13 @@ class NvmeParamStore(ParamStore):
             slot = self._slots[key]
             self._clock += 1
             slot.in_use, slot.used = False, self._clock
-            if not self.keep_gathered or self.pool.capacity_bytes - self.pool.bytes_in_use < self.reserve_bytes:
-                slot.consumed = True  # not needed again soon, or no room to keep it
-                if slot.write is None:
-                    self._drop(key)
+            if self.keep_gathered and self.pool.capacity_bytes - self.pool.bytes_in_use >= self.reserve_bytes:
+                return
+            slot.consumed = True  # not needed again soon, or no room to keep it
+            if slot.write is None:
+                self._drop(key)
+        if self.on_room is not None and not self.keep_gathered:
+            self.on_room()
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)

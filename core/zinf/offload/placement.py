@@ -77,6 +77,8 @@ class Placement:
                 self.optimizer.make_room = self._make_room
             if isinstance(self.param_store, NvmeParamStore):
                 self.param_store.make_room = self._make_room
+                if self.optimizer is not None:
+                    self.param_store.on_room = self.optimizer.read_ahead_states
             self.swap.open()
         self._move_initial_state()
 
