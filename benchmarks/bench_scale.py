@@ -133,7 +133,8 @@ def main() -> None:
     last = reports[-1]
     print()
     print("last step breakdown (s): " + ", ".join(f"{k} {last.seconds.get(k, 0.0):.1f}" for k in
-          ("forward", "backward", "compute", "all_gather", "optimizer", "nvme_read", "nvme_write", "step")))
+          ("forward", "backward", "compute", "all_gather", "optimizer", "nvme_read", "nvme_write",
+           "background_nvme_read", "background_nvme_write", "step")))
     print(f"last step NVMe traffic: read {last.counts.get('nvme_read_bytes', 0) / 1e9:.1f} GB, "
           f"written {last.counts.get('nvme_written_bytes', 0) / 1e9:.1f} GB")
     print("bytes per tier at the end of the last step (GiB): " + "; ".join(

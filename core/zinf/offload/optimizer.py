@@ -30,9 +30,9 @@ get one (``_retire_oldest``).
 A step's master and moments do not depend on the gradient, so once a step's writes are done the
 background thread starts reading the first sub-groups' states for the next step, into the pool room
 that the backward leaves (``backward_reserve_bytes``: parameter shards to stage, gradient shards to
-write); the parameter store extends it as the backward releases shards. The next step starts from them, so the forward that waits on it is not bound by the reads of
-its first groups. A thread short of pool room gives them up (last first); new state from outside
-(``write_states``) drops them.
+write); the parameter store extends it as the backward releases shards. The next step starts
+from them, so the forward that waits on it is not bound by the reads of its first groups. A thread
+short of pool room gives them up (last first); new state from outside (``write_states``) drops them.
 
 [Note: gradients on NVMe]
 With ``offload.grads`` on NVMe (the default when the optimizer is there) each sub-group also has a
@@ -406,7 +406,12 @@ class OffloadedAdam:
         from zinf.native import PoolExhaustedError
 
         room = self.pool.capacity_bytes - self.pool.bytes_in_use - self.backward_reserve_bytes  # type: ignore[union-attr]
-        for sg in self.subgroups[len(self._preread):]:
+        while True:
+            with self._trailing_lock:
+                index = len(self._preread)
+            if index == len(self.subgroups):
+                return
+            sg = self.subgroups[index]
             need = sum(_block(sg.records[n].span) for n in _STATES)
             if need > room:
                 return
@@ -420,7 +425,16 @@ class OffloadedAdam:
                 return
             handles = {name: self.swap.submit_read(sg.records[name], bufs[name]) for name in _STATES}  # type: ignore[union-attr]
             with self._trailing_lock:
-                self._preread.append((sg, bufs, handles))
+                # the read-ahead is a prefix of the sub-groups: if another thread gave up some of it
+                # meanwhile, this one no longer follows on
+                follows = len(self._preread) == index
+                if follows:
+                    self._preread.append((sg, bufs, handles))
+            if not follows:
+                for name, handle in handles.items():
+                    self.swap.wait(handle, sg.records[name])  # type: ignore[union-attr]
+                    self.pool.release(bufs[name])  # type: ignore[union-attr]
+                return
             room -= need
 
     def _drop_preread(self) -> bool:

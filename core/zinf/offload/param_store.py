@@ -114,7 +114,7 @@ class _Slot:
     write: int | None = None  # a write of ``buf`` to the file is in flight
     in_use: bool = False  # handed to a gather: fetch() .. done()
     staged: bool = False  # the optimizer is writing the updated shard into it: writer() .. commit()
-    consumed: bool = False  # its gather is done and the pool is short: release it once its write has finished
+    consumed: bool = False  # gathered and not kept: release it once its write has finished
     used: int = 0  # when its last gather finished (the store's counter); 0: not gathered since it was filled
 
     @property
@@ -131,12 +131,12 @@ class NvmeParamStore(ParamStore):
     shard is written back and *kept* in its slot, so the next forward gathers it from memory instead of
     reading back what was just written. After a gather in a training forward (``keep_gathered``) the
     slot stays while the pool has room beyond ``reserve_bytes`` (the backward then gathers the same
-    shard without a read); otherwise it is released once its write has finished. Idle slots are a cache that ``evict_one`` empties when the
-    pool is short: first slots only waiting for their write, then gathered ones, least recently used
-    first (the forward's first modules are the backward's last), then the ones not gathered yet, most
-    recently filled first (the forward reaches them last); ``flush`` empties it. Writes never block the
-    optimizer: finished ones are collected (``_reap``) whenever the store is called, or waited for when
-    their buffer is needed.
+    shard without a read); otherwise it is released once its write has finished. Idle slots are a
+    cache that ``evict_one`` thins when the pool is short: first slots only waiting for their write,
+    then gathered ones, least recently used first (the forward's first modules are the backward's
+    last), then the ones not gathered yet, most recently filled first (the forward reaches them last);
+    ``flush`` empties it. Writes never block the optimizer: finished ones are collected (``_reap``)
+    whenever the store is called, or waited for when their buffer is needed.
     """
 
     tier = "nvme"

@@ -129,7 +129,8 @@ class Placement:
             self.optimizer.param_reserve_bytes = 3 * largest
             grad_writes = 0
             if self.optimizer.grads_on_nvme:
-                grad_writes = (_GRAD_WRITES_IN_FLIGHT + 1) * _block(max(sg.records["grad"].span for sg in self.optimizer.subgroups))
+                largest_grad = max(sg.records["grad"].span for sg in self.optimizer.subgroups)
+                grad_writes = (_GRAD_WRITES_IN_FLIGHT + 1) * _block(largest_grad)
             self.optimizer.backward_reserve_bytes = 3 * largest + grad_writes + self.cfg.pinned_pool_bytes // 4
         if need > self.cfg.pinned_pool_bytes:
             raise OffloadSpaceError(
