@@ -203,16 +203,18 @@ int64_t Engine::submit(Op op, uintptr_t addr, size_t nbytes, const std::string& 
   return handle;
 }
 
+std::shared_ptr<Request> Engine::find(int64_t handle, bool erase) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = pending_.find(handle);
+  if (it == pending_.end())
+    throw std::invalid_argument("unknown or already waited AsyncIO handle " + std::to_string(handle));
+  std::shared_ptr<Request> req = it->second;
+  if (erase) pending_.erase(it);
+  return req;
+}
+
 WaitResult Engine::wait(int64_t handle) {
-  std::shared_ptr<Request> req;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = pending_.find(handle);
-    if (it == pending_.end())
-      throw std::invalid_argument("unknown or already waited AsyncIO handle " + std::to_string(handle));
-    req = it->second;
-    pending_.erase(it);
-  }
+  std::shared_ptr<Request> req = find(handle, /*erase=*/true);
   std::unique_lock<std::mutex> lk(req->mu);
   req->cv.wait(lk, [&] { return req->done; });
   WaitResult w;
@@ -230,15 +232,8 @@ WaitResult Engine::wait(int64_t handle) {
   return w;
 }
 
-bool Engine::done(int64_t handle) const {
-  std::shared_ptr<Request> req;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = pending_.find(handle);
-    if (it == pending_.end())
-      throw std::invalid_argument("unknown or already waited AsyncIO handle " + std::to_string(handle));
-    req = it->second;
-  }
+bool Engine::done(int64_t handle) {
+  std::shared_ptr<Request> req = find(handle, /*erase=*/false);
   std::lock_guard<std::mutex> lk(req->mu);
   return req->done;
 }

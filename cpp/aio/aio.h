@@ -98,7 +98,7 @@ class Engine {
   WaitResult wait(int64_t handle);
   // Whether the request has finished (successfully or not); never blocks, and the handle still
   // has to be waited for its result.
-  bool done(int64_t handle) const;
+  bool done(int64_t handle);
   // Waits for every outstanding request; returns (handle, result) of the failed ones.
   std::vector<std::pair<int64_t, WaitResult>> wait_all();
   void close();
@@ -121,6 +121,8 @@ class Engine {
   mutable std::mutex mu_;
   int64_t next_handle_ = 1;
   std::unordered_map<int64_t, std::shared_ptr<Request>> pending_;
+  // The pending request of `handle` (removed from the table when `erase`); throws for an unknown one.
+  std::shared_ptr<Request> find(int64_t handle, bool erase);
 };
 
 }  // namespace zinf::aio
