@@ -62,8 +62,11 @@ class ParamFetcher:
             for g in groups:
                 if g.state is not GroupState.SHARDED:
                     continue
-                if g.await_update is not None:
-                    continue  # its background update is not done: gathering now would stall this module
+                if g.await_update is not None and g.comm.world == 1:
+                    # its background update is not done: gathering now would stall this module. Only where
+                    # the gather is not a collective: with several ranks every rank must start the same
+                    # gathers in the same order, and whether an update is done yet differs between ranks.
+                    continue
                 if g.nbytes_full > budget:
                     budget = -1  # the gather window is full; reads may still go ahead
                     continue
