@@ -143,6 +143,43 @@ def test_failed_background_step_stops_training(tmp_path: Path) -> None:
             engine(torch.randn(8, 64)).square().mean().backward()
 
 
+def test_io_error_mid_step_leaves_the_last_checkpoint_intact(tmp_path: Path) -> None:
+    """A record that fails its check during the step fails the step, and a later save raises instead of
+    replacing the last good checkpoint with a half-updated model; that checkpoint still loads."""
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    engine = _engine(swap, grads="cpu")
+    _step(engine)
+    engine.save_checkpoint(str(ckpt), {"epoch": 3})
+    saved = engine.full_state_dict()
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    engine.synchronize()
+    path = _swap_file(swap)
+    with open(path, "r+b") as f:  # the I/O error: the file's last record (an optimizer state) no longer checks out
+        f.seek(os.path.getsize(path) - 64)
+        good = f.read(64)
+        f.seek(os.path.getsize(path) - 64)
+        f.write(b"\0" * 64)
+    loss = engine(torch.randn(8, 64)).square().mean()
+    engine.backward(loss)
+    engine.step()  # fails in the background
+    with pytest.raises(OffloadFileError, match="is not a zinf record"):
+        engine.synchronize()
+    with open(path, "r+b") as f:  # the file reads cleanly again, but the failed step left the model half updated
+        f.seek(os.path.getsize(path) - 64)
+        f.write(good)
+    with pytest.raises(OffloadFileError, match="is not a zinf record"):
+        engine.save_checkpoint(str(ckpt), {"epoch": 4})
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == files, "the last good checkpoint was touched"
+    restored_dir = tmp_path / "restored"
+    restored_dir.mkdir()
+    restored = _engine(restored_dir, grads="cpu")
+    assert restored.load_checkpoint(str(ckpt)) == {"epoch": 3}
+    got = restored.full_state_dict()
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    restored.close()
+
+
 def test_a_crashed_run_does_not_leave_its_swap_files(tmp_path: Path) -> None:
     script = f"""
 import torch, zinf
