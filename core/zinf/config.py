@@ -21,6 +21,7 @@ __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "P
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
+_DIVERGENCE = ("auto", "error")
 TIERS = ("device", "cpu", "nvme")
 
 
@@ -141,6 +142,13 @@ class ZeroConfig:
     gradient_clipping: clip the global gradient norm to this value (0 = off).
     detect_external_params: watch tensor operations during forward so that a parameter used outside
         the module that owns it (tied weights, a parent reading a child's weight) is gathered on demand.
+    unit_modules: modules gathered (and reduced) as one unit, their whole subtree at once: qualified
+        name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp"``) or class names (``"MixtralSparseMoeBlock"``).
+        For blocks whose submodules run differently on each rank (mixture-of-experts routing).
+    divergence: what happens when ranks' control flow differs so that they need different gathers:
+        "auto" (default) serves every rank's gathers, so training stays exact, and gathers the nearest
+        module every rank calls as one unit from then on (logged); "error" raises a
+        CollectiveMismatchError on every rank that names the modules (no hang, no wrong step).
     """
 
     precision: str = "fp32"
@@ -148,6 +156,8 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     detect_external_params: bool = True
     cast_forward_inputs: bool = True
+    unit_modules: list[str] = field(default_factory=list)
+    divergence: str = "auto"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -161,6 +171,9 @@ class ZeroConfig:
         _require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
         _require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
         _require(self.log_every_n_steps >= 0, "log_every_n_steps", self.log_every_n_steps, "an integer >= 0")
+        _require(isinstance(self.unit_modules, (list, tuple)) and all(isinstance(u, str) and u for u in self.unit_modules),
+                 "unit_modules", self.unit_modules, "a list of module name patterns or class names, e.g. ['model.layers.*.mlp']")
+        _require(self.divergence in _DIVERGENCE, "divergence", self.divergence, f"one of {list(_DIVERGENCE)}")
         for name in ("detect_external_params", "cast_forward_inputs"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         self.loss_scale.validate()

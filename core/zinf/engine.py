@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
@@ -32,6 +31,8 @@ from zinf.param.partition import partition_model
 from zinf.report import StepReport, StepTimers, tier_of
 from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
+from zinf.schedule.rounds import Rounds
+from zinf.schedule.tensors import map_tensors
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.update.reduce import GradReducer
@@ -51,6 +52,8 @@ class ZeroInfinityEngine:
         self.module = model
         _check_model(model)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
+        for g in self.groups:  # parameters frozen after zinf.Init built them
+            g.refresh_requires_grad()
         self.timers = StepTimers()
         self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
                                     check_finite=self.config.precision == "fp16")
@@ -60,9 +63,11 @@ class ZeroInfinityEngine:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.persistent = True
                 g.to_gathered()
-        self.fetcher = ParamFetcher(self.config.overlap, self.timers)
         self.reducer = GradReducer(self.comm, self.config.overlap.reduce_bucket_bytes, self.timers)
-        self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer)
+        self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
+                             strict=self.config.divergence == "error")
+        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
+        self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds)
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
         self.optimizer: ShardedOptimizer | OffloadedAdam | None = None
@@ -91,12 +96,17 @@ class ZeroInfinityEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
-            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+            args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
         if self.placement is not None:  # a training forward's shards are gathered again by its backward
             self.placement.param_store.keep_gathered = torch.is_grad_enabled()
         with self.timers.time("forward"), mode:
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            except BaseException:
+                self.hooks.unwind()  # see [Note: balanced hooks] in zinf/schedule/hooks.py
+                self.hooks.abort_pass()
+                raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
@@ -106,6 +116,7 @@ class ZeroInfinityEngine:
                 loss.backward(**kwargs)
             except BaseException:
                 self.hooks.abandon_backward()
+                self.hooks.abort_pass()
                 raise
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -261,7 +272,7 @@ class ZeroInfinityEngine:
         seconds, counts = self.timers.take()
         # NVMe read waits of parameter shards and waits for a group's background update happen inside the
         # all-gather time (the gather needs the shard)
-        waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0)
+        waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0) + seconds.get("rounds", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand
         swap = self.placement.swap if self.placement is not None else None

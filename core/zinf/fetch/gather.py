@@ -1,8 +1,12 @@
-"""Gathering a module's groups just in time, and the groups of the next modules ahead of time."""
+"""Gathering a module's groups just in time, and the groups of the next modules ahead of time.
+
+With several ranks no gather is started on this rank's say alone: each batch of gathers is posted in a
+round and every rank starts what any rank asked for (see [Note: rounds] in zinf/schedule/rounds.py).
+"""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -10,15 +14,19 @@ from zinf.config import OverlapConfig
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.report import StepTimers
 
+if TYPE_CHECKING:
+    from zinf.schedule.rounds import Rounds
+
 __all__ = ["ParamFetcher"]
 
 
 class ParamFetcher:
     """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
 
-    def __init__(self, config: OverlapConfig, timers: StepTimers) -> None:
+    def __init__(self, config: OverlapConfig, timers: StepTimers, rounds: "Rounds | None" = None) -> None:
         self.config = config
         self.timers = timers
+        self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
@@ -26,11 +34,10 @@ class ParamFetcher:
         self.num_demand = 0  # gathers a module had to start itself (trace not known yet, or no budget)
 
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
-        for g in groups:  # issue every gather first, then wait: the module's gathers run together
-            if g.state is GroupState.SHARDED:
-                self._start(g)
-                self._count(g, +1)
-                self.num_demand += 1
+        todo = [g for g in groups if g.state is GroupState.SHARDED]
+        if todo:  # issue every gather first, then wait: the module's gathers run together
+            self.num_demand += len(todo)
+            self.start(todo, label, ahead=False)
         waiting = [g for g in groups if g.state is GroupState.GATHERING]
         if waiting:
             with self.timers.time("all_gather"), torch.profiler.record_function(f"zinf::all_gather({label})"):
@@ -50,6 +57,7 @@ class ParamFetcher:
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
         reading = True
+        chosen: list[FlatParamGroup] = []
         for n, groups in enumerate(upcoming):
             if n >= 2 * self.config.prefetch_modules:
                 break
@@ -60,7 +68,7 @@ class ParamFetcher:
             if n >= self.config.prefetch_modules:
                 continue
             for g in groups:
-                if g.state is not GroupState.SHARDED:
+                if g.state is not GroupState.SHARDED or g in chosen:
                     continue
                 if g.await_update is not None and g.comm.world == 1:
                     # its background update is not done: gathering now would stall this module. Only where
@@ -71,10 +79,36 @@ class ParamFetcher:
                     budget = -1  # the gather window is full; reads may still go ahead
                     continue
                 budget -= g.nbytes_full
+                chosen.append(g)
+        if chosen:
+            self.num_prefetched += len(chosen)
+            self.start(chosen, "prefetch", ahead=True)
+
+    def start(self, wanted: Sequence[FlatParamGroup], label: str, ahead: bool) -> None:
+        """Start the gathers of ``wanted`` (sharded groups) and, with several ranks, of whatever the other
+        ranks ask for in the same round. Groups this rank did not ask for, and with ``ahead`` the ones it
+        asked for, are released at the end of the pass unless a module takes them."""
+        if self.rounds is None:
+            union = list(wanted)
+        else:
+            if not wanted:
+                return  # nothing to post: rounds pair with rounds, so skipping one is always safe
+            union = self.rounds.post_work(wanted, label)
+        self.gather_union(union, wanted, ahead)
+
+    def gather_union(self, union: Sequence[FlatParamGroup], wanted: Sequence[FlatParamGroup] = (),
+                     ahead: bool = True) -> None:
+        """Start, in order, the gathers every rank agreed on (see [Note: rounds])."""
+        mine = {id(g) for g in wanted}
+        for g in union:
+            if g.state is GroupState.SHARDED:
                 self._start(g)
                 self._count(g, +1)
-                self.num_prefetched += 1
-                self._ahead.append(g)
+                if ahead or id(g) not in mine:
+                    self._ahead.append(g)
+            else:  # gathered here already (held, or kept): take part with this rank's slice
+                with self.timers.time("all_gather"):
+                    g.serve_gather()
 
     def sweep(self) -> None:
         """End of a pass: groups gathered ahead but never used go back to their shards."""

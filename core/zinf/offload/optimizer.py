@@ -1,7 +1,10 @@
 """fp32 master shards and Adam moments off the device, stepped by zinf's C++ CPU-Adam.
 
 The user's torch Adam/AdamW stays the source of hyper-parameters (read from its param groups at
-every step, so LR schedulers keep working); its own param groups are not stepped. This rank's shard
+every step, so LR schedulers keep working); its own param groups are not stepped. As with torch's Adam, a
+parameter is stepped only when it has a gradient: frozen parameters never, and a parameter no rank
+produced a gradient for since the last step not in that step; each parameter keeps its own step count
+for the bias correction (see [Note: stepped parameters] in zinf/param/flat_group.py). This rank's shard
 of each flat group is cut into sub-groups of at most ``offload.sub_group_numel`` elements. With the
 "cpu" tier the states are host tensors. With "nvme" each sub-group's master, exp_avg and exp_avg_sq
 are records in the swap files, and the step is a pipeline: while sub-group i is stepped, i+1 is
@@ -84,7 +87,7 @@ class _SubGroup:
     group: "FlatParamGroup"
     lo: int
     hi: int
-    segments: list[tuple[int, int, int]]  # (lo, hi, optimizer param group index), group-shard coordinates
+    segments: list[tuple[int, int, int, int]]  # (lo, hi, optimizer param group index, slot), group-shard coordinates
     gaps: list[tuple[int, int]]  # ranges no optimizer param group steps (padding, frozen parameters)
     last_of_group: bool
     records: dict[str, Record] = field(default_factory=dict)
@@ -136,8 +139,11 @@ class OffloadedAdam:
         self._error: BaseException | None = None
         self._done: dict[int, threading.Event] = {}
         self._hyper: list[_Hyper] = []
-        self.steps = [0] * len(optimizer.param_groups)
         hyper = _hyper_index(optimizer)
+        # per parameter (group, slot): how many steps it took; None where the optimizer does not step it
+        self.steps: dict[int, list[int | None]] = {
+            id(g): [0 if p is not None and p.requires_grad and id(p) in hyper else None for p in g.params] for g in groups}
+        self._stepped: dict[int, list[bool]] = {}
         # a record's trailer lives inside its span: one block less keeps a power-of-two sub-group's states
         # (and the pool's buddy blocks that stage them) at the power of two instead of rounding up to twice it
         size = max(_ALIGN_NUMEL, (sub_group_numel - 1) // _ALIGN_NUMEL * _ALIGN_NUMEL)
@@ -146,13 +152,13 @@ class OffloadedAdam:
             runs = []
             for i, p in enumerate(g.params):
                 a, b = g.local_range(i)
-                if b > a and p is not None and id(p) in hyper:
-                    runs.append((a, b, hyper[id(p)]))
+                if b > a and p is not None and p.requires_grad and id(p) in hyper:
+                    runs.append((a, b, hyper[id(p)], i))
             for lo in range(0, g.shard_numel, size):
                 hi = min(g.shard_numel, lo + size)
-                segs = [(max(a, lo), min(b, hi), k) for a, b, k in runs if a < hi and b > lo]
+                segs = [(max(a, lo), min(b, hi), k, i) for a, b, k, i in runs if a < hi and b > lo]
                 gaps, cursor = [], lo
-                for a, b, _ in segs:
+                for a, b, _, _ in segs:
                     if a > cursor:
                         gaps.append((cursor, a))
                     cursor = b
@@ -229,11 +235,18 @@ class OffloadedAdam:
 
     def state_dict(self) -> dict[str, Any]:
         moments = [self.read_states(g) for g in self.groups]
-        return {"steps": list(self.steps), "exp_avg": [m["exp_avg"] for m in moments],
-                "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
+        return {"param_steps": [list(self.steps[id(g)]) for g in self.groups],
+                "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = list(state["steps"])
+        if "param_steps" in state:
+            for g, steps in zip(self.groups, state["param_steps"]):
+                self.steps[id(g)] = list(steps)
+        else:  # written before steps were counted per parameter: one count per optimizer param group
+            hyper = _hyper_index(self.optimizer)
+            for g in self.groups:
+                self.steps[id(g)] = [None if n is None else int(state["steps"][hyper[id(p)]])
+                                     for n, p in zip(self.steps[id(g)], g.params)]
         for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
             self.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
 
@@ -281,8 +294,11 @@ class OffloadedAdam:
         """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
         self.wait()
         self._writes_done = False
-        for i in range(len(self.steps)):
-            self.steps[i] += 1
+        self._stepped = {}
+        for g in self.groups:  # what this step updates, taken now: the groups' flags are reset as they finish
+            counts, used = self.steps[id(g)], g.grad_used.tolist()
+            self._stepped[id(g)] = [n is not None and u for n, u in zip(counts, used)]
+            self.steps[id(g)] = [n + 1 if n is not None and u else n for n, u in zip(counts, used)]
         # hyper-parameters as they are now: an LR scheduler stepped right after engine.step() returns
         # must not change the learning rate of sub-groups the background step has not reached yet
         self._hyper = [_Hyper.of(self.optimizer, pg) for pg in self.optimizer.param_groups]
@@ -504,10 +520,14 @@ class OffloadedAdam:
         fp32 = out.dtype == torch.float32
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
         grad = states["grad"] if "grad" in states else g.grad_shard[sg.lo : sg.hi]
-        for lo, hi, k in sg.segments:
+        stepped, steps = self._stepped[id(g)], self.steps[id(g)]
+        for lo, hi, k, i in sg.segments:
             h = self._hyper[k]
             a, b = lo - sg.lo, hi - sg.lo
-            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=self.steps[k], lr=h.lr,
+            if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
+                out[lo:hi].copy_(master[a:b])
+                continue
+            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=steps[i], lr=h.lr,
                              beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                              decoupled=h.decoupled, param_out=None if fp32 else out[lo:hi])
             if fp32:

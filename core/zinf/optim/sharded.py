@@ -5,6 +5,11 @@ of its group's fp32 master that this rank holds (possibly empty), whose ``.grad`
 view of the fp32 gradient shard. The optimizer object itself is kept (so LR schedulers and
 frameworks holding it keep working) and its hyper-parameters per param group are untouched. This is
 exact for optimizers whose update is element-wise (Adam, AdamW, SGD, Adagrad, RMSprop, ...).
+
+As in PyTorch, a parameter is stepped only when it has a gradient: a frozen parameter never (it gets
+no gradient view, so no gradient shard memory and, with torch's optimizers, no state), and one that
+no rank produced a gradient for since the last step (a skipped branch) not in that step (see
+[Note: stepped parameters] in zinf/param/flat_group.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
+from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of
 
 __all__ = ["ShardedOptimizer", "NOT_ELEMENTWISE"]
@@ -37,6 +43,7 @@ class ShardedOptimizer:
         self.optimizer = optimizer
         self.shard_params: list[nn.Parameter] = []
         self.full_params: list[nn.Parameter] = []
+        self._grads: list[tuple[FlatParamGroup, int, torch.Tensor | None]] = []
         for pg in optimizer.param_groups:
             replaced = []
             for p in pg["params"]:
@@ -46,18 +53,19 @@ class ShardedOptimizer:
                         "zinf: the optimizer holds a parameter that is not part of the model given to the engine "
                         f"(shape {tuple(p.shape)}). Build the optimizer from model.parameters() of that model."
                     )
-                a, b = group.local_range(group.index_of(p))
+                index = group.index_of(p)
+                a, b = group.local_range(index)
                 shard = nn.Parameter(group.master[a:b], requires_grad=p.requires_grad)
-                shard.grad = group.grad_shard[a:b]
+                self._grads.append((group, index, group.grad_shard[a:b] if p.requires_grad else None))
                 replaced.append(shard)
                 self.shard_params.append(shard)
                 self.full_params.append(p)
             pg["params"] = replaced
-        self._grads = [s.grad for s in self.shard_params]
 
     def step(self) -> None:
-        for s, g in zip(self.shard_params, self._grads):
-            s.grad = g  # a zero_grad(set_to_none=True) in user code must not detach the shards
+        # set every time: a zero_grad(set_to_none=True) in user code must not detach the shards
+        for s, (group, index, grad) in zip(self.shard_params, self._grads):
+            s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
         self.optimizer.step()
 
     def state_dict(self) -> dict:

@@ -90,8 +90,7 @@ class FlatParamGroup:
         self.numel = offset
         self.shard_numel = max(1, math.ceil(offset / comm.world))
         self.padded_numel = self.shard_numel * comm.world
-        self.requires_grad = [p.requires_grad for p in params]
-        self.num_grad_params = sum(self.requires_grad)
+        self.refresh_requires_grad(params)
         self.persistent = False
         self.state = GroupState.SHARDED
         self.holds = 0
@@ -130,8 +129,25 @@ class FlatParamGroup:
         self.grad_stats: tuple[torch.Tensor, bool] | None = None
         self.grad_scales: list[torch.Tensor | float] = []
         self._grad_full: torch.Tensor | None = None
-        self._grads_ready = 0
+        self._arrived: set[int] = set()  # slots whose gradient arrived since the last reduce
+        # [Note: stepped parameters] which slots produced a gradient since the last optimizer step: on this
+        # rank until the end of a backward, then (several ranks) on any rank; the optimizer steps only these
+        self.grad_used = torch.zeros(len(self.slots), dtype=torch.bool)
+        self.reported_ready = False  # this rank's gradients of the group were announced to the other ranks
         self._to_placeholders()
+
+    def refresh_requires_grad(self, params: Sequence[nn.Parameter | None] | None = None) -> None:
+        """Take the parameters' ``requires_grad`` as it is now (frozen after construction, before the engine)."""
+        params = self.params if params is None else params
+        self.requires_grad = [p is not None and p.requires_grad for p in params]
+        self.num_grad_params = sum(self.requires_grad)
+
+    def requires_grad_changed(self) -> str | None:
+        """The name of a parameter whose ``requires_grad`` differs from what the engine was built with."""
+        for p, slot, flag in zip(self.params, self.slots, self.requires_grad):
+            if p is not None and p.requires_grad != flag:
+                return slot.name
+        return None
 
     @property
     def params(self) -> list[nn.Parameter | None]:
@@ -165,12 +181,15 @@ class FlatParamGroup:
 
     def scale_grad(self, factor: torch.Tensor | float) -> None:
         """Multiply the gradient shard by ``factor`` (unscaling, clipping); deferred while it is on NVMe."""
+        if not self.trainable:
+            return  # frozen: no gradient shard
         if self.grad_stashed:
             self.grad_scales.append(factor)
         else:
             self.grad_shard.mul_(factor)
 
     def zero_grad(self) -> None:
+        self.grad_used.zero_()
         if self.grad_stashed:
             self.grad_stashed, self.grad_stats, self.grad_scales = False, None, []
         elif self._grad_shard is not None:
@@ -206,6 +225,16 @@ class FlatParamGroup:
             if p is not None:
                 p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.state = GroupState.GATHERED
+
+    def serve_gather(self) -> None:
+        """Another rank gathers this group while this rank has it gathered (or gathering): take part in the
+        collective with this rank's slice, into a scratch buffer (see [Note: rounds] in zinf/schedule/rounds.py)."""
+        if self.state is GroupState.GATHERING:
+            self.finish_gather()
+        assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
+        lo = self.comm.rank * self.shard_numel
+        scratch = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.device)
+        self.comm.all_gather_into(scratch, self.full[lo : lo + self.shard_numel], async_op=False)
 
     def to_gathered(self) -> None:
         if self.state is GroupState.SHARDED:
@@ -287,23 +316,38 @@ class FlatParamGroup:
 
         With one rank the gradient shard is the whole flat vector, so the gradient is accumulated into
         it directly (the same 0 + g, then + g2, as through a flat buffer) and nothing is left to reduce."""
-        slot = self.slots[self.index_of(param)]
+        index = self.index_of(param)
+        slot = self.slots[index]
+        self.grad_used[index] = True
         if self.comm.world == 1:
             self.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(self.grad_device))
         else:
             if self._grad_full is None:
                 self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
             self._grad_full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
-        self._grads_ready += 1
-        return self._grads_ready == self.num_grad_params
+        complete_before = len(self._arrived) == self.num_grad_params
+        self._arrived.add(index)
+        # a parameter's gradient can arrive twice in one backward (a re-entrant checkpoint runs a backward of
+        # its own): the group completes once, and what comes later is reduced again at the end of backward
+        return not complete_before and len(self._arrived) == self.num_grad_params
 
     @property
     def has_pending_grads(self) -> bool:
-        return self._grads_ready > 0
+        return bool(self._arrived)
 
-    def take_grad_full(self) -> torch.Tensor | None:
-        """The flat gradient to reduce-scatter (None with one rank: it is already in the shard)."""
-        full, self._grad_full, self._grads_ready = self._grad_full, None, 0
+    @property
+    def trainable(self) -> bool:
+        """Whether any parameter of the group requires a gradient (frozen groups have no gradient shard)."""
+        return self.num_grad_params > 0
+
+    def take_grad_full(self, reduce_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The flat gradient to reduce-scatter (None with one rank: it is already in the shard). Zeros
+        when this rank produced none this time but another rank did (its part of the sum is zero)."""
+        full, self._grad_full = self._grad_full, None
+        self._arrived = set()
+        self.reported_ready = False
+        if full is None and self.comm.world > 1:
+            full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
         return full
 
     # -- per-parameter views of this rank's shard -----------------------------------------------

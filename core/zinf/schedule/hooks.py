@@ -5,12 +5,34 @@ prefetch the next modules' groups from the trace; post-hook -> release them, and
 that the module's backward is announced. Per module call (backward): the first output gradient ->
 gather the module's groups again and hold them until their gradients have arrived. Per parameter:
 post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group is
-complete it is reduce-scattered and the group released. The end of backward flushes what is left.
+complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
+zinf/schedule/rounds.py) and the group released. The end of backward flushes what is left.
 See [Note: flat layout] and [Note: releasing memory] in zinf/param/flat_group.py.
+
+[Note: balanced hooks]
+A forward can end without its post-hook in the ordinary sense: torch's checkpoint stops a
+recomputation by raising out of it, user code raises, Ctrl-C. The post-hook is registered with
+``always_call=True`` (it runs when the forward raised an ``Exception``), each call pops the stack
+down to its own entry (entries above it ended by a ``BaseException``), and the engine unwinds the
+whole stack when a forward pass raises. Forwards run again inside a backward (checkpoint
+recomputation) gather what they need but never touch the forward trace, so the recorded order, and
+the prefetch that follows it, stays that of the real forward.
+
+[Note: units]
+A module listed in ``unit_modules`` (or adopted by ``divergence="auto"``) is gathered as one unit: its
+pre-hook (and its backward) gathers every group of its subtree at once, so whichever submodules run
+inside it (mixture-of-experts routing), every rank issues the same gathers. Modules inside a unit are
+left out of the traces: the order inside a unit may change from step to step without invalidating
+prefetch. With ``divergence="auto"``, when ranks disagreed on gathers during a forward pass, the ranks
+compare which modules each called; for each module called on some ranks only, its nearest ancestor
+that every rank called (the same number of times) becomes a unit, logged, from the next pass on. The
+root never becomes a unit (that would gather the whole model): such divergence stays served round by
+round, which is exact too.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -18,15 +40,17 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from zinf.config import ZeroConfig
+from zinf.errors import UnsupportedModelError
 from zinf.fetch.comm import Comm
 from zinf.fetch.gather import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
-from zinf.param.registry import group_of
+from zinf.param.registry import group_of, groups_of
 from zinf.report import StepTimers
+from zinf.schedule.rounds import Post, Rounds
+from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
 from zinf.update.reduce import GradReducer
 
@@ -34,20 +58,26 @@ __all__ = ["ModuleHooks"]
 
 log = logging.getLogger(__name__)
 
+_TRACE_DIVERGED = 1  # flag bit in the round that ends a pass
+
 
 @dataclass
 class _ModuleState:
     name: str
+    index: int  # position in model.named_modules(): the same on every rank
     groups: list[FlatParamGroup]
     external: list[FlatParamGroup] = field(default_factory=list)
+    unit: list[FlatParamGroup] | None = None  # every group of the subtree, when the module is a unit
+    inside_unit: bool = False
 
     def needed(self) -> list[FlatParamGroup]:
-        return self.groups + [g for g in self.external if g not in self.groups]
+        own = self.unit if self.unit is not None else self.groups
+        return own + [g for g in self.external if g not in own]
 
 
 @dataclass
 class _Call:
-    """One running forward call: the module and the extra groups gathered on its behalf."""
+    """One running forward call: the module and the groups it holds (its own and external ones)."""
 
     module: nn.Module
     acquired: list[FlatParamGroup]
@@ -67,28 +97,53 @@ def _engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpointed block being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _is_called(module: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict) have no forward of their own and are never called."""
+    return type(module).forward is not nn.Module.forward
+
+
 class ModuleHooks:
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
-                 fetcher: ParamFetcher, reducer: GradReducer) -> None:
+                 fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds) -> None:
         self.model = model
         self.config = config
         self.comm = comm
         self.timers = timers
         self.fetcher = fetcher
         self.reducer = reducer
-        names = {m: n for n, m in model.named_modules()}
-        self.states = {m: _ModuleState(names.get(m, ""), gs) for m, gs in module_groups(model).items()}
-        self.traces = {"forward": ModuleTrace("forward", comm), "backward": ModuleTrace("backward", comm),
-                       "eval": ModuleTrace("eval forward", comm)}
+        self.rounds = rounds
+        self.groups = rounds.groups
+        owned = module_groups(model)
+        self.states: dict[nn.Module, _ModuleState] = {}
+        self.parent: dict[nn.Module, nn.Module] = {}
+        for index, (name, module) in enumerate(model.named_modules()):
+            self.states[module] = _ModuleState(name, index, owned.get(module, []))
+            for child in module.children():
+                self.parent.setdefault(child, module)
+        self.traces = {"forward": ModuleTrace("forward"), "backward": ModuleTrace("backward"),
+                       "eval": ModuleTrace("eval forward")}
+        self.pass_trace: ModuleTrace | None = None  # the trace of the forward pass running now
+        self._pass_post = Post.END_FORWARD
+        self._calls = [0] * len(self.states)  # forward calls per module in this pass (see [Note: units])
+        self._refused_units: set[str] = set()
         self.stack: list[_Call] = []
         self.in_backward = False
         self.busy = 0  # > 0 while a hook body runs; see _engine_code
         self.on_backward_start: list[Callable[[], None]] = []
         self.on_backward_end: list[Callable[[], None]] = []
+        for module, state in self.states.items():
+            if any(fnmatch.fnmatchcase(state.name, p) or type(module).__name__ == p for p in config.unit_modules):
+                self._make_unit(module)
         self._handles: list[Any] = []
         for module in self.states:
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(module.register_forward_hook(self._forward_post))
+            self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
+        self._handles.append(model.register_forward_hook(self._forward_end))  # after the root's post-hook
         seen: set[int] = set()
         for p in model.parameters():
             if p.requires_grad and id(p) not in seen:
@@ -100,30 +155,86 @@ class ModuleHooks:
             h.remove()
         self._handles.clear()
 
-    # -- forward ------------------------------------------------------------------------------------
-    def _forward_trace(self) -> ModuleTrace:
-        return self.traces["forward" if torch.is_grad_enabled() else "eval"]
+    @property
+    def units(self) -> list[str]:
+        """The names of the modules gathered as one unit (configured and adopted)."""
+        return [s.name for s in self.states.values() if s.unit is not None]
 
+    # -- forward ------------------------------------------------------------------------------------
     @_engine_code
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         state = self.states[module]
-        trace = self._forward_trace()
-        position = trace.visit(module)
-        self.fetcher.acquire(state.needed(), state.name)
-        self.stack.append(_Call(module, state.needed()))
+        recomputing = _in_backward()
+        if module is self.model and not recomputing:
+            self._begin_pass()
+        call = _Call(module, [])
+        self.stack.append(call)  # first: the post-hook pops it even if gathering raises
+        trace = None if recomputing or state.inside_unit else self.pass_trace
+        if trace is not None:
+            self._calls[state.index] += 1
+        position = trace.visit(module) if trace is not None else None
+        needed = state.needed()
+        self.fetcher.acquire(needed, state.name)
+        call.acquired = list(needed)
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
 
     @_engine_code
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        call = self.stack.pop()
-        assert call.module is module, "zinf: forward hooks out of order (a module raised mid-forward?)"
-        self.fetcher.release(call.acquired)
-        if torch.is_grad_enabled():
+        """Runs however the forward ended (see [Note: balanced hooks]); ``output`` is None if it raised."""
+        while self.stack:
+            call = self.stack.pop()
+            self.fetcher.release(call.acquired)
+            if call.module is module:
+                break
+        if output is not None and torch.is_grad_enabled():
             self._announce_backward(module, output)
-        if module is self.model:
-            self.fetcher.sweep()
-            self._forward_trace().finish_pass()
+
+    @_engine_code
+    def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root's forward returned: every rank agrees that the pass is over (serving the others' gathers
+        until then), then the trace is finished and units may be adopted."""
+        trace = self.pass_trace
+        if trace is None or _in_backward():
+            return
+        self.pass_trace = None
+        flags = _TRACE_DIVERGED if trace.diverged else 0
+        flags = self._sync(self._pass_post, flags)
+        self.fetcher.sweep()
+        trace.finish_pass(bool(flags & _TRACE_DIVERGED))
+        if self.rounds.active and self.config.divergence == "auto":
+            self._adopt_units()
+        self._calls = [0] * len(self._calls)
+
+    def _begin_pass(self) -> None:
+        if self.stack or self.pass_trace is not None:  # a pass that raised without the engine seeing it
+            self.unwind()
+        grad = torch.is_grad_enabled()
+        if grad:
+            for g in self.groups:
+                changed = g.requires_grad_changed()
+                if changed is not None:
+                    raise UnsupportedModelError(
+                        f"zinf: requires_grad of '{changed}' changed after the engine was built; the engine keeps "
+                        "gradient hooks, gradient shards and optimizer states for the parameters that train as it "
+                        "was built. Freeze or unfreeze parameters before building the engine (rebuild it to change them).")
+        self.pass_trace = self.traces["forward" if grad else "eval"]
+        self._pass_post = Post.END_FORWARD if grad else Post.END_EVAL
+
+    def unwind(self) -> None:
+        """A forward pass raised: release what its calls hold and forget the pass (see [Note: balanced hooks])."""
+        while self.stack:
+            self.fetcher.release(self.stack.pop().acquired)
+        if self.pass_trace is not None:
+            self.pass_trace.abort_pass()
+            self.pass_trace = None
+        self._calls = [0] * len(self._calls)
+        self.fetcher.sweep()
+
+    def abort_pass(self) -> None:
+        """The forward or backward raised on this rank: tell the other ranks (so that none waits for this one)."""
+        if self.rounds.active and not self.rounds.failed:
+            self.rounds.abort()
 
     @_engine_code
     def on_external(self, group: FlatParamGroup) -> None:
@@ -138,9 +249,55 @@ class ModuleHooks:
         self.fetcher.acquire([group], state.name)
         call.acquired.append(group)
 
+    # -- units (see [Note: units]) ------------------------------------------------------------------
+    def _make_unit(self, module: nn.Module) -> None:
+        state = self.states[module]
+        state.unit = groups_of(module.parameters())
+        for sub in module.modules():
+            if sub is not module:
+                self.states[sub].inside_unit = True
+
+    def _adopt_units(self) -> None:
+        if not self.rounds.take_divergent():  # ranks agreed on every gather of the pass
+            return
+        counts = torch.tensor(self._calls, dtype=torch.int64)
+        low, high = counts.clone(), counts.clone()
+        self.comm.all_reduce(low, op="min")
+        self.comm.all_reduce(high, op="max")
+        varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
+        adopted: dict[nn.Module, list[str]] = {}
+        for start in varies:
+            if not self.states[start].groups:
+                continue
+            module: nn.Module | None = start
+            while module is not None and (module in varies or not _is_called(module)
+                                          or int(high[self.states[module].index]) == 0):
+                module = self.parent.get(module)
+            if module is None or module is self.model:
+                name = self.states[start].name
+                if name not in self._refused_units:
+                    self._refused_units.add(name)
+                    log.info("zinf: %s runs on some ranks only and the nearest module every rank calls is the root, "
+                             "which is not gathered as one unit: its gathers stay agreed round by round (exact, one "
+                             "small exchange each)", name)
+                continue
+            state = self.states[module]
+            if state.unit is None and not state.inside_unit:
+                adopted.setdefault(module, []).append(self.states[start].name)
+        for module in sorted(adopted, key=lambda m: self.states[m].index):
+            if self.states[module].inside_unit:  # an ancestor adopted in this same pass covers it
+                continue
+            self._make_unit(module)
+            log.info("zinf: %s (%s) runs different submodules on different ranks (%s); gathering and reducing it "
+                     "as one unit from now on (set unit_modules to choose units yourself)",
+                     self.states[module].name, type(module).__name__, ", ".join(sorted(adopted[module])[:4]))
+        if adopted:
+            for t in self.traces.values():
+                t.restart()
+
     # -- backward -----------------------------------------------------------------------------------
     def _announce_backward(self, module: nn.Module, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return
         fired = [False]
@@ -161,8 +318,8 @@ class ModuleHooks:
                 fn()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         state = self.states[module]
-        trace = self.traces["backward"]
-        position = trace.visit(module)
+        trace = None if state.inside_unit else self.traces["backward"]
+        position = trace.visit(module) if trace is not None else None
         todo = [g for g in state.needed() if not g.backward_held]
         self.fetcher.acquire(todo, state.name)
         for g in todo:
@@ -177,8 +334,14 @@ class ModuleHooks:
         complete = group.add_grad(param, param.grad, self.config.grad_reduce_dtype)
         param.grad = None
         if complete:
-            self.reducer.reduce(group)
+            self._grads_complete(group)
             self._drop_backward_hold(group)
+
+    def _grads_complete(self, group: FlatParamGroup) -> None:
+        if self.rounds.active:
+            self.rounds.ready(group)  # reduce-scattered once every rank has announced it
+        else:
+            self.reducer.reduce(group)
 
     def _drop_backward_hold(self, group: FlatParamGroup) -> None:
         if group.backward_held:
@@ -189,26 +352,52 @@ class ModuleHooks:
         """After a backward that raised: drop its partial gradients and holds so the next one starts clean."""
         if not self.in_backward:
             return
-        for state in self.states.values():
-            for g in state.needed():
-                if g.has_pending_grads:
-                    g.take_grad_full()
-                self._drop_backward_hold(g)
+        self.rounds.forget_backward()
+        for g in self.groups:
+            if g.has_pending_grads:
+                g.take_grad_full()
+            self._drop_backward_hold(g)
         self.fetcher.sweep()
         self.in_backward = False
 
     @_engine_code
     def _finalize_backward(self) -> None:
-        for state in self.states.values():
-            for g in state.groups:
-                if g.has_pending_grads:  # parameters that got no gradient this pass count as zero
-                    self.reducer.reduce(g)
+        for g in self.groups:
+            if g.has_pending_grads:  # parameters that got no gradient this pass count as zero
+                self._grads_complete(g)
+        trace = self.traces["backward"]
+        flags = self._sync(Post.END_BACKWARD, _TRACE_DIVERGED if trace.diverged else 0)
         self.reducer.drain()
-        for state in self.states.values():
-            for g in state.needed():
-                self._drop_backward_hold(g)
+        if self.rounds.active:
+            self._agree_on_used()
+        for g in self.groups:
+            self._drop_backward_hold(g)
         self.fetcher.sweep()
-        self.traces["backward"].finish_pass()
+        trace.finish_pass(bool(flags & _TRACE_DIVERGED))
         self.in_backward = False
         for fn in self.on_backward_end:
             fn()
+
+    def _agree_on_used(self) -> None:
+        """[Note: stepped parameters] in zinf/param/flat_group.py: a parameter is stepped when any rank
+        produced a gradient for it since the last step (DDP's meaning), so every rank steps the same ones."""
+        trainable = [g for g in self.groups if g.trainable]
+        if not trainable:
+            return
+        used = torch.cat([g.grad_used for g in trainable]).to(torch.int32)
+        self.comm.all_reduce(used, op="max")
+        offset = 0
+        for g in trainable:
+            n = g.grad_used.numel()
+            g.grad_used.copy_(used[offset : offset + n].bool())
+            offset += n
+
+    def _sync(self, post: Post, flags: int) -> int:
+        """Take part in rounds until every rank has reached ``post``; returns every rank's flags OR-ed."""
+        if not self.rounds.active:
+            return flags
+        while True:
+            result = self.rounds.post(post, flags=flags)
+            self.fetcher.gather_union(result.gathers)
+            if result.synced:
+                return result.flags

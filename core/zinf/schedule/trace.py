@@ -1,9 +1,10 @@
 """The module order of one pass (forward or backward), recorded once and replayed to drive prefetch.
 
 The first pass records; later passes compare each module against the recording. The first
-mismatch marks the trace invalid and prefetching stops for the rest of the pass (demand gathers are
-still issued in program order, so the ranks stay in step). At the end of the pass the ranks agree,
-by one small all-reduce, on whether any of them saw a mismatch; if so every rank records afresh.
+mismatch marks the trace invalid and prefetching stops for the rest of the pass (gathers are issued
+through rounds, so the ranks stay in step whatever each one prefetches; see [Note: rounds] in
+zinf/schedule/rounds.py). At the end of the pass the ranks agree, in the round that ends the pass, on
+whether any of them saw a mismatch; if so every rank records afresh.
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 
-import torch
 from torch import nn
-
-from zinf.fetch.comm import Comm
 
 __all__ = ["TraceState", "ModuleTrace"]
 
@@ -31,9 +29,8 @@ class TraceState(enum.Enum):
 
 
 class ModuleTrace:
-    def __init__(self, name: str, comm: Comm) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.comm = comm
         self.state = TraceState.RECORDING
         self.order: list[nn.Module] = []
         self._recording: list[nn.Module] = []
@@ -58,18 +55,31 @@ class ModuleTrace:
         assert self.state is TraceState.REPLAYING, f"trace {self.name}: diverge from {self.state}"
         self.state = TraceState.DIVERGED
 
-    def finish_pass(self) -> None:
-        """End of a pass: the ranks agree whether to replay or record again."""
-        if self.state is TraceState.REPLAYING and self.position != len(self.order):
-            self.to_diverged()  # a shorter pass than the recording
-        diverged = torch.tensor([1.0 if self.state is TraceState.DIVERGED else 0.0], device=self.comm.device)
-        if self.comm.world > 1:
-            self.comm.all_reduce(diverged, op="max")
+    @property
+    def diverged(self) -> bool:
+        """Whether this pass left the recording (or was shorter than it), as seen on this rank."""
+        return self.state is TraceState.DIVERGED or (
+            self.state is TraceState.REPLAYING and self.position != len(self.order))
+
+    def finish_pass(self, any_diverged: bool) -> None:
+        """End of a pass: ``any_diverged`` (agreed by every rank) says whether to replay or record again."""
         if self.state is TraceState.RECORDING:
             self.order, self._recording = self._recording, []
             self.state = TraceState.REPLAYING
-        elif diverged.item() > 0:
+        elif any_diverged:
             self.num_rerecords += 1
-            self.order, self._recording = [], []
-            self.state = TraceState.RECORDING
+            self.restart()
         self.position = 0
+
+    def restart(self) -> None:
+        """Forget the recording: the next pass records (every rank alike, e.g. after units changed)."""
+        self.order, self._recording = [], []
+        self.state = TraceState.RECORDING
+        self.position = 0
+
+    def abort_pass(self) -> None:
+        """The pass raised: keep a finished recording, drop a partial one (or one this pass left)."""
+        if self.state is TraceState.REPLAYING:
+            self.position = 0
+        else:
+            self.restart()

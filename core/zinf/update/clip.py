@@ -22,6 +22,8 @@ __all__ = ["grad_norm", "clip_grad_norm_"]
 def grad_norm(params: Sequence[nn.Parameter], comm: Comm) -> torch.Tensor:
     norms = []
     for p in params:
+        if not p.requires_grad:  # frozen: no gradient (torch skips grads that are None)
+            continue
         g = group_of(p)
         assert g is not None
         i = g.index_of(p)

@@ -17,6 +17,8 @@ def found_nonfinite(groups: Sequence[FlatParamGroup], comm: Comm) -> bool:
     """True on every rank when any rank's gradient shard holds an inf or a nan."""
     bad = torch.zeros(1, device=comm.device)
     for g in groups:
+        if not g.trainable:
+            continue
         finite = g.grad_stats[1] if g.grad_stashed and g.grad_stats is not None else bool(torch.isfinite(g.grad_shard).all())
         if not finite:
             bad.fill_(1.0)

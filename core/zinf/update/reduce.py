@@ -34,8 +34,10 @@ class GradReducer:
         # (work, [(group, its slice of the output)], tensors kept alive until the work is done)
         self._in_flight: list[tuple[Any, list[tuple[FlatParamGroup, torch.Tensor]], tuple[torch.Tensor, ...]]] = []
 
-    def reduce(self, group: FlatParamGroup) -> None:
-        full = group.take_grad_full()
+    def reduce(self, group: FlatParamGroup, reduce_dtype: torch.dtype = torch.float32) -> None:
+        """Reduce-scatter ``group``'s flat gradient. With several ranks, only in the order every rank agreed
+        on (see [Note: rounds] in zinf/schedule/rounds.py)."""
+        full = group.take_grad_full(reduce_dtype)
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
             group.grad_complete()
             return
