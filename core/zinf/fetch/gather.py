@@ -34,6 +34,7 @@ class ParamFetcher:
         self.num_demand = 0  # gathers a module had to start itself (trace not known yet, or no budget)
 
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
+        self.settle()
         todo = [g for g in groups if g.state is GroupState.SHARDED]
         if todo:  # issue every gather first, then wait: the module's gathers run together
             self.num_demand += len(todo)
@@ -53,7 +54,10 @@ class ParamFetcher:
                 self._count(g, -1)
 
     def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
-        """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget."""
+        """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget.
+        With several ranks the round that asks for them is not waited for here: it is applied by the next
+        call that gathers (``settle``), so a prefetch does not hold this rank until the others post theirs."""
+        self.settle()
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
         reading = True
@@ -82,7 +86,14 @@ class ParamFetcher:
                 chosen.append(g)
         if chosen:
             self.num_prefetched += len(chosen)
-            self.start(chosen, "prefetch", ahead=True)
+            if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
+                self.start(chosen, "prefetch", ahead=True)
+
+    def settle(self) -> None:
+        """Apply a prefetch round still in flight (before anything else is issued: see [Note: rounds])."""
+        if self.rounds is not None and self.rounds.pending:
+            union, wanted = self.rounds.settle()
+            self.gather_union(union, wanted, ahead=True)
 
     def start(self, wanted: Sequence[FlatParamGroup], label: str, ahead: bool) -> None:
         """Start the gathers of ``wanted`` (sharded groups) and, with several ranks, of whatever the other
@@ -91,6 +102,7 @@ class ParamFetcher:
         if self.rounds is None:
             union = list(wanted)
         else:
+            self.settle()
             if not wanted:
                 return  # nothing to post: rounds pair with rounds, so skipping one is always safe
             union = self.rounds.post_work(wanted, label)

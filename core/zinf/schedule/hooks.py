@@ -234,6 +234,7 @@ class ModuleHooks:
     def abort_pass(self) -> None:
         """The forward or backward raised on this rank: tell the other ranks (so that none waits for this one)."""
         if self.rounds.active and not self.rounds.failed:
+            self.fetcher.settle()  # the others apply it too before they read this rank's abort
             self.rounds.abort()
 
     @_engine_code
@@ -396,6 +397,7 @@ class ModuleHooks:
         """Take part in rounds until every rank has reached ``post``; returns every rank's flags OR-ed."""
         if not self.rounds.active:
             return flags
+        self.fetcher.settle()
         while True:
             result = self.rounds.post(post, flags=flags)
             self.fetcher.gather_union(result.gathers)

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -85,6 +86,7 @@ class Rounds:
         self._divergent: set[int] = set()
         self.num_rounds = 0
         self.num_divergent_rounds = 0
+        self._pending: tuple[torch.Tensor, Any, str, list[FlatParamGroup]] | None = None  # see post_deferred
         self.failed = False  # a round raised on every rank alike: nothing is left to tell the others
 
     @property
@@ -113,43 +115,81 @@ class Rounds:
     def post(self, post: Post, wanted: Sequence[FlatParamGroup] = (), flags: int = 0, label: str = "") -> RoundResult:
         """Run rounds until this rank has posted all of ``wanted`` (and its pending gradient announcements);
         apply what every rank asked for. For an END_* post, ``synced`` says whether every rank posted it."""
+        assert self._pending is None, "zinf: a deferred round must be settled before the next one"
         gather_ids = [self._id[id(g)] for g in wanted]
         result = RoundResult()
         seen: set[int] = set()
         while True:
             chunk, gather_ids = gather_ids[:_SLOTS], gather_ids[_SLOTS:]
-            room = _SLOTS - len(chunk)
-            ready, self._ready_local = self._ready_local[:room], self._ready_local[room:]
+            ready = self._take_ready(_SLOTS - len(chunk))
             more = bool(gather_ids or self._ready_local)
             rows = self._exchange(post, flags, chunk, ready, more)
-            self._check_abort(rows)
-            posts = [int(r[0]) for r in rows]
-            result.flags |= _or(int(r[1]) for r in rows)
-            per_rank = [[int(x) for x in r[_HEADER : _HEADER + int(r[2])]] for r in rows]
-            self._note_divergence(posts, per_rank, label)
-            for ids in per_rank:
-                for gid in ids:
-                    if gid not in seen:
-                        seen.add(gid)
-                        result.gathers.append(self.groups[gid])
-            for r, row in enumerate(rows):
-                start = _HEADER + int(row[2])
-                for gid in row[start : start + int(row[3])]:
-                    self._ready_from.setdefault(int(gid), set()).add(r)
-            any_more = any(int(r[4]) for r in rows)
-            synced = post is not Post.WORK and all(p == post for p in posts) and not any_more
-            if post is not Post.WORK and not any_more:
-                ends = {Post(p) for p in posts if p not in (Post.WORK, post)}
-                if ends:
-                    self.failed = True
-                    raise CollectiveMismatchError(
-                        f"zinf: ranks reached different ends of a pass: this rank {post.name}, others "
-                        f"{sorted(e.name for e in ends)}. Every rank must run the same passes (forward, backward, "
-                        "eval) in the same order; check for rank-dependent calls of the model or of backward().")
-            self._reduce_ready(final=synced and post is Post.END_BACKWARD)
-            if not any_more:
-                result.synced = synced
+            if not self._apply(rows, post, label, result, seen):
                 return result
+
+    def post_deferred(self, wanted: Sequence[FlatParamGroup], label: str) -> bool:
+        """Post a WORK round (prefetch) without waiting for it: ``settle`` applies it before anything else is
+        issued. False if it does not fit one message (then use ``post_work``)."""
+        assert self._pending is None, "zinf: a deferred round must be settled before the next one"
+        if len(wanted) > _SLOTS:
+            return False
+        ids = [self._id[id(g)] for g in wanted]
+        ready = self._take_ready(_SLOTS - len(ids))
+        out, work = self._start_exchange(Post.WORK, 0, ids, ready, bool(self._ready_local))
+        self._pending = (out, work, label, list(wanted))
+        return True
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def settle(self) -> tuple[list[FlatParamGroup], list[FlatParamGroup]]:
+        """Wait for the deferred round and apply it: (the gathers every rank starts now, this rank's own)."""
+        assert self._pending is not None
+        out, work, label, wanted = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        work.wait()
+        self.timers.seconds["rounds"] += time.perf_counter() - start  # counted once, when it was posted
+        result, seen = RoundResult(), set()
+        if self._apply(list(out.view(self.comm.world, -1)), Post.WORK, label, result, seen):
+            rest = self.post(Post.WORK, label=label)  # another rank had more to say
+            result.gathers += [g for g in rest.gathers if self._id[id(g)] not in seen]
+        return result.gathers, wanted
+
+    def _take_ready(self, room: int) -> list[int]:
+        ready, self._ready_local = self._ready_local[:room], self._ready_local[room:]
+        return ready
+
+    def _apply(self, rows: list[torch.Tensor], post: Post, label: str, result: RoundResult, seen: set[int]) -> bool:
+        """Apply one round's messages (the same on every rank); True if some rank has more to send."""
+        self._check_abort(rows)
+        posts = [int(r[0]) for r in rows]
+        result.flags |= _or(int(r[1]) for r in rows)
+        per_rank = [[int(x) for x in r[_HEADER : _HEADER + int(r[2])]] for r in rows]
+        self._note_divergence(posts, per_rank, label)
+        for ids in per_rank:
+            for gid in ids:
+                if gid not in seen:
+                    seen.add(gid)
+                    result.gathers.append(self.groups[gid])
+        for r, row in enumerate(rows):
+            start = _HEADER + int(row[2])
+            for gid in row[start : start + int(row[3])]:
+                self._ready_from.setdefault(int(gid), set()).add(r)
+        any_more = any(int(r[4]) for r in rows)
+        synced = post is not Post.WORK and all(p == post for p in posts) and not any_more
+        if post is not Post.WORK and not any_more:
+            ends = {Post(p) for p in posts if p not in (Post.WORK, post)}
+            if ends:
+                self.failed = True
+                raise CollectiveMismatchError(
+                    f"zinf: ranks reached different ends of a pass: this rank {post.name}, others "
+                    f"{sorted(e.name for e in ends)}. Every rank must run the same passes (forward, backward, "
+                    "eval) in the same order; check for rank-dependent calls of the model or of backward().")
+        self._reduce_ready(final=synced and post is Post.END_BACKWARD)
+        result.synced = synced
+        return any_more
 
     def post_work(self, wanted: Sequence[FlatParamGroup], label: str) -> list[FlatParamGroup]:
         """This rank needs ``wanted`` gathered now: returns what every rank starts (``wanted`` among them)."""
@@ -160,16 +200,21 @@ class Rounds:
         self._exchange(Post.ABORT, 0, [], [], False)
 
     def _exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool) -> list[torch.Tensor]:
+        out, _ = self._start_exchange(post, flags, gathers, ready, more, wait=True)
+        return list(out.view(self.comm.world, -1))
+
+    def _start_exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool,
+                        wait: bool = False) -> tuple[torch.Tensor, Any]:
         msg = torch.zeros(_HEADER + _SLOTS, dtype=torch.int64)
         msg[:_HEADER] = torch.tensor([int(post), flags, len(gathers), len(ready), int(more)])
         ids = gathers + ready
         if ids:
             msg[_HEADER : _HEADER + len(ids)] = torch.tensor(ids)
         out = torch.empty(self.comm.world * msg.numel(), dtype=torch.int64)
-        with self.timers.time("rounds"):
-            self.comm.all_gather_into(out, msg, async_op=False)
         self.num_rounds += 1
-        return list(out.view(self.comm.world, -1))
+        with self.timers.time("rounds"):
+            work = self.comm.all_gather_into(out, msg, async_op=not wait)
+        return out, work
 
     def _check_abort(self, rows: list[torch.Tensor]) -> None:
         stopped = [r for r, row in enumerate(rows) if int(row[0]) == Post.ABORT and r != self.comm.rank]

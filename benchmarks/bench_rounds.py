@@ -1,0 +1,102 @@
+"""What agreeing on collectives costs (see [Note: rounds] in zinf/schedule/rounds.py): 2 gloo ranks,
+torch DDP vs zinf on the same model and global batch, back to back.
+
+    python benchmarks/bench_rounds.py [--layers 4 --embd 256 --batch 8 --steps 8]
+
+Rows: a dense GPT, and the same GPT with a top-1 mixture-of-experts MLP (8 experts, routing that differs
+per rank; zinf adopts each MoE layer as a unit after the first step). Columns: seconds per step (median
+after two warm-up steps), zinf over DDP, rounds per step and the share of zinf's step spent in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import zinf  # noqa: E402
+from models import GPT, GPTConfig  # noqa: E402
+from patterns import MoEGPT, token_batches  # noqa: E402
+
+
+def _model(kind: str, cfg: GPTConfig) -> torch.nn.Module:
+    return GPT(cfg) if kind == "dense" else MoEGPT(cfg)
+
+
+def _worker(rank: int, world: int, path: str, kind: str, cfg: GPTConfig, batch: int, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    data = token_batches(steps, batch, cfg.vocab, cfg.block)
+    results = {}
+    for mode in ("ddp", "zinf"):
+        torch.manual_seed(0)
+        if mode == "zinf":
+            with zinf.Init():
+                model = _model(kind, cfg)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            engine = zinf.initialize(model, opt)
+            run, step = engine, engine.step
+            back = engine.backward
+        else:
+            model = _model(kind, cfg)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kind != "dense")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            run, back = ddp, (lambda loss: loss.backward())
+
+            def step() -> None:
+                opt.step()
+                opt.zero_grad()
+        times, rounds = [], []
+        for x, y in data:
+            dist.barrier()
+            t = time.perf_counter()
+            back(run(x.chunk(world)[rank], y.chunk(world)[rank]))
+            step()
+            times.append(time.perf_counter() - t)
+            if mode == "zinf":
+                report = engine.report()
+                rounds.append((report.counts.get("rounds", 0), report.seconds.get("rounds", 0.0)))
+        results[mode] = (statistics.median(times[2:]), rounds[2:])
+        if mode == "zinf":
+            engine.close()
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    a = p.parse_args()
+    cfg = GPTConfig(vocab=4096, block=128, n_embd=a.embd, n_head=8, n_layer=a.layers)
+    print(f"2 gloo ranks, 1 thread each, batch {a.batch}x{cfg.block}, {a.layers} layers, embd {a.embd}")
+    print("\n| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step | rounds share |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind in ("dense", "moe"):
+        numel = sum(q.numel() for q in dict.fromkeys(_model(kind, cfg).parameters()))
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "out.pt")
+            mp.start_processes(_worker, args=(2, os.path.join(d, "rdv"), kind, cfg, a.batch, a.steps, out),
+                               nprocs=2, start_method="spawn")
+            res = torch.load(out, weights_only=False)
+        ddp, (zt, rounds) = res["ddp"][0], res["zinf"]
+        n = statistics.median(r[0] for r in rounds)
+        share = statistics.median(r[1] for r in rounds) / zt
+        print(f"| {kind} | {numel / 1e6:.1f}M | {ddp:.4f} | {zt:.4f} | {zt / ddp:.2f}x | {n:.0f} | {share:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
