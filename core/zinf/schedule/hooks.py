@@ -261,10 +261,11 @@ class ModuleHooks:
     def _adopt_units(self) -> None:
         if not self.rounds.take_divergent():  # ranks agreed on every gather of the pass
             return
-        counts = torch.tensor(self._calls, dtype=torch.int64)
+        counts = torch.tensor(self._calls, dtype=torch.int64, device=self.comm.device)
         low, high = counts.clone(), counts.clone()
         self.comm.all_reduce(low, op="min")
         self.comm.all_reduce(high, op="max")
+        low, high = low.cpu(), high.cpu()
         varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
         adopted: dict[nn.Module, list[str]] = {}
         for start in varies:
@@ -385,8 +386,9 @@ class ModuleHooks:
         trainable = [g for g in self.groups if g.trainable]
         if not trainable:
             return
-        used = torch.cat([g.grad_used for g in trainable]).to(torch.int32)
+        used = torch.cat([g.grad_used for g in trainable]).to(self.comm.device, torch.int32)
         self.comm.all_reduce(used, op="max")
+        used = used.cpu()
         offset = 0
         for g in trainable:
             n = g.grad_used.numel()

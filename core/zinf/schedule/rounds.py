@@ -152,7 +152,7 @@ class Rounds:
         work.wait()
         self.timers.seconds["rounds"] += time.perf_counter() - start  # counted once, when it was posted
         result, seen = RoundResult(), set()
-        if self._apply(list(out.view(self.comm.world, -1)), Post.WORK, label, result, seen):
+        if self._apply(list(out.cpu().view(self.comm.world, -1)), Post.WORK, label, result, seen):
             rest = self.post(Post.WORK, label=label)  # another rank had more to say
             result.gathers += [g for g in rest.gathers if self._id[id(g)] not in seen]
         return result.gathers, wanted
@@ -201,16 +201,17 @@ class Rounds:
 
     def _exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool) -> list[torch.Tensor]:
         out, _ = self._start_exchange(post, flags, gathers, ready, more, wait=True)
-        return list(out.view(self.comm.world, -1))
+        return list(out.cpu().view(self.comm.world, -1))
 
     def _start_exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool,
                         wait: bool = False) -> tuple[torch.Tensor, Any]:
-        msg = torch.zeros(_HEADER + _SLOTS, dtype=torch.int64)
-        msg[:_HEADER] = torch.tensor([int(post), flags, len(gathers), len(ready), int(more)])
         ids = gathers + ready
+        host = torch.zeros(_HEADER + _SLOTS, dtype=torch.int64)
+        host[:_HEADER] = torch.tensor([int(post), flags, len(gathers), len(ready), int(more)])
         if ids:
-            msg[_HEADER : _HEADER + len(ids)] = torch.tensor(ids)
-        out = torch.empty(self.comm.world * msg.numel(), dtype=torch.int64)
+            host[_HEADER : _HEADER + len(ids)] = torch.tensor(ids)
+        msg = host.to(self.comm.device)  # NCCL takes device tensors only; gloo's device is the CPU
+        out = torch.empty(self.comm.world * msg.numel(), dtype=torch.int64, device=self.comm.device)
         self.num_rounds += 1
         with self.timers.time("rounds"):
             work = self.comm.all_gather_into(out, msg, async_op=not wait)
