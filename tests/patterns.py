@@ -71,7 +71,7 @@ class Branchy(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
-def branchy_batches(steps: int, batch: int, world_hint: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def branchy_batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Even steps: only the first row has the rare feature (so only rank 0 runs ``rare``); odd: none."""
     g = torch.Generator().manual_seed(99)
     out = []
@@ -285,13 +285,6 @@ PATTERNS: dict[str, Pattern] = {
     "hf_switch_transformers_moe": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss),
     "hf_llama_gradient_checkpointing": Pattern(llama_checkpointed, lambda s, b: token_batches(s, b, 64, 8), _hf_loss),
 }
-
-
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=3e-3, betas=(0.9, 0.95))
 
 
 def build(pattern: Pattern) -> nn.Module:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
-from patterns import PATTERNS, Pattern, build, make_optimizer
+from models import make_optimizer
+from patterns import PATTERNS, Pattern, build
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +59,8 @@ def _train(rank: int, world: int, pattern: Pattern) -> dict:
         losses.append(total.item() / world)
     out = {"losses": losses, "state": engine.full_state_dict(), "units": engine.hooks.units,
            "divergent_rounds": engine.rounds.num_divergent_rounds, "stack": len(engine.hooks.stack),
-           "gathered": [g.name for g in engine.groups if g.state.name != "SHARDED" and not g.persistent]}
+           "gathered": [g.name for g in engine.groups if g.state.name != "SHARDED" and not g.persistent],
+           "frozen_grad_shards": [g.name for g in engine.groups if not g.trainable and g.resident_grad_shard is not None]}
     engine.close()
     return out
 
@@ -86,6 +88,7 @@ def _check(name: str, world: int, got: dict, ref: tuple[list[float], dict[str, t
             assert drift < 1e-3, f"{name} on {world} rank(s): weight {k} drifted {drift:.2e} (relative norm)"
     assert got["stack"] == 0, f"{name}: {got['stack']} forward calls left on the hook stack"
     assert not got["gathered"], f"{name}: groups left gathered after training: {got['gathered']}"
+    assert not got["frozen_grad_shards"], f"{name}: frozen groups hold gradient shards: {got['frozen_grad_shards']}"
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -101,8 +101,7 @@ class ParamFetcher:
         asked for, are released at the end of the pass unless a module takes them."""
         if self.rounds is None:
             union = list(wanted)
-        else:
-            self.settle()
+        else:  # acquire and prefetch have settled a deferred round already
             if not wanted:
                 return  # nothing to post: rounds pair with rounds, so skipping one is always safe
             union = self.rounds.post_work(wanted, label)

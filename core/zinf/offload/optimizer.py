@@ -519,7 +519,7 @@ class OffloadedAdam:
         out = g.param_store.writer(g)
         fp32 = out.dtype == torch.float32
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
-        grad = states["grad"] if "grad" in states else g.grad_shard[sg.lo : sg.hi]
+        grad = states.get("grad")  # read from NVMe with the states, else the resident shard (below, only if needed)
         stepped, steps = self._stepped[id(g)], self.steps[id(g)]
         for lo, hi, k, i in sg.segments:
             h = self._hyper[k]
@@ -527,6 +527,8 @@ class OffloadedAdam:
             if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
                 out[lo:hi].copy_(master[a:b])
                 continue
+            if grad is None:  # a group nothing steps (all frozen or unused) never allocates a gradient shard
+                grad = g.grad_shard[sg.lo : sg.hi]
             native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=steps[i], lr=h.lr,
                              beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                              decoupled=h.decoupled, param_out=None if fp32 else out[lo:hi])

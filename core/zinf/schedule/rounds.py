@@ -84,7 +84,6 @@ class Rounds:
         self._ready_local: list[int] = []  # announced complete here, not yet posted
         self._ready_from: dict[int, set[int]] = {}  # group id -> ranks that announced it complete
         self._divergent: set[int] = set()
-        self.num_rounds = 0
         self.num_divergent_rounds = 0
         self._pending: tuple[torch.Tensor, Any, str, list[FlatParamGroup]] | None = None  # see post_deferred
         self.failed = False  # a round raised on every rank alike: nothing is left to tell the others
@@ -92,9 +91,6 @@ class Rounds:
     @property
     def active(self) -> bool:
         return self.comm.world > 1
-
-    def id_of(self, group: FlatParamGroup) -> int:
-        return self._id[id(group)]
 
     def ready(self, group: FlatParamGroup) -> None:
         """This rank's gradients of ``group`` are complete for now: announce it in the next round."""
@@ -152,7 +148,7 @@ class Rounds:
         work.wait()
         self.timers.seconds["rounds"] += time.perf_counter() - start  # counted once, when it was posted
         result, seen = RoundResult(), set()
-        if self._apply(list(out.cpu().view(self.comm.world, -1)), Post.WORK, label, result, seen):
+        if self._apply(self._rows(out), Post.WORK, label, result, seen):
             rest = self.post(Post.WORK, label=label)  # another rank had more to say
             result.gathers += [g for g in rest.gathers if self._id[id(g)] not in seen]
         return result.gathers, wanted
@@ -165,7 +161,8 @@ class Rounds:
         """Apply one round's messages (the same on every rank); True if some rank has more to send."""
         self._check_abort(rows)
         posts = [int(r[0]) for r in rows]
-        result.flags |= _or(int(r[1]) for r in rows)
+        for row in rows:
+            result.flags |= int(row[1])
         per_rank = [[int(x) for x in r[_HEADER : _HEADER + int(r[2])]] for r in rows]
         self._note_divergence(posts, per_rank, label)
         for ids in per_rank:
@@ -201,6 +198,10 @@ class Rounds:
 
     def _exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool) -> list[torch.Tensor]:
         out, _ = self._start_exchange(post, flags, gathers, ready, more, wait=True)
+        return self._rows(out)
+
+    def _rows(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's message, on the host."""
         return list(out.cpu().view(self.comm.world, -1))
 
     def _start_exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool,
@@ -212,7 +213,6 @@ class Rounds:
             host[_HEADER : _HEADER + len(ids)] = torch.tensor(ids)
         msg = host.to(self.comm.device)  # NCCL takes device tensors only; gloo's device is the CPU
         out = torch.empty(self.comm.world * msg.numel(), dtype=torch.int64, device=self.comm.device)
-        self.num_rounds += 1
         with self.timers.time("rounds"):
             work = self.comm.all_gather_into(out, msg, async_op=not wait)
         return out, work
@@ -243,8 +243,9 @@ class Rounds:
                 "zinf: ranks disagree on which parameters to gather next (" + "; ".join(lines) + "). The control "
                 "flow of the model differs between ranks here (mixture-of-experts routing, a layer skipped on some "
                 f"ranks) around {names}. Fix: set divergence='auto' (the default) so that zinf serves every rank's "
-                "gathers and groups such modules itself, or name the module that calls them in unit_modules "
-                f"(e.g. unit_modules=['{_parent_pattern(names[0])}']) so that it is gathered as one unit.")
+                "gathers and groups such modules itself, or name the module that calls them (for a "
+                "mixture-of-experts layer: the layer) in unit_modules, by name pattern or class name (e.g. "
+                "unit_modules=['model.layers.*.mlp']), so that it is gathered as one unit.")
         self._divergent |= differ
 
     def _reduce_ready(self, final: bool) -> None:
@@ -255,15 +256,3 @@ class Rounds:
             del self._ready_from[gid]
             self.reducer.reduce(self.groups[gid], self.reduce_dtype)
 
-
-def _or(values: object) -> int:
-    out = 0
-    for v in values:  # type: ignore[attr-defined]
-        out |= v
-    return out
-
-
-def _parent_pattern(name: str) -> str:
-    """``model.layers.3.mlp.experts.1`` -> ``model.layers.*.mlp.experts``: a unit_modules pattern."""
-    parts = name.split(".")[:-1] or [name]
-    return ".".join("*" if p.isdigit() else p for p in parts)
