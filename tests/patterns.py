@@ -283,6 +283,8 @@ PATTERNS: dict[str, Pattern] = {
     "moe_auto": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data),
     "moe_unit": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data, zinf={"unit_modules": ["MoE"]}),
     "hf_switch_transformers_moe": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss),
+    "hf_switch_transformers_moe_unit": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss,
+                                               zinf={"unit_modules": ["SwitchTransformersExperts"]}),
     "hf_llama_gradient_checkpointing": Pattern(llama_checkpointed, lambda s, b: token_batches(s, b, 64, 8), _hf_loss),
 }
 

@@ -104,6 +104,8 @@ def test_patterns_match_pytorch(world: int, references) -> None:
         if "hf_switch_transformers_moe" in results:
             units = results["hf_switch_transformers_moe"]["units"]
             assert units and all(u.endswith("mlp.experts") for u in units), units
+            named = results["hf_switch_transformers_moe_unit"]
+            assert named["divergent_rounds"] == 0 and len(named["units"]) == len(units), named["units"]
 
 
 def _diverge_strictly(rank: int, world: int) -> str:
