@@ -17,7 +17,7 @@ import torch
 
 from zinf.errors import ConfigError
 
-__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "PRECISIONS", "TIERS"]
+__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "PRECISIONS", "TIERS", "load_config_file"]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
@@ -197,6 +197,26 @@ class ZeroConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def load_config_file(path: str, section: str = "zinf") -> ZeroConfig:
+    """The engine config in a YAML (or JSON) file: either the file is an engine config, or it is a larger
+    file (an experiment or launcher config) whose ``section`` key holds one."""
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except FileNotFoundError:
+        raise ConfigError(f"zinf config: the file {path!r} does not exist; fix the path (or unset the variable naming it).") from None
+    except Exception as exc:  # noqa: BLE001 - a YAML syntax error, named with its file
+        raise ConfigError(f"zinf config: {path!r} is not a readable YAML file ({exc}).") from exc
+    if data is None:
+        return ZeroConfig()
+    if not isinstance(data, dict):
+        raise ConfigError(f"zinf config: {path!r} must hold a mapping of settings, found {type(data).__name__}.")
+    if section in data:
+        data = data[section] or {}
+    return ZeroConfig.from_dict(data)
 
 
 def _to_plain_dict(values: Any) -> dict[str, Any]:

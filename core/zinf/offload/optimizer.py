@@ -235,10 +235,20 @@ class OffloadedAdam:
 
     def state_dict(self) -> dict[str, Any]:
         moments = [self.read_states(g) for g in self.groups]
-        return {"param_steps": [list(self.steps[id(g)]) for g in self.groups],
+        # the hyper-parameters too, as torch's optimizers do: an LR scheduler restored on its own does not set the
+        # optimizer's current lr, so a resumed run would take its first step with the lr the optimizer was built with
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        return {"param_steps": [list(self.steps[id(g)]) for g in self.groups], "param_groups": hyper,
                 "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("param_groups")  # absent in checkpoints written before it was saved
+        if saved is not None:
+            if len(saved) != len(self.optimizer.param_groups):
+                raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
+                                 f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
+            for pg, values in zip(self.optimizer.param_groups, saved):
+                pg.update({k: v for k, v in values.items() if k != "params"})
         if "param_steps" in state:
             for g, steps in zip(self.groups, state["param_steps"]):
                 self.steps[id(g)] = list(steps)

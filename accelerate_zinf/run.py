@@ -1,0 +1,51 @@
+"""``python -m accelerate_zinf.run script.py [args]``: run an unchanged Accelerate script on zinf.
+
+``zinf launch`` starts this module on every rank (through ``accelerate launch -m``). It makes
+``accelerate.Accelerator`` mean :class:`accelerate_zinf.Accelerator` before the script (or a library
+it imports, such as transformers' ``Trainer``) looks it up, then runs the script as ``__main__``
+with the script's own command line. ``--module name`` runs a module instead of a file.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import accelerate
+import accelerate.accelerator
+
+from accelerate_zinf.accelerator import Accelerator
+
+__all__ = ["install", "main"]
+
+
+def install() -> None:
+    """Make ``from accelerate import Accelerator`` (in scripts and in libraries imported after this call)
+    give the zinf Accelerator; it is a subclass, so ``isinstance`` checks against Accelerate's still hold."""
+    accelerate.Accelerator = Accelerator  # type: ignore[misc]
+    accelerate.accelerator.Accelerator = Accelerator  # type: ignore[misc]
+    already = [name for name, mod in sys.modules.items()
+               if name.startswith("transformers.trainer") and getattr(mod, "Accelerator", None) is not None]
+    for name in already:  # imported before us (a sitecustomize, a plugin): point them at ours too
+        sys.modules[name].Accelerator = Accelerator  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise SystemExit("usage: python -m accelerate_zinf.run script.py [args...] | --module name [args...]")
+    install()
+    if args[0] == "--module":
+        if len(args) < 2:
+            raise SystemExit("accelerate_zinf.run: --module needs a module name")
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script.py` does
+    runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""What ``Accelerator.prepare`` hands back for a model and its optimizer on zinf.
+
+``ZinfModel`` holds the user's module as ``.module`` (as DDP does), so ``model.train()``,
+``model.parameters()`` and ``unwrap_model`` behave as usual; calling it runs the engine's forward
+(inputs cast to the compute dtype, parameters gathered by the engine's hooks) and, under mixed
+precision, returns floating outputs in fp32 as Accelerate's own model wrapper does.
+
+``ZinfOptimizer`` is an ``AcceleratedOptimizer`` around the user's optimizer (so LR schedulers,
+``param_groups`` and Accelerate's gradient-accumulation gating keep working); its ``step`` is the
+engine's step and its ``zero_grad`` the engine's, skipped when the step already emptied the
+gradient shards (an offloaded step's background update is not waited for).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+import zinf
+from zinf.schedule.tensors import map_tensors
+
+__all__ = ["ZinfModel", "ZinfOptimizer", "PendingModel"]
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        return x.float()
+    return x
+
+
+class ZinfModel(nn.Module):
+    """The prepared model: ``.module`` is the user's module, ``.engine`` the zinf engine that owns it."""
+
+    def __init__(self, engine: zinf.ZeroInfinityEngine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self._zinf_engine = engine
+
+    @property
+    def engine(self) -> zinf.ZeroInfinityEngine:
+        return self._zinf_engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._zinf_engine(*args, **kwargs)
+        if self._zinf_engine.config.compute_dtype != torch.float32:
+            out = map_tensors(_to_fp32, out)
+        return out
+
+
+class PendingModel(nn.Module):
+    """A model prepared without its optimizer: the engine is built when ``prepare`` sees an optimizer over
+    its parameters, or at the first call (then without an optimizer, for inference)."""
+
+    def __init__(self, module: nn.Module, build: Callable[["PendingModel", torch.optim.Optimizer | None], ZinfModel]) -> None:
+        super().__init__()
+        self.module = module
+        self._build = build
+        self.built: ZinfModel | None = None
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        mine = {id(p) for p in self.module.parameters()}
+        return any(id(p) in mine for pg in optimizer.param_groups for p in pg["params"])
+
+    def resolve(self, optimizer: torch.optim.Optimizer | None) -> ZinfModel:
+        if self.built is None:
+            self.built = self._build(self, optimizer)
+        return self.built
+
+    @property
+    def engine(self) -> zinf.ZeroInfinityEngine:
+        return self.resolve(None).engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve(None)(*args, **kwargs)
+
+
+class ZinfOptimizer(AcceleratedOptimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: zinf.ZeroInfinityEngine) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self._zeroed_at = engine.num_backward  # the engine's gradient shards start empty
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.gradient_state.sync_gradients:
+            self._is_overflow = not self.engine.step()
+            self._zeroed_at = self.engine.num_backward  # step() empties the gradient shards it used
+        return loss
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients and self.engine.num_backward != self._zeroed_at:
+            self.engine.zero_grad()
+            self._zeroed_at = self.engine.num_backward
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (of its shards); ``Accelerator.save_state`` saves every rank's."""
+        assert self.engine.optimizer is not None
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        assert self.engine.optimizer is not None
+        self.engine.optimizer.load_state_dict(state_dict)
