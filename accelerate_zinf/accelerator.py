@@ -32,7 +32,7 @@ from torch import nn
 
 import zinf
 from accelerate_zinf.settings import check_distributed_type, engine_config, with_mixed_precision
-from accelerate_zinf.wrappers import PendingModel, ZinfModel, ZinfOptimizer
+from accelerate_zinf.wrappers import PendingModel, ZinfModel, ZinfOptimizer, refuse_partitioned_state_dict
 from zinf.errors import ConfigError, UnsupportedModelError
 
 __all__ = ["Accelerator"]
@@ -117,6 +117,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[ZinfModel, ZinfOptimizer | None]:
         engine = zinf.ZeroInfinityEngine(module, optimizer, self.zinf_config, device=self.device)
+        refuse_partitioned_state_dict(engine)
         model = ZinfModel(engine)
         self._zinf_models.append(model)
         self._models.append(model)
@@ -128,6 +129,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _build_pending(self, pending: PendingModel, optimizer: torch.optim.Optimizer | None) -> ZinfModel:
         engine = zinf.ZeroInfinityEngine(pending.module, optimizer, self.zinf_config, device=self.device)
+        refuse_partitioned_state_dict(engine)
         log.info("zinf: engine built for a model prepared on its own (%s)", "with its optimizer" if optimizer
                  else "no optimizer: inference only")
         return ZinfModel(engine)

@@ -22,13 +22,33 @@ from torch import nn
 import zinf
 from zinf.schedule.tensors import map_tensors
 
-__all__ = ["ZinfModel", "ZinfOptimizer", "PendingModel"]
+__all__ = ["ZinfModel", "ZinfOptimizer", "PendingModel", "refuse_partitioned_state_dict"]
 
 
 def _to_fp32(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
         return x.float()
     return x
+
+
+def refuse_partitioned_state_dict(engine: zinf.ZeroInfinityEngine) -> None:
+    """Make ``module.state_dict()`` of a partitioned model an error instead of a dict of empty placeholders.
+
+    Code written for DDP saves ``model.state_dict()`` on the main process only (transformers' Trainer in
+    ``save_model`` and its checkpoints does): under zinf that would write files without weights, silently.
+    Inside ``engine.gathered_parameters()`` every parameter is whole and ``state_dict()`` works.
+    """
+    from zinf.param.flat_group import GroupState
+
+    def check(module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        if any(g.state is not GroupState.GATHERED for g in engine.groups):
+            raise RuntimeError(
+                "zinf: state_dict() of a model partitioned by zinf has no weights (each rank holds a slice). Call "
+                "accelerator.get_state_dict(model) or accelerator.save_model(model, dir) on every rank instead. With "
+                "transformers' Trainer use save_strategy='no' and trainer.accelerator.save_model(trainer.model_wrapped, "
+                "dir), or read the weights inside `with model.engine.gathered_parameters():`.")
+
+    engine.module.register_state_dict_post_hook(check)
 
 
 class ZinfModel(nn.Module):

@@ -85,7 +85,9 @@ def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str, dtype: torch.dt
     names: dict[int, list[str]] = {}
     for n, p in engine.module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(strip(n))
-    persistent = set(engine.module.state_dict(keep_vars=True))
+    # persistent buffers, found without state_dict() (which a front end may refuse on a partitioned model)
+    persistent = {f"{mn}.{bn}" if mn else bn for mn, m in engine.module.named_modules(remove_duplicate=False)
+                  for bn, b in m._buffers.items() if b is not None and bn not in m._non_persistent_buffers_set}
     buffer_names: dict[int, list[str]] = {}
     buffer_of: dict[int, torch.Tensor] = {}
     for n, b in engine.module.named_buffers(remove_duplicate=False):
@@ -174,6 +176,7 @@ class _Writer:
         final = self.directory / self.files[index]
         tmp = final.with_name(final.name + ".tmp")
         save_file(self.pending[index], str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; exported models are for others to read
         os.replace(tmp, final)  # a crash mid-write never leaves a file that looks complete
         self.pending[index] = {}  # free the shard's tensors
         self.done.add(index)
@@ -264,3 +267,9 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
     total = sum(plan.shard_sizes)
     log.info("zinf: exported %d safetensors file(s), %d bytes, to %s", len(writer.files), total, directory)
     return writer.written
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
