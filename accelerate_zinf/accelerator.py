@@ -286,9 +286,12 @@ class Accelerator(accelerate.Accelerator):
         return os.path.join(root, folders[-1])
 
     def end_training(self) -> None:
-        super().end_training()
+        """Finish background optimizer work and release each engine's offload files and buffers (the models
+        cannot be called afterwards), then Accelerate's own end (trackers, process group)."""
         for engine in self._engines():
             engine.synchronize()
+            engine.close()
+        super().end_training()
 
 
 def _is_zinf(model: Any) -> bool:
