@@ -25,7 +25,8 @@ BF16_RTOL = 2e-3  # zinf gathers bf16 weights; Accelerate's DDP autocasts fp32 w
 
 
 def _run(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "ZINF_CONFIG")}
+    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
     if ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -139,3 +140,11 @@ def test_a_bad_config_stops_zinf_launch_before_any_process_starts(tmp_path: Path
     assert proc.returncode == 2
     assert "unknown key 'ovrlap'" in proc.stderr and "Did you mean 'overlap'" in proc.stderr and str(bad) in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "l.json").exists()
+
+
+def test_cpu_processes_that_would_each_train_alone_are_stopped(tmp_path: Path) -> None:
+    """Accelerate's trap: use_cpu without ACCELERATE_USE_CPU starts 2 processes that each see a world of 1."""
+    proc = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_cpu.yaml"),
+                 str(EXAMPLES / "train_zinf.py"), "--steps", "2", "--losses-out", str(tmp_path / "l.json")], ok=False)
+    assert proc.returncode != 0 and not (tmp_path / "l.json").exists()
+    assert "2 processes were launched but Accelerate sees 1" in proc.stderr and "ACCELERATE_USE_CPU=true" in proc.stderr
