@@ -51,3 +51,15 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
                         errors.append(f"rank {r}:\n{rec['error']}")
             raise AssertionError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)["result"] for r in range(world)]
+
+
+def exit_cleanly() -> None:
+    """End a driver script: wait for every rank (their records are written), leave the process group, and
+    exit without interpreter finalization, where torch 2.13's gloo threads can abort a finished run
+    ("terminate called without an active exception"; see the README's known problems)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -6,12 +6,14 @@ gathered just in time by module hooks, with no change to model code.
 
 import logging
 
-from zinf.config import LossScaleConfig, OverlapConfig, ZeroConfig
+from zinf.checkpointing import ActivationMeter
+from zinf.config import CheckpointingConfig, LossScaleConfig, OverlapConfig, TilingConfig, ZeroConfig
 from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import CollectiveMismatchError, ConfigError, UnsupportedModelError, ZinfError
 from zinf.param.gathered import GatheredParameters
 from zinf.param.init import Init
 from zinf.report import StepReport
+from zinf.tiling import TiledLinear, tile_linears
 
 logging.getLogger("zinf").addHandler(logging.NullHandler())
 
@@ -21,6 +23,11 @@ __all__ = [
     "ZeroConfig",
     "LossScaleConfig",
     "OverlapConfig",
+    "TilingConfig",
+    "CheckpointingConfig",
+    "TiledLinear",
+    "tile_linears",
+    "ActivationMeter",
     "ZeroInfinityEngine",
     "initialize",
     "Init",

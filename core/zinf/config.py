@@ -17,7 +17,8 @@ import torch
 
 from zinf.errors import ConfigError
 
-__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "PRECISIONS", "TIERS", "load_config_file"]
+__all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "TilingConfig", "CheckpointingConfig",
+           "PRECISIONS", "TIERS", "load_config_file"]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
@@ -50,16 +51,21 @@ class OverlapConfig:
     ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters (0 turns prefetch off);
     ``persistent_numel`` keeps modules whose own parameters are smaller than this gathered for the
     whole run; gradients are reduce-scattered in buckets of about ``reduce_bucket_bytes`` (small
-    groups coalesced into one collective), at most two buckets in flight.
+    groups coalesced into one collective), at most two buckets in flight. ``max_gathered_bytes`` (0: no
+    limit) caps the bytes of full parameters gathered at once, prefetched ones included: prefetch stays
+    under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
     """
 
     prefetch_bytes: int = 64 * 2**20
     prefetch_modules: int = 4
     persistent_numel: int = 0
     reduce_bucket_bytes: int = 16 * 2**20
+    max_gathered_bytes: int = 0
 
     def validate(self) -> None:
         _require(self.prefetch_bytes >= 0, "overlap.prefetch_bytes", self.prefetch_bytes, "an integer >= 0")
+        _require(self.max_gathered_bytes >= 0, "overlap.max_gathered_bytes", self.max_gathered_bytes,
+                 "an integer >= 0 (0 = no limit)")
         _require(self.prefetch_modules >= 0, "overlap.prefetch_modules", self.prefetch_modules, "an integer >= 0")
         _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
         _require(self.reduce_bucket_bytes > 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes, "an integer > 0")
@@ -133,6 +139,51 @@ class OffloadConfig:
 
 
 @dataclass(kw_only=True)
+class TilingConfig:
+    """Memory-centric tiling (see zinf/tiling.py): every ``nn.Linear`` whose weight has at least
+    ``min_numel`` elements (0: tiling off) becomes a :class:`zinf.TiledLinear` with the same weights, whose
+    tiles are gathered one at a time. The tile grid is ``tiles`` = [input splits, output splits] when
+    given, else the fewest tiles whose largest weight tile holds at most ``max_tile_bytes`` (in the
+    compute dtype)."""
+
+    min_numel: int = 0
+    max_tile_bytes: int = 0
+    tiles: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _require(isinstance(self.min_numel, int) and self.min_numel >= 0, "tiling.min_numel", self.min_numel,
+                 "an integer >= 0 (0 turns tiling off)")
+        _require(isinstance(self.max_tile_bytes, int) and self.max_tile_bytes >= 0, "tiling.max_tile_bytes",
+                 self.max_tile_bytes, "an integer >= 0")
+        _require(isinstance(self.tiles, (list, tuple)) and (len(self.tiles) in (0, 2))
+                 and all(isinstance(t, int) and t >= 1 for t in self.tiles), "tiling.tiles", self.tiles,
+                 "[input splits, output splits], two integers >= 1 (or [] to size tiles by max_tile_bytes)")
+        _require(not self.enabled or bool(self.tiles) or self.max_tile_bytes > 0, "tiling.min_numel", self.min_numel,
+                 "0 unless tiling.tiles or tiling.max_tile_bytes says how to split (set one of them)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_numel > 0
+
+
+@dataclass(kw_only=True)
+class CheckpointingConfig:
+    """Activation checkpointing (see zinf/checkpointing.py): every module whose class name or qualified
+    name pattern (``fnmatch``) is in ``modules`` keeps only its inputs from forward to backward and runs
+    again during backward (its parameters gathered again through zinf's hooks). ``offload`` keeps those
+    inputs in host memory (pinned, copied on a side stream with CUDA) instead of on the device."""
+
+    modules: list[str] = field(default_factory=list)
+    offload: bool = False
+
+    def validate(self) -> None:
+        _require(isinstance(self.modules, (list, tuple)) and all(isinstance(m, str) and m for m in self.modules),
+                 "activation_checkpointing.modules", self.modules,
+                 "a list of block class names or module name patterns, e.g. ['Block'] or ['blocks.*']")
+        _require(isinstance(self.offload, bool), "activation_checkpointing.offload", self.offload, "true or false")
+
+
+@dataclass(kw_only=True)
 class ZeroConfig:
     """Everything the engine needs to know.
 
@@ -161,6 +212,8 @@ class ZeroConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)
+    activation_checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     log_every_n_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -179,6 +232,8 @@ class ZeroConfig:
         self.loss_scale.validate()
         self.overlap.validate()
         self.offload.validate()
+        self.tiling.validate()
+        self.activation_checkpointing.validate()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -263,4 +318,6 @@ _NESTED: dict[tuple[type, str], type] = {
     (ZeroConfig, "loss_scale"): LossScaleConfig,
     (ZeroConfig, "overlap"): OverlapConfig,
     (ZeroConfig, "offload"): OffloadConfig,
+    (ZeroConfig, "tiling"): TilingConfig,
+    (ZeroConfig, "activation_checkpointing"): CheckpointingConfig,
 }

@@ -20,6 +20,7 @@ from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
+from zinf.checkpointing import ActivationCheckpointing
 from zinf.fetch.comm import Comm, default_device
 from zinf.fetch.gather import ParamFetcher
 from zinf.offload.optimizer import OffloadedAdam
@@ -33,6 +34,7 @@ from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
 from zinf.schedule.rounds import Rounds
 from zinf.schedule.tensors import map_tensors
+from zinf.tiling import merge_tiles, remap_optimizer, split_tiles, tile_linears, tile_spec
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.update.reduce import GradReducer
@@ -51,6 +53,9 @@ class ZeroInfinityEngine:
         self.comm = comm or Comm.current(device=self.device)
         self.module = model
         _check_model(model)
+        replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)
+        if optimizer is not None:
+            remap_optimizer(optimizer, replaced)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
         for g in self.groups:  # parameters frozen after zinf.Init built them
             g.refresh_requires_grad()
@@ -69,6 +74,8 @@ class ZeroInfinityEngine:
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
         self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds)
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
+        self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
+                              if self.config.activation_checkpointing.modules else None)
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
         self.optimizer: ShardedOptimizer | OffloadedAdam | None = None
         if self.placement is not None and self.placement.optimizer is not None:
@@ -221,7 +228,53 @@ class ZeroInfinityEngine:
         if not rank0_only or self.comm.rank == 0:
             for n, b in self.module.named_buffers():
                 out[n] = b.detach().clone().cpu()
+        merge_tiles(out, tile_spec(self.module))  # tiled layers under their nn.Linear names
         return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load an ordinary (unsharded) state dict, e.g. ``full_state_dict()`` of this or an untiled model, or
+        ``zinf consolidate`` output: every rank takes its shard of each parameter. Called on every rank with
+        the same values. With ``strict`` a missing or unexpected key is an error before anything changes."""
+        state = dict(state)
+        errors = split_tiles(state, tile_spec(self.module))
+        names: dict[int, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        buffers = dict(self.module.named_buffers())
+        found: dict[int, str] = {}
+        missing = []
+        for g in self.groups:
+            for p, slot in zip(g.params, g.slots):
+                if p is None:
+                    continue
+                key = next((n for n in names[id(p)] if n in state), None)
+                if key is None:
+                    missing.append(names[id(p)][0])
+                elif tuple(state[key].shape) != tuple(slot.shape):
+                    errors.append(f"size mismatch for {key}: the state dict has {tuple(state[key].shape)}, "
+                                  f"the model {tuple(slot.shape)}")
+                else:
+                    found[id(p)] = key
+        missing += [n for n in buffers if n not in state]
+        known = {n for ns in names.values() for n in ns} | set(buffers)
+        unexpected = [k for k in state if k not in known]
+        if errors or (strict and (missing or unexpected)):
+            raise UnsupportedModelError("zinf: load_full_state_dict: " + "; ".join(
+                errors + ([f"missing keys {missing[:8]}"] if missing else []) + ([f"unexpected keys {unexpected[:8]}"] if unexpected else [])))
+        with torch.no_grad():
+            for g in self.groups:
+                full = torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)
+                for p, slot in zip(g.params, g.slots):
+                    if p is not None and id(p) in found:
+                        full[slot.offset : slot.offset + slot.numel] = state[found[id(p)]].reshape(-1).to(full)
+                    elif p is not None:  # not loaded (strict=False): keep this parameter's values
+                        full[slot.offset : slot.offset + slot.numel] = g.gather_master_full(self.master_of(g))[
+                            slot.offset : slot.offset + slot.numel]
+                lo = self.comm.rank * g.shard_numel
+                self.set_master(g, full[lo : lo + g.shard_numel].clone())
+            for n, b in buffers.items():
+                if n in state:
+                    b.copy_(state[n])
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
         """Every rank writes its shard of weights and optimizer state under ``path`` (a directory)."""
@@ -264,6 +317,8 @@ class ZeroInfinityEngine:
     def close(self) -> None:
         """Remove every hook and release offload files and buffers; parameters stay partitioned."""
         self.hooks.remove()
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
         if self.placement is not None:
             self.placement.close()
 

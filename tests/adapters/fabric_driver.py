@@ -76,3 +76,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from dist_utils import exit_cleanly
+
+    exit_cleanly()

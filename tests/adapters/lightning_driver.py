@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every n train steps into <out>/ckpt")
     p.add_argument("--resume", default=None)
     p.add_argument("--eval", action="store_true", help="also run validation each epoch, test and predict")
+    p.add_argument("--zinf-config", default=None, help="engine settings (JSON) for ZeroInfinityStrategy(config=...)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (hang diagnosis)
@@ -139,8 +140,11 @@ def main() -> None:
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                          filename="{step}"))
+    strategy = args.strategy
+    if args.zinf_config:
+        strategy = lightning_zinf.ZeroInfinityStrategy(config=json.loads(args.zinf_config))
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=args.steps, accumulate_grad_batches=1 if args.manual else args.accum,
         gradient_clip_val=None if (args.manual or not args.clip) else args.clip,
         logger=False, enable_checkpointing=bool(args.ckpt_every), enable_progress_bar=False,
@@ -160,6 +164,10 @@ def main() -> None:
     if args.eval:
         extra["test_loss"] = trainer.test(model, val, verbose=False)[0]["test_loss"]
         extra["predict"] = [float(x) for x in trainer.predict(model, val)]
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:  # what the engine settings turned on
+        extra["checkpointed_blocks"] = len(engine.checkpointing.blocks) if engine.checkpointing is not None else 0
+        extra["tiled_layers"] = sum(type(m).__name__ == "TiledLinear" for m in engine.module.modules())
     record.write(trainer.global_rank, **extra)
     if args.strategy == "zero_infinity" and trainer.global_rank == 0 and args.ckpt_every:
         last = sorted((out / "ckpt").iterdir())[-1]
@@ -168,3 +176,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from dist_utils import exit_cleanly
+
+    exit_cleanly()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("accelerate")
 
@@ -148,3 +149,12 @@ def test_cpu_processes_that_would_each_train_alone_are_stopped(tmp_path: Path) -
                  str(EXAMPLES / "train_zinf.py"), "--steps", "2", "--losses-out", str(tmp_path / "l.json")], ok=False)
     assert proc.returncode != 0 and not (tmp_path / "l.json").exists()
     assert "2 processes were launched but Accelerate sees 1" in proc.stderr and "ACCELERATE_USE_CPU=true" in proc.stderr
+
+
+def test_checkpointing_and_tiling_in_the_zinf_section_are_like_ddp(ddp: dict, tmp_path: Path) -> None:
+    config = yaml.safe_load((EXAMPLES / "zinf_cpu.yaml").read_text())
+    config["zinf"] = {**(config.get("zinf") or {}), "activation_checkpointing": {"modules": ["Block"], "offload": True},
+                      "tiling": {"min_numel": 10000, "tiles": [2, 3]}}
+    (tmp_path / "zinf.yaml").write_text(yaml.safe_dump(config))
+    zinf_launch("--config", tmp_path / "zinf.yaml", TRAIN, *ARGS, "--losses-out", str(tmp_path / "l.json"))
+    assert_close(ddp["losses"], losses(tmp_path / "l.json", ZINF), FP32_RTOL)

@@ -174,3 +174,29 @@ def test_a_model_prepared_alone_gets_its_engine_with_its_optimizer(fresh_state) 
     assert not torch.equal(before["blocks.0.fc.weight"], after["blocks.0.fc.weight"])
     with pytest.raises(UnsupportedModelError, match="one call"):
         accelerator.prepare(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_checkpointing_and_tiling_from_zinf_config_train_like_pytorch(fresh_state) -> None:
+    settings = {"activation_checkpointing": {"modules": ["Block"], "offload": True},
+                "tiling": {"min_numel": 4000, "tiles": [2, 2]}}
+    accelerator = Accelerator(cpu=True, zinf_config=settings)
+    ref = _gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = _gpt()
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert len(model.engine.checkpointing.blocks) == 2
+    assert sum(type(m).__name__ == "TiledLinear" for m in model.module.modules()) == 4  # fc, out of 2 blocks
+    for x, y in _batches(4):
+        loss = model(x, y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=0)
+    state = accelerator.get_state_dict(model)
+    assert set(state) == set(ref.state_dict())  # the untiled names
+    for name, p in ref.state_dict().items():  # relative norm: the key bias's gradient is ~0 (Adam scales noise)
+        assert state[name].shape == p.shape and float((state[name] - p).norm() / p.norm().clamp_min(1e-12)) < 1e-3, name

@@ -149,3 +149,12 @@ def test_fabric_matches_fabric_ddp_and_resumes(runs: Runs) -> None:
     assert worst(ours, ref) < EXACT
     resumed = records(runs("fabric_driver.py", "--strategy", "zero_infinity", *args, "--resume", str(ours_dir / "ckpt")))
     assert worst(resumed, ours, start=10) < EXACT
+
+
+def test_checkpointing_and_tiling_set_in_the_strategy_config_match_ddp(runs: Runs) -> None:
+    settings = {"activation_checkpointing": {"modules": ["Block"], "offload": True},
+                "tiling": {"min_numel": 4000, "tiles": [2, 2]}}
+    ref = lightning(runs, "ddp", "--kind", "gpt", "--steps", "20")
+    ours = lightning(runs, "zero_infinity", "--kind", "gpt", "--steps", "20", "--zinf-config", json.dumps(settings))
+    assert worst(ours, ref) <= EXACT
+    assert all(r["checkpointed_blocks"] == 2 and r["tiled_layers"] == 4 for r in ours)  # fc and out of 2 blocks

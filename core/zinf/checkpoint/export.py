@@ -9,7 +9,8 @@ Layout of the export directory (the names ``transformers`` and ``accelerate`` re
 Tensor names are the ``state_dict`` names of ``engine.module`` (``prefix`` stripped). A parameter
 reachable under several names (tied weights) is written once, under its first name, because safetensors
 refuses shared storage; the other names go in the metadata key ``zinf_tied`` (the index's, or the single
-file's) as a JSON string mapping alias -> kept name. Persistent buffers come after the parameters.
+file's) as a JSON string mapping alias -> kept name. Persistent buffers come after the parameters. A tiled
+layer (zinf/tiling.py) is written as its untiled ``weight``, assembled on rank 0 from its tiles' groups.
 
 Shards are planned up front from names and sizes (greedy, as ``transformers`` does: a new shard starts
 when the next tensor would overflow the limit, so a tensor larger than the limit sits alone). Then every
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zinf.errors import ZinfError
+from zinf.tiling import TiledLinear
 
 if TYPE_CHECKING:
     from zinf.engine import ZeroInfinityEngine
@@ -72,6 +74,8 @@ class _Plan:
     params: dict[int, _Entry] = field(default_factory=dict)  # id(parameter) -> entry
     buffers: list[tuple[_Entry, torch.Tensor]] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> kept name
+    tile_index: dict[int, int] = field(default_factory=dict)  # id(tile weight) -> its index in its layer
+    grids: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # merged name -> (in, out) sizes
     shard_sizes: list[int] = field(default_factory=list)
     shard_counts: list[int] = field(default_factory=list)
 
@@ -97,9 +101,22 @@ def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str, dtype: torch.dt
 
     plan, order = _Plan(), []
     param_dtype = dtype if dtype is not None else torch.float32
+    tiles: dict[int, tuple[_Entry, int]] = {}  # a tiled layer's weight is written whole (see zinf/tiling.py)
+    for mn, m in engine.module.named_modules():
+        if isinstance(m, TiledLinear):
+            merged = _Entry(strip(f"{mn}.weight" if mn else "weight"), param_dtype,
+                            m.in_features * m.out_features * param_dtype.itemsize)
+            plan.grids[merged.name] = (list(m.in_sizes), list(m.out_sizes))
+            tiles.update((id(t.weight), (merged, k)) for k, t in enumerate(m.tiles))
     for g in engine.groups:
         for p, slot in zip(g.params, g.slots):
             if p is None or id(p) not in names or id(p) in plan.params:
+                continue
+            if id(p) in tiles:
+                merged, k = tiles[id(p)]
+                if merged not in order:
+                    order.append(merged)
+                plan.params[id(p)], plan.tile_index[id(p)] = merged, k
                 continue
             entry = _Entry(names[id(p)][0], param_dtype, slot.numel * param_dtype.itemsize)
             plan.params[id(p)] = entry
@@ -244,6 +261,7 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
     _agree(engine, error, f"preparing {directory}")
 
     writer = _Writer(directory, plan) if rank0 else None
+    assembling: dict[str, dict[int, torch.Tensor]] = {}  # a tiled layer's tiles until the last one arrives
     with torch.no_grad():
         for g in engine.groups:
             full = g.gather_master_full(engine.master_of(g))
@@ -254,7 +272,17 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
                 if entry is None:
                     continue
                 value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                writer.add(entry, value.to(device="cpu", dtype=entry.dtype, copy=True))
+                value = value.to(device="cpu", dtype=entry.dtype, copy=True)
+                if id(p) in plan.tile_index:
+                    parts = assembling.setdefault(entry.name, {})
+                    parts[plan.tile_index[id(p)]] = value
+                    ins, outs = plan.grids[entry.name]
+                    if len(parts) < len(ins) * len(outs):
+                        continue
+                    del assembling[entry.name]
+                    value = torch.cat([torch.cat([parts[o * len(ins) + i] for i in range(len(ins))], 1)
+                                       for o in range(len(outs))], 0)
+                writer.add(entry, value)
             del full
         if writer is not None:
             for entry, b in plan.buffers:

@@ -7,7 +7,8 @@ Layout of a checkpoint directory::
 Each file records the format, world size, rank and the group layout (names, sizes, parameter names and
 shapes), so loading into a different model or world size fails with a message naming what differs
 instead of training on mismatched values. ``consolidate`` rebuilds an ordinary, unsharded
-``state_dict`` from the files alone (no process group needed).
+``state_dict`` from the files alone (no process group needed), with tiled layers under their untiled
+names (see [Note: untiled names] in zinf/tiling.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zinf.errors import ZinfError
+from zinf.tiling import merge_tiles, tile_spec
 
 if TYPE_CHECKING:
     from zinf.engine import ZeroInfinityEngine
@@ -59,6 +61,7 @@ def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_s
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "global_step": engine.global_step, "client_state": client_state or {},
         "buffers": {n: b.detach().cpu() for n, b in engine.module.named_buffers()},
+        "tiling": tile_spec(engine.module),  # so consolidate can give tiled layers their nn.Linear names
     }
     final = _file(path, comm.rank, comm.world)
     tmp = final.with_suffix(".pt.tmp")
@@ -131,4 +134,5 @@ def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             for name in param["names"]:
                 out[name] = value
     out.update(first["buffers"])
+    merge_tiles(out, first.get("tiling", {}))
     return out

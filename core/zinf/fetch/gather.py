@@ -36,6 +36,9 @@ class ParamFetcher:
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
         self.settle()
         todo = [g for g in groups if g.state is GroupState.SHARDED]
+        limit = self.config.max_gathered_bytes
+        if limit and todo:
+            self._check_budget(todo, label, limit)
         if todo:  # issue every gather first, then wait: the module's gathers run together
             self.num_demand += len(todo)
             self.start(todo, label, ahead=False)
@@ -60,6 +63,8 @@ class ParamFetcher:
         self.settle()
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
+        if self.config.max_gathered_bytes:
+            budget = min(budget, self.config.max_gathered_bytes - self.gathered_bytes)
         reading = True
         chosen: list[FlatParamGroup] = []
         for n, groups in enumerate(upcoming):
@@ -88,6 +93,24 @@ class ParamFetcher:
             self.num_prefetched += len(chosen)
             if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
                 self.start(chosen, "prefetch", ahead=True)
+
+    def _check_budget(self, todo: Sequence[FlatParamGroup], label: str, limit: int) -> None:
+        """A module whose gathers would pass ``overlap.max_gathered_bytes`` stops the pass with the fix. Groups
+        gathered ahead but not held are given back first (prefetch never needs to break the budget)."""
+        need = sum(g.nbytes_full for g in todo if g.owns_full)
+        if self.gathered_bytes + need > limit:
+            for g in self._ahead:
+                if g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held:
+                    g.to_sharded()
+                    self._count(g, -1)
+        if self.gathered_bytes + need > limit:
+            from zinf.errors import UnsupportedModelError
+
+            held = self.gathered_bytes
+            raise UnsupportedModelError(
+                f"zinf: {label or 'the model'} needs {_mib(need)} of parameters gathered at once ({_mib(held)} already "
+                f"held), above overlap.max_gathered_bytes = {_mib(limit)}. Tile its large linear layers (tiling.min_numel "
+                "and tiling.max_tile_bytes, or zinf.TiledLinear), or raise overlap.max_gathered_bytes.")
 
     def settle(self) -> None:
         """Apply a prefetch round still in flight (before anything else is issued: see [Note: rounds])."""
@@ -142,3 +165,7 @@ class ParamFetcher:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

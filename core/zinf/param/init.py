@@ -7,7 +7,9 @@ partitioned at exit. Initialisation that runs later and touches an already parti
 parent re-initialising a child's weight, ``module.weight.data.normal_()``, a ``post_init`` pass) is
 seen by a torch function mode: the parameter's group is gathered, the operation runs on the full
 tensor (consuming the random generator exactly as without zinf), and the result is written back to
-the shards as soon as the next operation no longer touches it.
+the shards as soon as the next operation no longer touches it. With ``tiling`` in the config, the
+large ``nn.Linear`` layers of each model built in the block are tiled at exit, after all of its own
+initialisation has run, one layer gathered at a time (see zinf/tiling.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Init:
         self._handles: list[Any] = []
         self._pending: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._parents: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # to find the roots for tiling
         self._mode = _EditMode()
 
     def __enter__(self) -> "Init":
@@ -106,6 +109,11 @@ class Init:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+        if self.config.tiling.enabled and not exc[0]:
+            from zinf.tiling import tile_linears
+
+            for root in [m for m in self._parents if m not in self._names]:  # built here, attached to nothing
+                tile_linears(root, self.config.tiling, self.config.compute_dtype.itemsize)
 
     def _on_param(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and group_of(param) is None:
@@ -114,6 +122,7 @@ class Init:
     def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is None:
             return
+        self._parents.add(parent)
         for sub_name, sub in child.named_modules():
             self._names.setdefault(sub, f"{name}.{sub_name}" if sub_name else name)
             self._partition(sub, self._names[sub])

@@ -16,7 +16,8 @@ recomputation by raising out of it, user code raises, Ctrl-C. The post-hook is r
 down to its own entry (entries above it ended by a ``BaseException``), and the engine unwinds the
 whole stack when a forward pass raises. Forwards run again inside a backward (checkpoint
 recomputation) gather what they need but never touch the forward trace, so the recorded order, and
-the prefetch that follows it, stays that of the real forward.
+the prefetch that follows it, stays that of the real forward; their gathers are recorded in the
+backward trace, where they happen, so backward prefetch covers the recomputation too.
 
 [Note: units]
 A module listed in ``unit_modules`` (or adopted by ``divergence="auto"``) is gathered as one unit: its
@@ -32,11 +33,12 @@ round, which is exact too.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -169,8 +171,9 @@ class ModuleHooks:
             self._begin_pass()
         call = _Call(module, [])
         self.stack.append(call)  # first: the post-hook pops it even if gathering raises
-        trace = None if recomputing or state.inside_unit else self.pass_trace
-        if trace is not None:
+        # a recomputation (checkpoint) runs inside backward: its gathers are part of the backward order
+        trace = None if state.inside_unit else self.traces["backward"] if recomputing else self.pass_trace
+        if trace is not None and not recomputing:
             self._calls[state.index] += 1
         position = trace.visit(module) if trace is not None else None
         needed = state.needed()
@@ -189,6 +192,16 @@ class ModuleHooks:
                 break
         if output is not None and torch.is_grad_enabled():
             self._announce_backward(module, output)
+
+    @contextlib.contextmanager
+    def recompute_scope(self, module: nn.Module) -> Iterator[None]:
+        """Gather ``module``'s own groups around a recomputation that bypasses its ``__call__`` (see
+        zinf/checkpointing.py), as its pre- and post-hooks would."""
+        self._forward_pre(module, ())
+        try:
+            yield
+        finally:
+            self._forward_post(module, (), None)
 
     @_engine_code
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
