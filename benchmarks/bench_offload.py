@@ -9,7 +9,8 @@ I/O alone). "hidden" is the share of the I/O time that did not add to the step. 
 over the steps after two of warm-up. Columns: "gather" is the training thread's time in gathers (with
 NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
 "nvme rd/wr" the training thread's own I/O waits, "bg rd/wr" the background optimizer step's (hidden
-unless a gather waits for it).
+unless a gather waits for it). ``--checksums both`` adds the NVMe row with the CRC32C of offloaded records
+turned off (an internal switch, for this measurement only) and prints what the checksums cost.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def disk_bandwidth(path: str, nbytes: int = 1 << 30) -> tuple[float, float]:
     return w, r
 
 
-def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None) -> dict:
+def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None, checksums: bool = True) -> dict:
     torch.manual_seed(0)
     config = zinf.ZeroConfig.from_dict(zcfg) if zcfg is not None else None
     if config is None:
@@ -62,6 +63,8 @@ def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None) -> dict:
             model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = zinf.initialize(model, opt, config)
+        if engine.placement is not None and engine.placement.swap is not None:
+            engine.placement.swap.checksums = checksums  # off only to measure what the CRC32C costs
     times, reports = [], []
     for step in range(args.steps):
         idx, tgt = synthetic_batch(cfg, args.batch, step)
@@ -82,6 +85,7 @@ def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None) -> dict:
         keep = reports[2:]
         for key in _COLUMNS:
             out[key] = statistics.median(r.seconds.get(key, 0.0) for r in keep)
+        out["checksum"] = statistics.median(r.seconds.get("checksum", 0.0) for r in keep)
         out["io_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) + r.counts.get("nvme_written_bytes", 0) for r in keep)
         out["read_bytes"] = statistics.median(r.counts.get("nvme_read_bytes", 0) for r in keep)
         out["write_bytes"] = statistics.median(r.counts.get("nvme_written_bytes", 0) for r in keep)
@@ -99,6 +103,8 @@ def main() -> None:
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
     p.add_argument("--grads", default="auto", choices=["auto", "cpu", "nvme"], help="offload.grads (auto: NVMe, with the optimizer)")
     p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
+    p.add_argument("--checksums", default="on", choices=["on", "both"],
+                   help="both: also run the NVMe row with the CRC32C of offloaded records off, to measure its cost")
     args = p.parse_args()
     os.makedirs(args.nvme, exist_ok=True)
     cfg = GPTConfig(vocab=args.vocab, block=128, n_embd=args.embd, n_head=8, n_layer=args.layers)
@@ -111,16 +117,20 @@ def main() -> None:
         native.set_num_threads(args.adam_threads)
     plain = run(cfg, args, None)
     mem = run(cfg, args, {})
-    nvme = run(cfg, args, {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
-                                       "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20,
-                                       "grads": args.grads}})
+    nvme_cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
+                            "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20, "grads": args.grads}}
+    nvme = run(cfg, args, nvme_cfg)
+    nocrc = run(cfg, args, nvme_cfg, checksums=False) if args.checksums == "both" else None
     io_alone = nvme["read_bytes"] / (rbw * 1e9) + nvme["write_bytes"] / (wbw * 1e9)
     bound = max(mem["step"], io_alone)
     hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
     print()
     print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'bg rd':>9}{'bg wr':>9}"
           f"{'I/O GB':>8}")
-    for name, r in [("plain PyTorch", plain), ("zinf in memory", mem), (f"zinf NVMe (grads {args.grads})", nvme)]:
+    rows = [("plain PyTorch", plain), ("zinf in memory", mem), (f"zinf NVMe (grads {args.grads})", nvme)]
+    if nocrc is not None:
+        rows.append(("zinf NVMe, no checksums", nocrc))
+    for name, r in rows:
         cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in _COLUMNS)
         print(f"{name:<28}{r['step']:>9.3f}{cells}{r.get('io_bytes', 0) / 1e9:>8.2f}")
     print(f"{'I/O alone at disk speed':<28}{io_alone:>9.3f}")
@@ -128,6 +138,11 @@ def main() -> None:
     print(f"NVMe step / max(in-memory, I/O alone) = {nvme['step']:.3f} / {bound:.3f} = {nvme['step'] / bound:.2f}x "
           f"(target <= 1.15x); NVMe step / in-memory step = {nvme['step'] / mem['step']:.2f}x; "
           f"I/O hidden behind compute: {100 * hidden:.0f}%")
+    print(f"CRC32C of offloaded records: {nvme['checksum']:.3f} s per step on all threads "
+          f"({100 * nvme['checksum'] / nvme['step']:.1f}% of the step if none of it were hidden)")
+    if nocrc is not None:
+        print(f"NVMe step with checksums / without = {nvme['step']:.3f} / {nocrc['step']:.3f} = "
+              f"{nvme['step'] / nocrc['step']:.3f}x (goal: under 1.02x)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import logging
 from zinf.checkpointing import ActivationMeter
 from zinf.config import CheckpointingConfig, LossScaleConfig, OverlapConfig, TilingConfig, ZeroConfig
 from zinf.engine import ZeroInfinityEngine, initialize
-from zinf.errors import CollectiveMismatchError, ConfigError, UnsupportedModelError, ZinfError
+from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,
+                         UnsupportedModelError, ZinfError)
 from zinf.param.gathered import GatheredParameters
 from zinf.param.init import Init
 from zinf.report import StepReport
@@ -37,4 +38,6 @@ __all__ = [
     "ConfigError",
     "UnsupportedModelError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CheckpointError",
 ]

@@ -1,9 +1,10 @@
 """One typed configuration for the engine.
 
 Plain dataclasses (``kw_only``) so that OmegaConf/Hydra can build them as structured configs, and
-``ZeroConfig.from_dict`` for dicts, YAML and ``DictConfig`` objects. A key that does not exist or a
-value outside its allowed set is a :class:`~zinf.errors.ConfigError` naming the key, the value, the
-allowed values and the closest valid key.
+``ZeroConfig.from_dict`` for dicts, YAML and ``DictConfig`` objects. A key that does not exist, a value
+of the wrong type (see [Note: config types] in zinf/config_types.py) or a value outside its allowed set is
+a :class:`~zinf.errors.ConfigError` naming the key, the value, the allowed values and the closest valid
+key; every config checks itself when it is built, whichever way it is built.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Mapping
 
 import torch
 
+from zinf.config_types import check_types, sections
 from zinf.errors import ConfigError
+from zinf.units import format_bytes
 
 __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "TilingConfig", "CheckpointingConfig",
            "PRECISIONS", "TIERS", "load_config_file"]
@@ -26,8 +29,18 @@ _DIVERGENCE = ("auto", "error")
 TIERS = ("device", "cpu", "nvme")
 
 
+class _Checked:
+    """Base of the config dataclasses: each validates itself when constructed."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass(kw_only=True)
-class LossScaleConfig:
+class LossScaleConfig(_Checked):
     """Dynamic loss scaling for ``precision="fp16"`` (ignored otherwise)."""
 
     initial_scale: float = 2.0**16
@@ -37,6 +50,7 @@ class LossScaleConfig:
     min_scale: float = 1.0
 
     def validate(self) -> None:
+        check_types(self, "loss_scale.")
         _require(self.initial_scale > 0, "loss_scale.initial_scale", self.initial_scale, "a positive number")
         _require(self.growth_factor > 1, "loss_scale.growth_factor", self.growth_factor, "a number > 1")
         _require(0 < self.backoff_factor < 1, "loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)")
@@ -45,7 +59,7 @@ class LossScaleConfig:
 
 
 @dataclass(kw_only=True)
-class OverlapConfig:
+class OverlapConfig(_Checked):
     """How far ahead parameters are gathered and how gradients are bucketed.
 
     ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters (0 turns prefetch off);
@@ -63,6 +77,7 @@ class OverlapConfig:
     max_gathered_bytes: int = 0
 
     def validate(self) -> None:
+        check_types(self, "overlap.")
         _require(self.prefetch_bytes >= 0, "overlap.prefetch_bytes", self.prefetch_bytes, "an integer >= 0")
         _require(self.max_gathered_bytes >= 0, "overlap.max_gathered_bytes", self.max_gathered_bytes,
                  "an integer >= 0 (0 = no limit)")
@@ -72,7 +87,7 @@ class OverlapConfig:
 
 
 @dataclass(kw_only=True)
-class OffloadConfig:
+class OffloadConfig(_Checked):
     """Where each kind of state lives between uses (ZeRO-Infinity's offload engine).
 
     params: this rank's compute-dtype parameter shards: "device" (default), "cpu" or "nvme".
@@ -108,6 +123,7 @@ class OffloadConfig:
     aio_threads: int = 2
 
     def validate(self) -> None:
+        check_types(self, "offload.")
         _require(self.params in TIERS, "offload.params", self.params, f"one of {list(TIERS)}")
         _require(self.optimizer in TIERS, "offload.optimizer", self.optimizer, f"one of {list(TIERS)}")
         _require(self.grads in ("auto", "cpu", "nvme"), "offload.grads", self.grads, "one of ['auto', 'cpu', 'nvme']")
@@ -118,11 +134,10 @@ class OffloadConfig:
         uses_nvme = "nvme" in (self.params, self.optimizer)
         _require(not uses_nvme or bool(self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
                  "at least one directory when offload.params or offload.optimizer is 'nvme'")
-        _require(all(isinstance(p, str) and p for p in self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
-                 "a list of directory paths")
-        _require(self.pinned_pool_bytes >= 1 << 20, "offload.pinned_pool_bytes", self.pinned_pool_bytes, "at least 1 MiB")
+        _require(all(self.nvme_paths), "offload.nvme_paths", self.nvme_paths, "a list of directory paths (no empty ones)")
+        _require(self.pinned_pool_bytes >= 1 << 20, "offload.pinned_pool_bytes", self.pinned_pool_bytes,
+                 f"at least {format_bytes(1 << 20)} ({1 << 20})")
         _require(self.sub_group_numel >= 1024, "offload.sub_group_numel", self.sub_group_numel, "at least 1024")
-        _require(isinstance(self.overlap_optimizer, bool), "offload.overlap_optimizer", self.overlap_optimizer, "true or false")
         _require(self.max_cpu_bytes >= 0, "offload.max_cpu_bytes", self.max_cpu_bytes, "an integer >= 0 (0 = available RAM)")
         for key in ("aio_block_bytes", "aio_queue_depth", "aio_threads"):
             _require(getattr(self, key) >= 1, f"offload.{key}", getattr(self, key), "a positive integer")
@@ -139,7 +154,7 @@ class OffloadConfig:
 
 
 @dataclass(kw_only=True)
-class TilingConfig:
+class TilingConfig(_Checked):
     """Memory-centric tiling (see zinf/tiling.py): every ``nn.Linear`` whose weight has at least
     ``min_numel`` elements (0: tiling off) becomes a :class:`zinf.TiledLinear` with the same weights, whose
     tiles are gathered one at a time. The tile grid is ``tiles`` = [input splits, output splits] when
@@ -151,12 +166,10 @@ class TilingConfig:
     tiles: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
-        _require(isinstance(self.min_numel, int) and self.min_numel >= 0, "tiling.min_numel", self.min_numel,
-                 "an integer >= 0 (0 turns tiling off)")
-        _require(isinstance(self.max_tile_bytes, int) and self.max_tile_bytes >= 0, "tiling.max_tile_bytes",
-                 self.max_tile_bytes, "an integer >= 0")
-        _require(isinstance(self.tiles, (list, tuple)) and (len(self.tiles) in (0, 2))
-                 and all(isinstance(t, int) and t >= 1 for t in self.tiles), "tiling.tiles", self.tiles,
+        check_types(self, "tiling.")
+        _require(self.min_numel >= 0, "tiling.min_numel", self.min_numel, "an integer >= 0 (0 turns tiling off)")
+        _require(self.max_tile_bytes >= 0, "tiling.max_tile_bytes", self.max_tile_bytes, "an integer >= 0")
+        _require(len(self.tiles) in (0, 2) and all(t >= 1 for t in self.tiles), "tiling.tiles", self.tiles,
                  "[input splits, output splits], two integers >= 1 (or [] to size tiles by max_tile_bytes)")
         _require(not self.enabled or bool(self.tiles) or self.max_tile_bytes > 0, "tiling.min_numel", self.min_numel,
                  "0 unless tiling.tiles or tiling.max_tile_bytes says how to split (set one of them)")
@@ -167,7 +180,7 @@ class TilingConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointingConfig:
+class CheckpointingConfig(_Checked):
     """Activation checkpointing (see zinf/checkpointing.py): every module whose class name or qualified
     name pattern (``fnmatch``) is in ``modules`` keeps only its inputs from forward to backward and runs
     again during backward (its parameters gathered again through zinf's hooks). ``offload`` keeps those
@@ -177,14 +190,13 @@ class CheckpointingConfig:
     offload: bool = False
 
     def validate(self) -> None:
-        _require(isinstance(self.modules, (list, tuple)) and all(isinstance(m, str) and m for m in self.modules),
-                 "activation_checkpointing.modules", self.modules,
-                 "a list of block class names or module name patterns, e.g. ['Block'] or ['blocks.*']")
-        _require(isinstance(self.offload, bool), "activation_checkpointing.offload", self.offload, "true or false")
+        check_types(self, "activation_checkpointing.")
+        _require(all(self.modules), "activation_checkpointing.modules", self.modules,
+                 "a list of block class names or module name patterns, e.g. ['Block'] or ['blocks.*'] (no empty ones)")
 
 
 @dataclass(kw_only=True)
-class ZeroConfig:
+class ZeroConfig(_Checked):
     """Everything the engine needs to know.
 
     precision: compute dtype of gathered parameters and activations ("fp32", "bf16", "fp16");
@@ -200,6 +212,9 @@ class ZeroConfig:
         "auto" (default) serves every rank's gathers, so training stays exact, and gathers the nearest
         module every rank calls as one unit from then on (logged); "error" raises a
         CollectiveMismatchError on every rank that names the modules (no hang, no wrong step).
+    collective_timeout_s: how long a collective may wait for the other ranks, in seconds, before the run
+        stops with an error naming the rank that stopped answering, where torch allows it (0 = torch's
+        default timeout).
     """
 
     precision: str = "fp32"
@@ -215,20 +230,26 @@ class ZeroConfig:
     tiling: TilingConfig = field(default_factory=TilingConfig)
     activation_checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     log_every_n_steps: int = 0
+    collective_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for name, section in sections(ZeroConfig).items():  # ZeroConfig(offload={...}) as from_dict would
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, _build(section, _to_plain_dict(value), prefix=f"{name}."))
         self.validate()
 
     def validate(self) -> None:
+        check_types(self, "")
         _require(self.precision in PRECISIONS, "precision", self.precision, f"one of {sorted(PRECISIONS)}")
         _require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
         _require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
         _require(self.log_every_n_steps >= 0, "log_every_n_steps", self.log_every_n_steps, "an integer >= 0")
-        _require(isinstance(self.unit_modules, (list, tuple)) and all(isinstance(u, str) and u for u in self.unit_modules),
-                 "unit_modules", self.unit_modules, "a list of module name patterns or class names, e.g. ['model.layers.*.mlp']")
+        _require(self.collective_timeout_s >= 0, "collective_timeout_s", self.collective_timeout_s,
+                 "a number of seconds >= 0 (0 = torch's default timeout)")
+        _require(all(self.unit_modules), "unit_modules", self.unit_modules,
+                 "a list of module name patterns or class names, e.g. ['model.layers.*.mlp'] (no empty ones)")
         _require(self.divergence in _DIVERGENCE, "divergence", self.divergence, f"one of {list(_DIVERGENCE)}")
-        for name in ("detect_external_params", "cast_forward_inputs"):
-            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         self.loss_scale.validate()
         self.overlap.validate()
         self.offload.validate()
@@ -291,6 +312,7 @@ def _to_plain_dict(values: Any) -> dict[str, Any]:
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    nested = sections(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
@@ -299,25 +321,12 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
             raise ConfigError(
                 f"zinf config: unknown key '{prefix}{key}'.{hint} Valid keys here: {sorted(fields)}."
             )
-        nested = _NESTED.get((cls, key))
-        if nested is not None and isinstance(value, Mapping):
-            value = _build(nested, value, prefix=f"{prefix}{key}.")
-        kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a wrong type that the dataclass itself rejected
-        raise ConfigError(f"zinf config ({prefix or 'top level'}): {exc}") from exc
+        if key in nested and isinstance(value, Mapping):
+            value = _build(nested[key], value, prefix=f"{prefix}{key}.")
+        kwargs[key] = value  # anything else of the wrong type is refused by check_types, naming the key
+    return cls(**kwargs)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"zinf config: '{key}' = {value!r} is not allowed; expected {allowed}.")
-
-
-_NESTED: dict[tuple[type, str], type] = {
-    (ZeroConfig, "loss_scale"): LossScaleConfig,
-    (ZeroConfig, "overlap"): OverlapConfig,
-    (ZeroConfig, "offload"): OffloadConfig,
-    (ZeroConfig, "tiling"): TilingConfig,
-    (ZeroConfig, "activation_checkpointing"): CheckpointingConfig,
-}

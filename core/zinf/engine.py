@@ -23,6 +23,7 @@ from zinf.errors import UnsupportedModelError
 from zinf.checkpointing import ActivationCheckpointing
 from zinf.fetch.comm import Comm, default_device
 from zinf.fetch.gather import ParamFetcher
+from zinf.fetch.watchdog import CollectiveWatchdog
 from zinf.offload.optimizer import OffloadedAdam
 from zinf.offload.placement import Placement
 from zinf.optim.sharded import ShardedOptimizer
@@ -60,6 +61,7 @@ class ZeroInfinityEngine:
         for g in self.groups:  # parameters frozen after zinf.Init built them
             g.refresh_requires_grad()
         self.timers = StepTimers()
+        self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
         self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
                                     check_finite=self.config.precision == "fp16")
                           if self.config.offload.enabled else None)
@@ -107,7 +109,7 @@ class ZeroInfinityEngine:
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
         if self.placement is not None:  # a training forward's shards are gathered again by its backward
             self.placement.param_store.keep_gathered = torch.is_grad_enabled()
-        with self.timers.time("forward"), mode:
+        with self.watchdog.watch("forward"), self.timers.time("forward"), mode:
             try:
                 return self.module(*args, **kwargs)
             except BaseException:
@@ -118,7 +120,7 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        with self.timers.time("backward"):
+        with self.watchdog.watch("backward"), self.timers.time("backward"):
             try:
                 loss.backward(**kwargs)
             except BaseException:
@@ -139,6 +141,10 @@ class ZeroInfinityEngine:
 
     def step(self) -> bool:
         """Optimizer step on the shards; returns False when an fp16 overflow skipped it."""
+        with self.watchdog.watch("the optimizer step"):
+            return self._step()
+
+    def _step(self) -> bool:
         if self.optimizer is None:
             raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
         start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ZinfError", "ConfigError", "UnsupportedModelError", "CollectiveMismatchError"]
+__all__ = ["ZinfError", "ConfigError", "UnsupportedModelError", "CollectiveMismatchError", "CollectiveTimeoutError",
+           "CheckpointError"]
 
 
 class ZinfError(RuntimeError):
@@ -19,3 +20,13 @@ class UnsupportedModelError(ZinfError):
 
 class CollectiveMismatchError(ZinfError):
     """Ranks disagree about something they must agree on (world size, parameter layout, trace)."""
+
+
+class CollectiveTimeoutError(ZinfError):
+    """A collective waited ``collective_timeout_s`` for the other ranks; the message names the ones that did not
+    answer."""
+
+
+class CheckpointError(ZinfError):
+    """A checkpoint is missing, incomplete, mixed from several saves, truncated, foreign, or does not fit the
+    model/world it is loaded into; or a save failed (then the previous checkpoint is still the current one)."""

@@ -7,6 +7,7 @@ Public API used by the offload engine and the optimizer:
 - :func:`adam_step`, :func:`grad_norm_sq`: fused CPU Adam/AdamW and squared gradient norm.
 - :class:`AsyncIO`: asynchronous file reads/writes of tensors (io_uring or threads, O_DIRECT).
 - :class:`PinnedBufferPool`: a fixed-capacity aligned host buffer pool handing out uint8 tensors.
+- :func:`crc32c`: the CRC32C content checksum of a tensor's bytes (SSE4.2 where the CPU has it).
 
 Every native entry point has a pure-PyTorch fallback with the same signature (``*_torch`` /
 ``PythonAsyncIO``); they are used when the extension is missing and serve as test oracles.
@@ -46,6 +47,9 @@ __all__ = [
     "PythonAsyncIO",
     "adam_step",
     "adam_step_torch",
+    "crc32c",
+    "crc32c_py",
+    "checksum_backend",
     "grad_norm_sq",
     "grad_norm_sq_torch",
     "info",
@@ -277,6 +281,59 @@ def stream_bound(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- async I/O
+
+
+def _address(data: torch.Tensor | bytes | bytearray | memoryview) -> tuple[int, int, Any]:
+    """(address, byte count, object keeping the memory alive) of a CPU tensor or a bytes-like object."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError(f"crc32c: needs a contiguous CPU tensor, got {data.device} "
+                             f"({'contiguous' if data.is_contiguous() else 'strided'})")
+        return data.data_ptr(), data.numel() * data.element_size(), data
+    import numpy as np  # a read-only buffer (bytes) without torch's non-writable-tensor warning
+
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return arr.ctypes.data, arr.size, arr
+
+
+def crc32c_py(data: torch.Tensor | bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC32C in pure Python: the test oracle (about 1 MB/s), and what runs without the native build."""
+    if isinstance(data, torch.Tensor):
+        raw = data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() if data.numel() else b""
+    else:
+        raw = bytes(data)
+    table = _CRC_TABLE
+    state = crc ^ 0xFFFFFFFF
+    for byte in raw:
+        state = (state >> 8) ^ table[(state ^ byte) & 0xFF]
+    return state ^ 0xFFFFFFFF
+
+
+def _crc_table() -> list[int]:
+    out = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        out.append(c)
+    return out
+
+
+_CRC_TABLE = _crc_table()
+
+
+def crc32c(data: torch.Tensor | bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """The CRC32C of ``data``'s bytes (a contiguous CPU tensor of any dtype, or bytes-like), continuing from
+    ``crc``: ``crc32c(b, crc32c(a)) == crc32c(a + b)``. Native (GIL released), else :func:`crc32c_py`."""
+    if _native is None:
+        return crc32c_py(data, crc)
+    address, nbytes, _keep = _address(data)
+    return int(_native.checksum.crc32c(address, nbytes, crc))
+
+
+def checksum_backend() -> str:
+    """What :func:`crc32c` runs on: "sse4.2", "portable" (C++ tables) or "python"."""
+    return "python" if _native is None else str(_native.checksum.backend())
 
 
 class AIOError(OSError):
@@ -569,7 +626,8 @@ class PinnedBufferPool:
                 f"PinnedBufferPool exhausted: requested {nbytes} bytes (a block of "
                 f"{self._pool.block_size_for(int(nbytes))} bytes), {self.bytes_in_use} of {self.capacity_bytes} "
                 f"bytes in use, largest free block {self.largest_free_block_bytes} bytes; release buffers "
-                f"or create the pool with a larger total_bytes"
+                f"or create the pool with a larger total_bytes (for the engine's NVMe staging pool: raise "
+                f"offload.pinned_pool_bytes if host memory allows, else lower offload.sub_group_numel)"
             )
         return self._arena[offset : offset + nbytes]
 
@@ -591,7 +649,9 @@ class PinnedBufferPool:
         cudart: Any = torch.cuda.cudart()
         err = cudart.cudaHostRegister(self._base, self.capacity_bytes, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.capacity_bytes} bytes failed with error {err}")
+            raise RuntimeError(f"cudaHostRegister of {self.capacity_bytes} bytes failed with error {err}: the system "
+                               "would not page-lock that much host memory; lower offload.pinned_pool_bytes (the size of "
+                               "this pool) or raise the locked-memory limit (ulimit -l)")
         self._pinned = True
         return True
 

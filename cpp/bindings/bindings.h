@@ -5,4 +5,5 @@ namespace zinf::bindings {
 void bind_adam(pybind11::module_& m);
 void bind_aio(pybind11::module_& m);
 void bind_pool(pybind11::module_& m);
+void bind_checksum(pybind11::module_& m);
 }  // namespace zinf::bindings

@@ -1,14 +1,16 @@
-// zinf._native: one extension module with submodules adam, aio and pool.
+// zinf._native: one extension module with submodules adam, aio, pool and checksum.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool.";
+  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums.";
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
   auto aio = m.def_submodule("aio");
   zinf::bindings::bind_aio(aio);
   auto pool = m.def_submodule("pool");
   zinf::bindings::bind_pool(pool);
+  auto checksum = m.def_submodule("checksum");
+  zinf::bindings::bind_checksum(checksum);
 }

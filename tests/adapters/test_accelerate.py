@@ -104,8 +104,9 @@ def test_save_state_then_load_state_in_a_fresh_launch_resumes_exactly(ddp: dict,
     config, state = EXAMPLES / "zinf_cpu_offload.yaml", str(tmp_path / "state")
     zinf_launch("--config", config, TRAIN, *ARGS, "--save-at", "10", "--save-state", state,
                 "--losses-out", str(tmp_path / "first.json"))
-    assert sorted(p.name for p in (tmp_path / "state" / "zinf_model").iterdir()) == [
-        "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    engine_dir = tmp_path / "state" / "zinf_model"
+    committed = json.loads((engine_dir / "commit.json").read_text())["files"]  # one file per rank
+    assert sorted(p.name for p in engine_dir.iterdir()) == ["commit.json", *committed] and len(committed) == 2
     zinf_launch("--config", config, TRAIN, *ARGS, "--resume", state, "--losses-out", str(tmp_path / "second.json"),
                 "--save-model", str(tmp_path / "model"))
     first, second = losses(tmp_path / "first.json", ZINF), losses(tmp_path / "second.json", ZINF)

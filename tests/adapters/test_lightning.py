@@ -115,7 +115,8 @@ def test_manual_optimization_matches_automatic_ddp(runs: Runs) -> None:
 def test_resume_matches_uninterrupted_and_converts(runs: Runs) -> None:
     full_dir = runs("lightning_driver.py", "--strategy", "zero_infinity", "--accelerator", "cpu", *GPT_EVAL)
     ckpt = full_dir / "ckpt" / "step=10.ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    committed = json.loads((ckpt / "commit.json").read_text())["files"]  # one file per rank, made current together
+    assert sorted(p.name for p in ckpt.iterdir()) == ["commit.json", *committed] and len(committed) == 2
     resumed = lightning(runs, "zero_infinity", "--kind", "gpt", "--steps", "20", "--resume", str(ckpt))
     full = records(full_dir)
     assert resumed[0]["global_step"] == 20 and len(resumed[0]["train"]) == 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
     # world size mismatch: the rank-0 file of a 1-rank run does not exist
     msg = run_distributed(_load_only, 1, ckpt)[0]
     assert "does not exist" in msg and "same world size" in msg
-    victim = tmp_path / "ckpt" / "rank00001-of-00002.pt"
+    victim = tmp_path / "ckpt" / json.loads((tmp_path / "ckpt" / "commit.json").read_text())["files"][1]
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
     msgs = run_distributed(_load_only, 2, ckpt)
     assert "truncated or not a checkpoint" in msgs[1]

@@ -1,25 +1,29 @@
 """One file per rank: its fp32 master shards, its optimizer state, the loss scaler and the step.
 
-Layout of a checkpoint directory::
+The files of one save become the current checkpoint together, through ``commit.json`` (see
+[Note: commit protocol] in zinf/checkpoint/commit.py): a save killed or failing on any rank leaves the
+previous checkpoint current, and a reader never mixes the files of two saves.
 
-    rank00000-of-00002.pt   rank00001-of-00002.pt   (written to a temporary name, then renamed)
-
-Each file records the format, world size, rank and the group layout (names, sizes, parameter names and
-shapes), so loading into a different model or world size fails with a message naming what differs
-instead of training on mismatched values. ``consolidate`` rebuilds an ordinary, unsharded
-``state_dict`` from the files alone (no process group needed), with tiled layers under their untiled
-names (see [Note: untiled names] in zinf/tiling.py).
+Every tensor in a file is covered by a CRC32C recorded beside it and checked by every reader, so a
+flipped or zeroed byte is an error naming the file and the tensor, never weights loaded. Each file records
+the format, world size, rank, the group layout (names, sizes, parameter names and
+shapes) and the commit it belongs to, so loading into a different model or world size, or from a directory
+that mixes saves, fails with a message naming what differs instead of training on mismatched values.
+``consolidate`` rebuilds an ordinary, unsharded ``state_dict`` from the files alone (no process group
+needed), with tiled layers under their untiled names (see [Note: untiled names] in zinf/tiling.py).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from zinf.errors import ZinfError
+from zinf import native
+from zinf.checkpoint.commit import Commit, Save, agreed_commit, check_part, raise_if_any, require_commit, tidy
+from zinf.errors import CheckpointError
 from zinf.tiling import merge_tiles, tile_spec
 
 if TYPE_CHECKING:
@@ -28,14 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["save_sharded", "load_sharded", "consolidate", "read_client_state", "CheckpointError"]
 
 FORMAT = "zinf-sharded-v1"
-
-
-class CheckpointError(ZinfError):
-    """A checkpoint is missing, truncated, foreign, or does not fit the model/world it is loaded into."""
-
-
-def _file(path: Path, rank: int, world: int) -> Path:
-    return path / f"rank{rank:05d}-of-{world:05d}.pt"
 
 
 def _layout(engine: "ZeroInfinityEngine") -> list[dict[str, Any]]:
@@ -51,10 +47,13 @@ def _layout(engine: "ZeroInfinityEngine") -> list[dict[str, Any]]:
 
 
 def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_state: dict | None = None) -> Path:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    """Every rank writes its part of a new checkpoint under ``path`` (a directory); once all parts are on
+    disk, rank 0 commits it and the previous checkpoint's files are removed. Collective; returns this rank's
+    file. When any rank fails (a full disk, say), every rank raises CheckpointError, nothing of the save is
+    kept, and the previous checkpoint stays current."""
     comm = engine.comm
-    payload = {
+    save = Save(Path(path), comm, engine.global_step)
+    save.write(lambda: _with_checksums({
         "format": FORMAT, "world": comm.world, "rank": comm.rank, "layout": _layout(engine),
         "precision": engine.config.precision, "master": [engine.master_of(g).detach().cpu() for g in engine.groups],
         "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
@@ -62,38 +61,100 @@ def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_s
         "global_step": engine.global_step, "client_state": client_state or {},
         "buffers": {n: b.detach().cpu() for n, b in engine.module.named_buffers()},
         "tiling": tile_spec(engine.module),  # so consolidate can give tiled layers their nn.Linear names
-    }
-    final = _file(path, comm.rank, comm.world)
-    tmp = final.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, final)  # a crash mid-write never leaves a file that looks complete
-    return final
+    }))
+    save.agree()
+    save.commit()
+    return save.part
 
 
 def _read(file: Path) -> dict[str, Any]:
-    if not file.exists():
-        raise CheckpointError(f"zinf checkpoint: {file} does not exist. Was it written with the same world size?")
     try:
         payload = torch.load(file, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise CheckpointError(f"zinf checkpoint: {file} is truncated or not a checkpoint ({exc}).") from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"zinf checkpoint: {file} is not a {FORMAT} file (foreign or from another version).")
+    _verify_checksums(payload, file)
+    return payload
+
+
+def _tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a payload, with its path (``master[3]``, ``optimizer.state.5.exp_avg``), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{path}[{i}]")
+
+
+def _crc(t: torch.Tensor) -> int:
+    return native.crc32c(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)) if t.numel() else 0
+
+
+def _with_checksums(payload: dict[str, Any]) -> dict[str, Any]:
+    """Add the CRC32C of every tensor's bytes (``checksums``: path -> crc), verified by every reader."""
+    payload["checksums"] = {path: _crc(t) for path, t in _tensors(payload)}
+    return payload
+
+
+def _verify_checksums(payload: dict[str, Any], file: Path) -> None:
+    expected = payload.get("checksums")
+    if expected is None:
+        raise CheckpointError(f"zinf checkpoint: {file} carries no checksums (written by an earlier zinf); resume it "
+                              "with that version and save again, or consolidate it there and load the state dict.")
+    found = {path: t for path, t in _tensors({k: v for k, v in payload.items() if k != "checksums"})}
+    if set(found) != set(expected):
+        missing = sorted(set(expected) ^ set(found))[:4]
+        raise CheckpointError(f"zinf checkpoint: {file} is damaged: its tensors do not match its list of checksums "
+                              f"({missing}). Restore the file from a copy or load another checkpoint.")
+    for path, t in found.items():
+        actual = _crc(t)
+        if actual != expected[path]:
+            raise CheckpointError(
+                f"zinf checkpoint: {file} is corrupted: tensor {path} ({t.numel() * t.element_size()} bytes, "
+                f"{t.dtype}) has CRC32C {actual:#010x}, {expected[path]:#010x} was written. Nothing was loaded; restore "
+                "the file from a copy or load another checkpoint.")
+
+
+def _read_part(path: Path, commit: Commit, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file of the save ``commit`` names, checked to belong to that save."""
+    file = path / commit.file(rank)
+    if not file.exists():
+        raise CheckpointError(f"zinf checkpoint: {file} does not exist, but {path / 'commit.json'} names it as rank "
+                              f"{rank}'s part of {commit.describe()}: the checkpoint is incomplete. Restore the file, "
+                              "or load another checkpoint.")
+    payload = _read(file)
+    check_part(payload.get("commit"), commit, rank, file)
     return payload
 
 
 def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
-    """Restore weights, optimizer state, loss scale and step into ``engine``; returns the client state."""
+    """Restore weights, optimizer state, loss scale and step into ``engine`` from the checkpoint that
+    ``path/commit.json`` names; returns the client state. Collective: when any rank's file is missing, from
+    another save or does not fit, every rank raises CheckpointError and nothing is changed."""
     path, comm = Path(path), engine.comm
-    payload = _read(_file(path, comm.rank, comm.world))
-    if payload["world"] != comm.world:
-        raise CheckpointError(f"zinf checkpoint: written by {payload['world']} ranks, loading on {comm.world}. "
-                              "Load on the same world size, or consolidate it (zinf consolidate) and load the full state dict.")
-    mine = _layout(engine)
-    if payload["layout"] != mine:
-        first = next(i for i, (a, b) in enumerate(zip(payload["layout"] + [None], mine + [None])) if a != b)
-        raise CheckpointError(f"zinf checkpoint: {path} was written for a different model (group {first} differs: "
-                              f"{payload['layout'][first] if first < len(payload['layout']) else 'missing'}).")
+    commit = agreed_commit(path, comm)
+    tidy(path, commit, comm.rank, comm.world)  # files of a killed or failed save
+    payload, problem, error = None, None, None
+    try:
+        if commit.world != comm.world:
+            raise CheckpointError(
+                f"zinf checkpoint: {path} holds {commit.describe()}, loading on {comm.world} rank(s): a file for rank "
+                f"{comm.rank} of {comm.world} does not exist. Load on the same world size, or consolidate it "
+                "(zinf consolidate) and load the full state dict.")
+        payload = _read_part(path, commit, comm.rank)
+        mine = _layout(engine)
+        if payload["layout"] != mine:
+            first = next(i for i, (a, b) in enumerate(zip(payload["layout"] + [None], mine + [None])) if a != b)
+            raise CheckpointError(f"zinf checkpoint: {path} was written for a different model (group {first} differs: "
+                                  f"{payload['layout'][first] if first < len(payload['layout']) else 'missing'}).")
+    except Exception as exc:  # noqa: BLE001 - every rank raises together, none is left waiting in a collective
+        error, problem = exc, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    raise_if_any(comm, problem, error)
+    assert payload is not None
     with torch.no_grad():
         for g, master in zip(engine.groups, payload["master"]):
             engine.set_master(g, master.to(engine.device))
@@ -109,22 +170,17 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
 
 
 def read_client_state(path: str | os.PathLike) -> dict:
-    """The ``client_state`` saved with a checkpoint (the same on every rank; read from rank 0's file)."""
-    files = sorted(Path(path).glob("rank00000-of-*.pt"))
-    if not files:
-        raise CheckpointError(f"zinf checkpoint: no rank00000-of-*.pt file in {path}.")
-    return _read(files[0])["client_state"]
+    """The ``client_state`` saved with the current checkpoint in ``path`` (the same on every rank; rank 0's)."""
+    path = Path(path)
+    return _read_part(path, require_commit(path), 0)["client_state"]
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """An ordinary fp32 ``state_dict`` (parameters and buffers) from a sharded checkpoint directory."""
+    """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``."""
     path = Path(path)
-    files = sorted(path.glob("rank*-of-*.pt"))
-    if not files:
-        raise CheckpointError(f"zinf checkpoint: no rank*-of-*.pt files in {path}.")
-    first = _read(files[0])
-    world = first["world"]
-    payloads = [first] + [_read(_file(path, r, world)) for r in range(1, world)]
+    commit = require_commit(path)
+    payloads = [_read_part(path, commit, r) for r in range(commit.world)]
+    first = payloads[0]
     out: dict[str, torch.Tensor] = {}
     for gi, group in enumerate(first["layout"]):
         flat = torch.cat([p["master"][gi] for p in payloads])

@@ -65,6 +65,14 @@ class Comm:
             dist.all_reduce(tensor, op=red, group=self.group)
         return tensor
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small and picklable: a flag, a message, a record), indexed by rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         if self.world > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)

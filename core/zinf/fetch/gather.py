@@ -13,6 +13,7 @@ import torch
 from zinf.config import OverlapConfig
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.report import StepTimers
+from zinf.units import format_bytes
 
 if TYPE_CHECKING:
     from zinf.schedule.rounds import Rounds
@@ -108,9 +109,10 @@ class ParamFetcher:
 
             held = self.gathered_bytes
             raise UnsupportedModelError(
-                f"zinf: {label or 'the model'} needs {_mib(need)} of parameters gathered at once ({_mib(held)} already "
-                f"held), above overlap.max_gathered_bytes = {_mib(limit)}. Tile its large linear layers (tiling.min_numel "
-                "and tiling.max_tile_bytes, or zinf.TiledLinear), or raise overlap.max_gathered_bytes.")
+                f"zinf: {label or 'the model'} needs {format_bytes(need)} of parameters gathered at once "
+                f"({format_bytes(held)} already held), above overlap.max_gathered_bytes = {format_bytes(limit)}. Tile "
+                "its large linear layers (tiling.min_numel and tiling.max_tile_bytes, or zinf.TiledLinear), or raise "
+                "overlap.max_gathered_bytes.")
 
     def settle(self) -> None:
         """Apply a prefetch round still in flight (before anything else is issued: see [Note: rounds])."""
@@ -165,7 +167,3 @@ class ParamFetcher:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

@@ -18,6 +18,7 @@ from zinf.offload.param_store import CpuParamStore, NvmeParamStore, ParamStore
 from zinf.offload.swap import OffloadSpaceError, SwapSpace
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
+from zinf.units import format_bytes
 
 __all__ = ["Placement"]
 
@@ -163,7 +164,10 @@ class Placement:
                 f"zinf offload: this placement needs about {host / 2**30:.2f} GiB of host memory per rank, but "
                 f"{'offload.max_cpu_bytes allows' if self.cfg.max_cpu_bytes else 'the machine has'} "
                 f"{budget / 2**30:.2f} GiB. Move state to NVMe (offload.optimizer='nvme', offload.params='nvme'), "
-                "use more ranks, or raise offload.max_cpu_bytes.")
+                "use more ranks, "
+                + (f"lower offload.pinned_pool_bytes (the NVMe staging pool, {format_bytes(self.cfg.pinned_pool_bytes)} "
+                   "of it), " if self.swap is not None else "")
+                + "or raise offload.max_cpu_bytes.")
 
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

@@ -4,9 +4,12 @@
 Each rank owns one file per NVMe path, ``zinf-r{rank}-of-{world}-{run}.swap``. The first 4096 bytes
 are a header (magic, format version, run id, rank, world, size). Every record (one tensor: a
 parameter shard, a master shard, a moment) starts 4096-aligned and ends in a 64-byte trailer
-inside its padded length: magic, run id, record id, generation (bumped on every write) and data
-size. Every read checks the trailer against what this run last wrote there, so a truncated,
-foreign (another run's or another rank's) or stale file is reported instead of being trained on.
+inside its padded length: magic, run id, record id, generation (bumped on every write), data
+size and the CRC32C of the data (computed by the native core as the record is written). Every read
+checks the trailer against what this run last wrote there and the data against its checksum, so a
+truncated, foreign (another run's or another rank's), stale or corrupted record is an error naming
+the file, the record and its offset instead of numbers trained on. Without the native build the
+checksum is not taken (a pure-Python CRC would be slower than the disk); a warning says so.
 Files are preallocated (``posix_fallocate``) when the engine starts: a path without room fails
 then, naming the path, the bytes needed and free, and the setting to change.
 """
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from zinf import native
+from zinf.offload import cleanup
 from zinf.errors import ZinfError
 from zinf.report import StepTimers
 
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 TRAILER_BYTES = 64
 _MAGIC, _REC_MAGIC, _VERSION = b"ZINFSWAP", b"ZINFREC1", 1
-_TRAILER = struct.Struct("<8s16sQQQ")  # magic, run id, record id, generation, nbytes
+_TRAILER = struct.Struct("<8s16sQQQI")  # magic, run id, record id, generation, nbytes, crc32c of the data
 
 
 class OffloadFileError(ZinfError):
@@ -101,6 +105,10 @@ class SwapSpace:
         self._ends = [ALIGN] * len(self.files)  # the header block comes first
         self.records: list[Record] = []
         self._opened = False
+        self.checksums = native.checksum_backend() != "python"
+        if not self.checksums:
+            log.warning("zinf offload: the native build is missing, so offloaded records are written and read "
+                        "without content checksums (corruption on disk would go unnoticed); %s", native._BUILD_HINT)
 
     # -- layout ---------------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Record:
@@ -117,14 +125,22 @@ class SwapSpace:
         return {d: end for d, end in zip(self.dirs, self._ends)}
 
     def open(self) -> None:
-        """Check free space on every path, then create, preallocate and stamp the files."""
+        """Remove files of dead runs, check free space on every path, then create, preallocate and stamp the files."""
+        alive = cleanup.collect_leftovers(self.dirs)  # see [Note: clean stops] in zinf/offload/cleanup.py
         for d, need in self.bytes_per_path.items():
             free = shutil.disk_usage(d).free
             if need > free:
+                others = [x for x in alive if os.path.dirname(x.path) == d]
+                from zinf.units import format_bytes_apart
+
+                need_text, free_text = format_bytes_apart(need, free)
                 raise OffloadSpaceError(
-                    f"zinf offload: {d!r} needs {need / 2**30:.2f} GiB for rank {self.rank}'s offloaded state but has "
-                    f"{free / 2**30:.2f} GiB free. Free space there, add another drive to {self.setting}, or offload "
-                    "less (offload.params / offload.optimizer).")
+                    f"zinf offload: {d!r} needs {need_text} for rank {self.rank}'s offloaded state but has "
+                    f"{free_text} free. Free space there, add another drive to {self.setting}, or offload "
+                    "less (offload.params / offload.optimizer)." + (
+                        f" Swap files of other runs there hold {sum(x.nbytes for x in others) / 2**20:.1f} MiB: "
+                        + "; ".join(f"{x.path} ({x.why})" for x in others[:4]) if others else ""))
+        cleanup.register(list(self.files))  # from before they exist: a stop while creating them removes them too
         for f, end in zip(self.files, self._ends):
             fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
@@ -134,7 +150,7 @@ class SwapSpace:
                     raise OffloadSpaceError(f"zinf offload: cannot reserve {end} bytes in {f}: {exc}. Free space on "
                                             f"that drive or change {self.setting}.") from exc
                 header = json.dumps({"magic": _MAGIC.decode(), "version": _VERSION, "run": self.run_id.hex(),
-                                     "rank": self.rank, "world": self.world, "bytes": end}).encode()
+                                     "rank": self.rank, "world": self.world, "bytes": end, **cleanup.owner()}).encode()
                 os.pwrite(fd, header.ljust(ALIGN, b"\0"), 0)
             finally:
                 os.close(fd)
@@ -146,11 +162,13 @@ class SwapSpace:
                  ", ".join(f"{f} ({e / 2**20:.0f} MiB)" for f, e in zip(self.files, self._ends)))
 
     def close(self, remove: bool = True) -> None:
-        cleanup = getattr(self, "_cleanup", None)
-        if remove and cleanup is not None:
-            cleanup()
-        elif cleanup is not None:
-            cleanup.detach()
+        if remove:
+            cleanup.unregister(list(self.files))
+        finalizer = getattr(self, "_cleanup", None)
+        if remove and finalizer is not None:
+            finalizer()
+        elif finalizer is not None:
+            finalizer.detach()
         elif remove:
             _remove(self.files)
 
@@ -158,7 +176,8 @@ class SwapSpace:
     def stamp(self, rec: Record, buf: torch.Tensor) -> None:
         """Write the trailer of ``rec``'s next generation into ``buf`` (a uint8 buffer of ``rec.span`` bytes)."""
         rec.generation += 1
-        trailer = _TRAILER.pack(_REC_MAGIC, self.run_id, rec.record_id, rec.generation, rec.nbytes)
+        crc = self._checksum(rec, buf) if self.checksums else 0
+        trailer = _TRAILER.pack(_REC_MAGIC, self.run_id, rec.record_id, rec.generation, rec.nbytes, crc)
         buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + len(trailer)].copy_(
             torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
 
@@ -199,7 +218,7 @@ class SwapSpace:
     def verify(self, rec: Record, buf: torch.Tensor) -> None:
         """Check the trailer that was just read into ``buf`` (see [Note: offload file format])."""
         raw = bytes(buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + _TRAILER.size].numpy().tobytes())
-        magic, run, rid, gen, nbytes = _TRAILER.unpack(raw)
+        magic, run, rid, gen, nbytes, crc = _TRAILER.unpack(raw)
         if magic != _REC_MAGIC:
             raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} at offset {rec.offset} is not a zinf "
                                    "record (the file was overwritten, truncated or is foreign).")
@@ -209,3 +228,14 @@ class SwapSpace:
         if gen != rec.generation or nbytes != rec.nbytes:
             raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} is stale (generation {gen}, "
                                    f"expected {rec.generation}); a write was lost.")
+        if self.checksums:
+            actual = self._checksum(rec, buf)
+            if actual != crc:
+                raise OffloadFileError(
+                    f"zinf offload: {rec.path} record {rec.record_id} at offset {rec.offset} ({rec.nbytes} bytes) is "
+                    f"corrupted: its data's CRC32C is {actual:#010x}, {crc:#010x} was written. Refusing to train on "
+                    "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
+
+    def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
+        with self.timers.time("checksum"):
+            return native.crc32c(buf[: rec.nbytes])

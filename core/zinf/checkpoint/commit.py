@@ -1,0 +1,374 @@
+"""The commit protocol of a sharded checkpoint: every rank writes its part aside, all ranks agree that every
+part is on disk, then one record written by rank 0 makes the new save the current one.
+
+Layout of a checkpoint directory::
+
+    commit.json                                        names the current save (replaced atomically)
+    step00000016-3fa9c1d2e4b5.rank00000-of-00002.pt    rank 0's part of that save
+    step00000016-3fa9c1d2e4b5.rank00001-of-00002.pt    rank 1's part
+
+[Note: commit protocol]
+A save's tag is ``step<global step>-<random save id>``. Its parts carry the tag in their names, so writing
+them never touches a file the current commit names, and each part records the commit it belongs to
+(tag, save id, step, world, rank). One rank's side of a save goes WRITING -> AGREED -> COMMITTED, or to
+ABANDONED:
+
+1. rank 0 reads the current commit and draws the save id; every rank learns both (one all-gather);
+2. WRITING: each rank removes its leftovers (see [Note: leftovers]), writes its part, flushes and fsyncs
+   it and the directory;
+3. every rank learns every rank's outcome (one all-gather). AGREED when all succeeded; otherwise every
+   rank removes its part and raises the same CheckpointError (ABANDONED: the previous commit is current);
+4. rank 0 writes ``commit.json.tmp``, fsyncs it, renames it onto ``commit.json`` and fsyncs the directory:
+   the new save is current from the rename on. Every rank learns the outcome (one all-gather);
+5. COMMITTED: each rank removes the files it owns that the new commit does not name (the previous save).
+
+A kill at any instant leaves the previous commit or the new one current, each with all its parts on disk.
+Readers trust only ``commit.json``, and check each part's own record of its commit against it. What rank 0
+read is shared with every rank, so ranks also agree when each sees a directory of its own node.
+
+[Note: leftovers]
+zinf's files in a checkpoint directory are ``commit.json``, ``commit.json.tmp``, the parts above (``.tmp``
+included), and the rank files of the earlier format that had no commit (``rank00000-of-00002.pt``, and
+``.pt.tmp`` while written). Each is owned by rank ``(its rank number) % world`` (``commit.json.tmp`` by
+rank 0), so no two ranks remove the same file and the files of a larger earlier world are removed too.
+Nothing else in the directory is ever touched.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from zinf.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from zinf.fetch.comm import Comm
+
+__all__ = ["Commit", "Save", "SaveState", "agreed_commit", "check_part", "raise_if_any", "require_commit", "tidy"]
+
+log = logging.getLogger("zinf")
+
+COMMIT = "commit.json"
+COMMIT_FORMAT = "zinf-commit-v1"
+_PART = re.compile(r"^step\d+-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.pt(\.tmp)?$")
+_LEGACY = re.compile(r"^rank(?P<rank>\d{5})-of-\d{5}\.pt(?P<tmp>\.tmp)?$")
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One save: what ``commit.json`` holds, and what each of the save's parts records about itself."""
+
+    tag: str
+    save_id: str
+    global_step: int
+    world: int
+
+    def file(self, rank: int) -> str:
+        return f"{self.tag}.rank{rank:05d}-of-{self.world:05d}.pt"
+
+    def files(self) -> list[str]:
+        return [self.file(r) for r in range(self.world)]
+
+    def part_record(self, rank: int) -> dict[str, Any]:
+        """What rank ``rank``'s part stores under its payload's ``"commit"`` key."""
+        return {**asdict(self), "rank": rank}
+
+    def describe(self) -> str:
+        return f"save {self.tag} at step {self.global_step} by {self.world} rank(s)"
+
+
+# -- reading ---------------------------------------------------------------------------------------------
+
+def read_commit(directory: Path) -> Commit | None:
+    """The commit ``directory/commit.json`` names; ``None`` when there is none."""
+    path = directory / COMMIT
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"zinf checkpoint: cannot read {path} ({exc}).") from exc
+    try:
+        record = json.loads(text)
+        if record.get("format") != COMMIT_FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, expected {COMMIT_FORMAT!r}")
+        return Commit(tag=str(record["tag"]), save_id=str(record["save_id"]),
+                      global_step=int(record["global_step"]), world=int(record["world"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"zinf checkpoint: {path} is not a zinf commit record ({exc}); it was edited or "
+                              "damaged. Restore it from a copy of the checkpoint, or load another checkpoint.") from exc
+
+
+def require_commit(directory: Path) -> Commit:
+    """The current commit of ``directory``, or a CheckpointError saying why there is none."""
+    if not directory.exists():
+        raise CheckpointError(f"zinf checkpoint: {directory} does not exist.")
+    if not directory.is_dir():
+        raise CheckpointError(f"zinf checkpoint: {directory} is not a directory (a zinf checkpoint is a directory "
+                              f"holding {COMMIT} and one file per rank).")
+    commit = read_commit(directory)
+    if commit is not None:
+        return commit
+    names = sorted(os.listdir(directory))
+    if any((m := _LEGACY.match(n)) and not m["tmp"] for n in names):
+        raise CheckpointError(
+            f"zinf checkpoint: {directory} holds rank files but no {COMMIT}: it was written by an earlier zinf, "
+            "whose saves had no commit, so nothing proves that its rank files come from one save. Load it with "
+            "the zinf that wrote it and save it again with this one (or consolidate it there with 'zinf consolidate' "
+            "and load the weights with engine.load_full_state_dict).")
+    if any(_PART.match(n) for n in names):
+        raise CheckpointError(f"zinf checkpoint: {directory} has no {COMMIT}: no save into it completed (it holds "
+                              "parts of an interrupted save, which are never loaded). Load another checkpoint.")
+    raise CheckpointError(f"zinf checkpoint: {directory} holds no zinf checkpoint (no {COMMIT}).")
+
+
+def agreed_commit(directory: Path, comm: "Comm") -> Commit:
+    """The commit rank 0 reads, on every rank; every rank raises the same error when there is none (collective)."""
+    found: Commit | str | None = None
+    if comm.rank == 0:
+        try:
+            found = require_commit(directory)
+        except CheckpointError as exc:
+            found = str(exc)
+    found = comm.all_gather_object(found)[0]
+    if isinstance(found, str):
+        raise CheckpointError(found)
+    return found
+
+
+def check_part(record: Any, commit: Commit, rank: int, file: Path) -> None:
+    """Refuse a part whose own record (its payload's ``"commit"``) is not rank ``rank`` of ``commit``."""
+    if record == commit.part_record(rank):
+        return
+    if isinstance(record, dict):
+        found = (f"save {record.get('tag')} at step {record.get('global_step')} "
+                 f"(rank {record.get('rank')} of {record.get('world')})")
+    else:
+        found = "no save (it has no commit record; written by an earlier zinf?)"
+    raise CheckpointError(
+        f"zinf checkpoint: rank {rank}'s file {file} belongs to {found}, but {COMMIT} names {commit.describe()} "
+        f"(rank {rank} of {commit.world}): the directory mixes files of different saves. Restore the files of "
+        "one save, or load another checkpoint.")
+
+
+def raise_if_any(comm: "Comm", problem: str | None, cause: BaseException | None = None) -> None:
+    """Every rank raises when any rank had a problem, so none goes on alone into a collective (collective)."""
+    problems = [(r, p) for r, p in enumerate(comm.all_gather_object(problem)) if p is not None]
+    if len(problems) == 1:
+        raise CheckpointError(problems[0][1]) from cause
+    if problems:
+        raise CheckpointError("; ".join(f"rank {r}: {p}" for r, p in problems)) from cause
+
+
+# -- leftovers -------------------------------------------------------------------------------------------
+
+def _owner(name: str) -> int | None:
+    if name == f"{COMMIT}.tmp":
+        return 0
+    m = _PART.match(name) or _LEGACY.match(name)
+    return int(m["rank"]) if m else None
+
+
+def remove_leftovers(directory: Path, keep: Commit | None, rank: int, world: int, *, keep_legacy: bool = False) -> None:
+    """Remove the files of ``directory`` that ``rank`` owns and ``keep`` does not name (see [Note: leftovers])."""
+    named = set(keep.files()) if keep is not None else set()
+    removed = []
+    for entry in os.scandir(directory):
+        owner = _owner(entry.name)
+        if owner is None or owner % world != rank or entry.name in named or not entry.is_file(follow_symlinks=False):
+            continue
+        if keep_legacy and (m := _LEGACY.match(entry.name)) and not m["tmp"]:
+            continue
+        Path(entry.path).unlink(missing_ok=True)
+        removed.append(entry.name)
+    if removed:
+        log.debug("zinf checkpoint: removed %s from %s", ", ".join(sorted(removed)), directory)
+
+
+def tidy(directory: Path, keep: Commit, rank: int, world: int) -> None:
+    """``remove_leftovers``, where failing to remove (a read-only copy of a checkpoint) is only a warning."""
+    try:
+        remove_leftovers(directory, keep, rank, world)
+    except OSError as exc:
+        log.warning("zinf checkpoint: could not remove files of other saves from %s (%s); the next save retries.",
+                    directory, exc)
+
+
+# -- saving ----------------------------------------------------------------------------------------------
+
+class SaveState(enum.Enum):
+    """One rank's side of one save (see [Note: commit protocol]). What is on disk in each state:
+
+    WRITING:   this rank's part, maybe partial, under the new tag; ``commit.json`` names the previous save.
+    AGREED:    every rank's part, complete and fsynced; ``commit.json`` still names the previous save.
+    COMMITTED: ``commit.json`` names this save; the previous save's files are removed.
+    ABANDONED: this save's parts are removed; ``commit.json`` names the previous save, or does not exist.
+    """
+
+    WRITING = enum.auto()
+    AGREED = enum.auto()
+    COMMITTED = enum.auto()
+    ABANDONED = enum.auto()
+
+
+class Save:
+    """One rank's side of one save into ``directory``. The constructor, ``agree`` and ``commit`` are collective."""
+
+    def __init__(self, directory: Path, comm: "Comm", global_step: int) -> None:
+        self.directory, self.comm = directory, comm
+        problem, mine = None, {}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if comm.rank == 0:
+                mine = {"save_id": f"{secrets.randbits(48):012x}", **_previous(directory)}
+        except OSError as exc:
+            problem = f"cannot use {directory} as a checkpoint directory ({exc})"
+        shared = comm.all_gather_object((problem, mine))
+        first = shared[0][1]
+        self.previous: Commit | None = first.get("commit")
+        self.previous_note: str = first.get("note", "")
+        self._clean: bool = first.get("clean", False)
+        self.new = Commit(tag=f"step{global_step:08d}-{first.get('save_id', '')}", save_id=first.get("save_id", ""),
+                          global_step=global_step, world=comm.world)
+        self.part = directory / self.new.file(comm.rank)
+        self.error: BaseException | None = None
+        self.problem: tuple[str, bool] | None = None  # (what went wrong, was it a full disk)
+        self.state = SaveState.WRITING
+        problems = [(r, (p, False)) for r, (p, _) in enumerate(shared) if p is not None]
+        if problems:
+            self.state = SaveState.ABANDONED
+            raise CheckpointError(self._failure(problems))
+
+    def write(self, build_payload: Callable[[], dict[str, Any]]) -> None:
+        """Write this rank's part aside and make it durable; a failure is kept for ``agree``, not raised."""
+        assert self.state is SaveState.WRITING, self.state
+        try:
+            if self._clean:
+                remove_leftovers(self.directory, self.previous, self.comm.rank, self.comm.world, keep_legacy=True)
+            payload = build_payload()
+            payload["commit"] = self.new.part_record(self.comm.rank)
+            with open(self.part, "xb") as f:  # a fresh name: nothing current is ever overwritten
+                try:
+                    torch.save(payload, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                except BaseException:
+                    self.part.unlink(missing_ok=True)
+                    raise
+            _fsync_dir(self.directory)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it together in agree()
+            self.error, self.problem = exc, _describe(exc, self.part)
+
+    def agree(self) -> None:
+        """WRITING -> AGREED when every rank's part is on disk; else every rank raises (ABANDONED)."""
+        assert self.state is SaveState.WRITING, self.state
+        problems = [(r, p) for r, p in enumerate(self.comm.all_gather_object(self.problem)) if p is not None]
+        if problems:
+            self._abandon()
+            raise CheckpointError(self._failure(problems)) from self.error
+        self.state = SaveState.AGREED
+
+    def commit(self) -> None:
+        """AGREED -> COMMITTED: rank 0 makes this save current, then every rank removes the previous one."""
+        assert self.state is SaveState.AGREED, self.state
+        if self.comm.rank == 0:
+            try:
+                _write_commit(self.directory, self.new)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it together below
+                self.error, self.problem = exc, _describe(exc, self.directory / COMMIT)
+        problems = [(r, p) for r, p in enumerate(self.comm.all_gather_object(self.problem)) if p is not None]
+        if problems:
+            self._abandon()
+            raise CheckpointError(self._failure(problems)) from self.error
+        self.state = SaveState.COMMITTED
+        tidy(self.directory, self.new, self.comm.rank, self.comm.world)
+
+    def _abandon(self) -> None:
+        self.state = SaveState.ABANDONED
+        try:
+            self.part.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("zinf checkpoint: could not remove %s of the failed save (%s); the next save or load retries.",
+                        self.part, exc)
+
+    def _failure(self, problems: list[tuple[int, tuple[str, bool]]]) -> str:
+        lines = "; ".join(f"rank {r}: {text}" for r, (text, _) in problems)
+        advice = " Free space or save elsewhere." if any(full for _, (_, full) in problems) else ""
+        return (f"zinf checkpoint: saving step {self.new.global_step} to {self.directory} failed and was not "
+                f"committed ({lines}). {self.previous_note}.{advice}")
+
+
+def _previous(directory: Path) -> dict[str, Any]:
+    """What is current before a save (rank 0): the commit, a note for error messages, and whether leftovers
+    may be removed (not while ``commit.json`` is unreadable: its files could be the ones it names)."""
+    try:
+        commit = read_commit(directory)
+    except CheckpointError as exc:
+        log.warning("%s A successful save replaces it.", exc)
+        return {"commit": None, "clean": False, "note": f"{directory / COMMIT} was unreadable and is unchanged"}
+    if commit is not None:
+        return {"commit": commit, "clean": True,
+                "note": f"The previous checkpoint (step {commit.global_step}, save {commit.tag}) is still current"}
+    if any((m := _LEGACY.match(n)) and not m["tmp"] for n in os.listdir(directory)):
+        return {"commit": None, "clean": True, "note": "The rank files an earlier zinf wrote there are untouched"}
+    return {"commit": None, "clean": True, "note": f"No checkpoint was current in {directory} before, and none is now"}
+
+
+def _write_commit(directory: Path, commit: Commit) -> None:
+    """Atomically make ``commit`` current: temporary file, fsync, rename, fsync of the directory."""
+    final, tmp = directory / COMMIT, directory / f"{COMMIT}.tmp"
+    record = {"format": COMMIT_FORMAT, **asdict(commit), "files": commit.files()}
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename happened: this save is current now, whatever follows
+        _fsync_dir(directory)
+    except OSError as exc:
+        log.warning("zinf checkpoint: committed %s but could not fsync %s (%s).", commit.tag, directory, exc)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(exc: BaseException, file: Path) -> tuple[str, bool]:
+    """What went wrong writing ``file``, and whether it was a full disk (torch.save hides the ENOSPC it hit
+    under a RuntimeError "unexpected pos"; the OSError is in the exception's context)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"no space left on {_mount_point(file.parent)} while writing {file}", True
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc} while writing {file}", False
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system holding ``path`` (``path`` itself when that cannot be told)."""
+    try:
+        path = path.resolve()
+        device = path.stat().st_dev
+        while path.parent != path and path.parent.stat().st_dev == device:
+            path = path.parent
+    except OSError:
+        pass
+    return path

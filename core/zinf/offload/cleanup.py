@@ -1,0 +1,146 @@
+"""Swap files never outlive their run: removed at exit, on SIGTERM and Ctrl-C, and found again when the
+process that owned them died before it could remove them.
+
+[Note: clean stops]
+Swap files are scratch (tens of GB), never checkpoints. Every open swap file is registered here. At
+interpreter exit (a normal end, an exception, Ctrl-C) one exit handler removes the registered files with
+SIGINT and SIGTERM ignored, so a second Ctrl-C cannot cut the removal short. SIGTERM (how schedulers stop
+jobs) ends the process without exit handlers by default, so when the process has no SIGTERM handler of
+its own, zinf installs one that raises ``SystemExit(143)`` in the main thread: the training loop unwinds
+as for an exception, in-flight I/O is waited for or abandoned by its owners, and the exit handler removes
+the files. A handler the program installed itself (to checkpoint and carry on) is left alone.
+
+SIGKILL and power loss leave files behind. Each file's header records the owner's host, pid and process
+start time, so a later run on the same paths recognises files whose process is gone (same host, no process
+with that pid and start time) and removes them, logging what it freed; files of runs still alive are left
+alone and named when the drive is too full.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["register", "unregister", "owner", "Leftover", "collect_leftovers", "remove_registered"]
+
+log = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_FILES: set[str] = set()
+_INSTALLED = False
+PATTERN = "zinf-r*-of-*-*.swap"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def owner() -> dict[str, object]:
+    """What a swap file's header records about the process writing it."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def register(files: list[str]) -> None:
+    global _INSTALLED
+    with _LOCK:
+        _FILES.update(files)
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+    atexit.register(remove_registered)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def unregister(files: list[str]) -> None:
+    with _LOCK:
+        _FILES.difference_update(files)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    log.warning("zinf: SIGTERM received; stopping and removing the swap files")
+    raise SystemExit(128 + signum)
+
+
+def remove_registered() -> None:
+    """Remove every registered swap file, with SIGINT/SIGTERM ignored meanwhile (main thread only)."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {}
+    if main:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        with _LOCK:
+            files = sorted(_FILES)
+            _FILES.clear()
+        for f in files:
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a file we cannot remove is reported, not hidden
+                log.warning("zinf: could not remove swap file %s: %s", f, exc)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Leftover:
+    path: str
+    nbytes: int
+    alive: bool  # its process still runs (or it cannot be told: another host, an unreadable header)
+    why: str
+
+
+def _inspect(path: Path) -> Leftover:
+    nbytes = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(4096).rstrip(b"\0") or b"{}")
+    except (OSError, ValueError):
+        return Leftover(str(path), nbytes, True, "its header is unreadable")
+    host, pid, start = header.get("host"), header.get("pid"), header.get("start")
+    if host is None or pid is None:
+        return Leftover(str(path), nbytes, True, "written by a zinf that did not record its process")
+    if host != socket.gethostname():
+        return Leftover(str(path), nbytes, True, f"owned by pid {pid} on host {host}")
+    if start is not None and _start_time(int(pid)) == start:
+        return Leftover(str(path), nbytes, True, f"owned by pid {pid}, still running")
+    return Leftover(str(path), nbytes, False, f"left by pid {pid}, which is gone")
+
+
+def collect_leftovers(dirs: list[str]) -> list[Leftover]:
+    """Remove swap files in ``dirs`` whose process is gone (logged); return the ones still owned by a live run."""
+    kept: list[Leftover] = []
+    with _LOCK:
+        ours = set(_FILES)
+    for d in dirs:
+        for path in sorted(Path(d).glob(PATTERN)):
+            if str(path) in ours:
+                continue
+            try:
+                item = _inspect(path)
+            except FileNotFoundError:
+                continue
+            if item.alive:
+                kept.append(item)
+                continue
+            try:
+                path.unlink()
+                log.warning("zinf offload: removed %s (%.1f MiB), %s", path, item.nbytes / 2**20, item.why)
+            except OSError as exc:
+                kept.append(Leftover(item.path, item.nbytes, True, f"{item.why}, but removing it failed: {exc}"))
+    return kept

@@ -1,0 +1,88 @@
+// CRC32C: table-driven fallback, hardware dispatch, and the shift tables that join interleaved streams.
+#include "crc32c.h"
+
+#include <array>
+
+namespace zinf::checksum {
+namespace {
+
+constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
+constexpr size_t kLane = 8192;           // bytes per stream in the three-way hardware loop
+
+struct Tables {
+  uint32_t slice[8][256];
+  uint32_t shift_lane[4][256];    // state -> state after kLane zero bytes (a linear map, by byte of the state)
+  uint32_t shift_2lanes[4][256];  // the same for 2 * kLane zero bytes
+  bool hardware;
+
+  Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (kPoly & (0u - (c & 1u)));
+      slice[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int t = 1; t < 8; ++t) slice[t][i] = (slice[t - 1][i] >> 8) ^ slice[0][slice[t - 1][i] & 0xFF];
+    fill_shift(shift_lane, kLane);
+    fill_shift(shift_2lanes, 2 * kLane);
+#if defined(__x86_64__) || defined(__i386__)
+    hardware = __builtin_cpu_supports("sse4.2");
+#else
+    hardware = false;
+#endif
+  }
+
+  uint32_t raw_zeros(uint32_t state, size_t n) const {
+    for (size_t i = 0; i < n; ++i) state = (state >> 8) ^ slice[0][state & 0xFF];
+    return state;
+  }
+
+  void fill_shift(uint32_t (*out)[256], size_t zeros) {
+    uint32_t basis[32];
+    for (int b = 0; b < 32; ++b) basis[b] = raw_zeros(1u << b, zeros);
+    for (int byte = 0; byte < 4; ++byte)
+      for (uint32_t v = 0; v < 256; ++v) {
+        uint32_t r = 0;
+        for (int bit = 0; bit < 8; ++bit)
+          if (v & (1u << bit)) r ^= basis[8 * byte + bit];
+        out[byte][v] = r;
+      }
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+uint32_t raw_update_portable(uint32_t state, const uint8_t* p, size_t n) {
+  const Tables& t = tables();
+  while (n >= 8) {
+    uint32_t lo = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+                  static_cast<uint32_t>(p[3]) << 24;
+    lo ^= state;
+    state = t.slice[7][lo & 0xFF] ^ t.slice[6][(lo >> 8) & 0xFF] ^ t.slice[5][(lo >> 16) & 0xFF] ^
+            t.slice[4][lo >> 24] ^ t.slice[3][p[4]] ^ t.slice[2][p[5]] ^ t.slice[1][p[6]] ^ t.slice[0][p[7]];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) state = (state >> 8) ^ t.slice[0][(state ^ *p++) & 0xFF];
+  return state;
+}
+
+}  // namespace
+
+uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc) {
+  return ~raw_update_portable(~crc, static_cast<const uint8_t*>(data), n);
+}
+
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+  const Tables& t = tables();
+  if (!t.hardware) return crc32c_portable(data, n, crc);
+  return ~detail::raw_update_sse42_3way(~crc, static_cast<const uint8_t*>(data), n, t.shift_lane, t.shift_2lanes,
+                                        kLane);
+}
+
+std::string crc32c_backend() { return tables().hardware ? "sse4.2" : "portable"; }
+
+}  // namespace zinf::checksum

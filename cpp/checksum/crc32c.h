@@ -1,0 +1,28 @@
+// CRC32C (Castagnoli) of byte ranges: zinf's content checksum for offloaded records and checkpoint tensors.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace zinf::checksum {
+
+// The CRC32C of `n` bytes at `data`, continuing from `crc` (0 for a fresh checksum): crc32c(a + b) ==
+// crc32c(b, crc32c(a)). Uses the SSE4.2 crc32 instruction (three interleaved streams) where the CPU has it,
+// else a slicing-by-8 table. Safe to call from any thread; holds no state besides read-only tables.
+uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+
+// The software path alone (the test oracle for the hardware path).
+uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc = 0);
+
+// "sse4.2" or "portable": what crc32c() uses on this CPU.
+std::string crc32c_backend();
+
+namespace detail {
+// Raw register update (no pre/post inversion) with the crc32 instruction; defined in crc32c_sse42.cpp,
+// compiled with -msse4.2 and called only when the CPU supports it.
+uint32_t raw_update_sse42(uint32_t state, const uint8_t* p, size_t n);
+uint32_t raw_update_sse42_3way(uint32_t state, const uint8_t* p, size_t n, const uint32_t (*shift_lane)[256],
+                               const uint32_t (*shift_2lanes)[256], size_t lane);
+}  // namespace detail
+
+}  // namespace zinf::checksum

@@ -1,0 +1,98 @@
+"""Stopping a run that offloads to NVMe leaves no swap file: SIGTERM, Ctrl-C twice, and (found by the next
+run) SIGKILL. Real processes, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zinf.offload import cleanup
+
+TRAIN = """
+import sys, time, torch, zinf
+from pathlib import Path
+from torch import nn
+tmp = Path(sys.argv[1])
+cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp)],
+                                             "pinned_pool_bytes": 16 << 20}})
+with zinf.Init(cfg):
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+for step in range(100000):
+    engine.backward(engine(torch.randn(32, 256)).square().mean())
+    engine.step()
+    if step == 1:
+        (tmp / "ready").write_text("1")
+        if sys.argv[2] == "kill":
+            import os, signal
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _start(tmp: Path, mode: str) -> subprocess.Popen:
+    (tmp / "train.py").write_text(TRAIN)
+    proc = subprocess.Popen([sys.executable, str(tmp / "train.py"), str(tmp), mode], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp / "ready").exists():
+        assert proc.poll() is None or mode == "kill", proc.stderr.read() if proc.stderr else ""
+        if mode == "kill" and proc.poll() is not None:
+            break
+        assert time.monotonic() < deadline, "the training script did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _swap_files(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob("*.swap"))
+
+
+def test_sigterm_stops_training_and_removes_the_swap_files(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "run")
+    assert _swap_files(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert _swap_files(tmp_path) == [], err
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_ctrl_c_twice_removes_the_swap_files(tmp_path: Path, attempt: int) -> None:
+    proc = _start(tmp_path, "run")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01 * (attempt + 1))  # the second one lands while the first unwinds or the files are removed
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert _swap_files(tmp_path) == [], err
+
+
+def test_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path: Path, caplog) -> None:
+    proc = _start(tmp_path, "kill")
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    left = _swap_files(tmp_path)
+    assert len(left) == 1  # SIGKILL leaves them: nothing can run in the process
+    (tmp_path / "ready").unlink()
+    header = json.loads((tmp_path / left[0]).read_bytes()[:4096].rstrip(b"\0"))
+    assert header["pid"] == proc.pid and header["host"]
+    with caplog.at_level("WARNING", logger="zinf"):
+        kept = cleanup.collect_leftovers([str(tmp_path)])
+    assert kept == [] and _swap_files(tmp_path) == []
+    assert f"left by pid {proc.pid}, which is gone" in caplog.text
+
+
+def test_files_of_a_live_run_are_kept_and_named(tmp_path: Path) -> None:
+    path = tmp_path / "zinf-r0-of-1-0123abcd.swap"
+    header = json.dumps({"magic": "ZINFSWAP", "version": 1, **cleanup.owner()}).encode()
+    path.write_bytes(header.ljust(4096, b"\0"))
+    kept = cleanup.collect_leftovers([str(tmp_path)])
+    assert [k.path for k in kept] == [str(path)] and "still running" in kept[0].why
+    assert path.exists()
+    os.unlink(path)
