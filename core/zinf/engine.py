@@ -283,7 +283,9 @@ class ZeroInfinityEngine:
                     b.copy_(state[n])
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
-        """Every rank writes its shard of weights and optimizer state under ``path`` (a directory)."""
+        """Every rank writes its shard of weights and optimizer state under ``path`` (a directory); once every
+        rank's file is on disk, ``path/commit.json`` makes this save the current one (see
+        zinf/checkpoint/commit.py). Collective."""
         from zinf.checkpoint import save_sharded
 
         save_sharded(self, path, client_state)
