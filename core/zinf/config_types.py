@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,12 +63,15 @@ def _check(key: str, value: Any, hint: Any) -> Any:
             _refuse(key, value, f"a mapping of {key} settings ({hint.__name__})",
                     f"Write it as a section, {key}: {{key: value, ...}}, with keys among {keys}, or leave it out.")
         return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str) and isinstance(value, hint) and not isinstance(value, bool):
+    is_bool = isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+    if hint is int and isinstance(value, numbers.Integral) and not is_bool:
+        return int(value)  # numpy and other integer types: the same whole number
+    if hint is float and isinstance(value, numbers.Real) and not is_bool:
+        return float(value)  # an int, or numpy's float32/float64: lossless to Python float
+    if hint is str and isinstance(value, str):
         return value
-    if hint is bool and isinstance(value, bool):
-        return value
+    if hint is bool and is_bool:
+        return bool(value)
     if hint not in _WHAT:  # a new field with a type these rules do not cover yet
         raise TypeError(f"zinf config: no type rule for '{key}' of type {hint!r}; add one to zinf/config_types.py")
     _refuse(key, value, f"{_WHAT[hint]} ({hint.__name__})", _fix(value, hint))

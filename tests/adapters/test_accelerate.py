@@ -106,7 +106,8 @@ def test_save_state_then_load_state_in_a_fresh_launch_resumes_exactly(ddp: dict,
                 "--losses-out", str(tmp_path / "first.json"))
     engine_dir = tmp_path / "state" / "zinf_model"
     committed = json.loads((engine_dir / "commit.json").read_text())["files"]  # one file per rank
-    assert sorted(p.name for p in engine_dir.iterdir()) == ["commit.json", *committed] and len(committed) == 2
+    assert sorted(p.name for p in engine_dir.iterdir()) == sorted(["commit.json", "commit.lock", *committed])
+    assert len(committed) == 2
     zinf_launch("--config", config, TRAIN, *ARGS, "--resume", state, "--losses-out", str(tmp_path / "second.json"),
                 "--save-model", str(tmp_path / "model"))
     first, second = losses(tmp_path / "first.json", ZINF), losses(tmp_path / "second.json", ZINF)

@@ -116,7 +116,8 @@ def test_resume_matches_uninterrupted_and_converts(runs: Runs) -> None:
     full_dir = runs("lightning_driver.py", "--strategy", "zero_infinity", "--accelerator", "cpu", *GPT_EVAL)
     ckpt = full_dir / "ckpt" / "step=10.ckpt"
     committed = json.loads((ckpt / "commit.json").read_text())["files"]  # one file per rank, made current together
-    assert sorted(p.name for p in ckpt.iterdir()) == ["commit.json", *committed] and len(committed) == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["commit.json", "commit.lock", *committed])
+    assert len(committed) == 2
     resumed = lightning(runs, "zero_infinity", "--kind", "gpt", "--steps", "20", "--resume", str(ckpt))
     full = records(full_dir)
     assert resumed[0]["global_step"] == 20 and len(resumed[0]["train"]) == 10

@@ -67,7 +67,7 @@ def _rank(rank: int, work: Path, ckpt: Path, iteration: int, driver: int) -> Non
                 os._exit(3)
             dist.barrier()  # every rank has removed its leftovers
             if rank == 0:
-                names = sorted(os.listdir(ckpt))
+                names = sorted(n for n in os.listdir(ckpt) if n != "commit.lock")
                 log.write(f"files {json.dumps(names)}\n")
         log.write(f"loaded {step}\n")
         dist.barrier()
@@ -150,7 +150,7 @@ def main() -> int:
                 raise AssertionError(f"iteration {it}: consolidate found values {sorted(values)[:4]} with client "
                                      f"state {client}; newest known commit {known}")
             report["iterations"].append({"loaded": loaded, "outcome": outcome, "saves_returned": len(saved) // WORLD,
-                                         "leftover_files": len(os.listdir(ckpt)) - 1 - WORLD})
+                                         "leftover_files": len([n for n in os.listdir(ckpt) if n != "commit.lock"]) - 1 - WORLD})
     except BaseException as exc:  # noqa: BLE001
         report["error"] = f"{type(exc).__name__}: {exc}"
     args.out.write_text(json.dumps(report, indent=1))

@@ -19,6 +19,7 @@ from torch import nn
 import zinf
 from dist_utils import run_distributed
 from zinf.checkpoint import CheckpointError, consolidate, read_client_state
+from zinf.checkpoint.commit import hold_save_lock, release_save_lock
 
 pytestmark = pytest.mark.distributed
 
@@ -77,6 +78,8 @@ LEFTOVERS = ["commit.json.tmp", "step00000009-00000000abcd.rank00000-of-00002.pt
              "step00000009-00000000abcd.rank00001-of-00002.pt", "rank00001-of-00002.pt.tmp",
              "rank00003-of-00004.pt"]
 FOREIGN = ["notes.txt", "rank7.pt", "model.safetensors"]
+IN_FLIGHT = ["step00000009-00000000abcd.rank00000-of-00002.pt", "step00000009-00000000abcd.rank00001-of-00002.pt"]
+OLDER = ["step00000001-00000000dcba.rank00000-of-00002.pt", "step00000001-00000000dcba.rank00001-of-00002.pt"]
 
 
 def _refusals(rank: int, world: int, root: str) -> dict:
@@ -112,6 +115,20 @@ def _refusals(rank: int, world: int, root: str) -> dict:
     _save(engine, ckpt, 3)
     dist.barrier()  # each rank removes the previous save's files it owns after the commit
     out["after_save"], out["step3"] = sorted(os.listdir(ckpt)), _current(ckpt)
+    if rank == 0:
+        for name in IN_FLIGHT + OLDER:
+            (ckpt / name).write_bytes(b"leftover")
+    dist.barrier()
+    lock = hold_save_lock(ckpt)  # stands for another job's save in flight
+    _load(ckpt)
+    dist.barrier()
+    out["in_flight"] = sorted(os.listdir(ckpt))
+    release_save_lock(lock)
+    dist.barrier()
+    _load(ckpt)  # no save in flight: every leftover goes
+    dist.barrier()
+    for name in IN_FLIGHT:
+        assert not (ckpt / name).exists()
 
     legacy = Path(root) / "legacy"  # the layout of zinf before commits: rank files only
     if rank == 0:
@@ -135,11 +152,13 @@ def test_mixed_missing_and_leftover_files(tmp_path: Path) -> None:
         assert "commit.json names save step00000002-" in other and "at step 2" in other, other
         assert "step00000002-" in missing and ".rank00001-of-00002.pt does not exist" in missing, missing
         assert r["restored"] == 2, f"rank {rank}: {r['restored']}"
-        assert r["after_load"] == sorted(["commit.json", *r["step2"], *FOREIGN]), r["after_load"]
-        assert r["after_save"] == sorted(["commit.json", *r["step3"], *FOREIGN]), r["after_save"]
+        assert r["after_load"] == sorted(["commit.json", "commit.lock", *r["step2"], *FOREIGN]), r["after_load"]
+        assert r["after_save"] == sorted(["commit.json", "commit.lock", *r["step3"], *FOREIGN]), r["after_save"]
+        # a load while another process saves there leaves that save's (newer) parts alone, older ones go
+        assert r["in_flight"] == sorted(["commit.json", "commit.lock", *r["step3"], *FOREIGN, *IN_FLIGHT]), r["in_flight"]
         assert "written by an earlier zinf" in r["legacy"] and "zinf consolidate" in r["legacy"], r["legacy"]
         assert r["legacy_loaded"] == 4
-        assert len(r["legacy_after_save"]) == 3 and not any(n.startswith("rank") for n in r["legacy_after_save"])
+        assert len(r["legacy_after_save"]) == 4 and not any(n.startswith("rank") for n in r["legacy_after_save"])
 
     # the offline readers follow commit.json with the same checks
     assert read_client_state(ckpt) == {"step": 3}
@@ -223,7 +242,7 @@ def test_full_disk_fails_on_every_rank_and_keeps_the_previous_checkpoint(small_f
             assert "The previous checkpoint (step 1" in msg and "is still current" in msg, msg
             assert "Free space or save elsewhere" in msg, msg
             assert msg == results[0][case], "every rank raises the same error"
-            assert len(r[f"{case}_files"]) == 3 and all(n == "commit.json" or n.startswith("step00000001-")
+            assert len(r[f"{case}_files"]) == 4 and all(n in ("commit.json", "commit.lock") or n.startswith("step00000001-")
                                                         for n in r[f"{case}_files"]), r[f"{case}_files"]
         assert "rank 1: no space left" in r["parts"], r["parts"]
         assert "rank 0: no space left" in r["commit"] and "commit.json" in r["commit"], r["commit"]

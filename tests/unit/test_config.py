@@ -130,3 +130,16 @@ def test_collective_timeout_s() -> None:
     assert ZeroConfig.from_dict({"collective_timeout_s": 30}).collective_timeout_s == 30.0
     with pytest.raises(ConfigError, match=r"'collective_timeout_s' = -1.0 is not allowed; expected a number of seconds >= 0"):
         ZeroConfig.from_dict({"collective_timeout_s": -1.0})
+
+
+def test_numpy_numbers_are_taken_as_the_numbers_they_are() -> None:
+    import numpy as np
+
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"pinned_pool_bytes": np.int64(4 << 20)}, "gradient_clipping": np.float32(1.0),
+                                     "detect_external_params": np.bool_(True)})
+    assert type(cfg.offload.pinned_pool_bytes) is int and cfg.gradient_clipping == 1.0
+    assert cfg.detect_external_params is True
+    with pytest.raises(ConfigError, match=r"'overlap.prefetch_modules' = np.float64\(2.5\) is not allowed"):
+        zinf.ZeroConfig.from_dict({"overlap": {"prefetch_modules": np.float64(2.5)}})
+    with pytest.raises(ConfigError, match="'gradient_clipping' = np.True_ is not allowed"):
+        zinf.ZeroConfig.from_dict({"gradient_clipping": np.bool_(True)})

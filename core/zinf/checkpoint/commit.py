@@ -31,18 +31,24 @@ zinf's files in a checkpoint directory are ``commit.json``, ``commit.json.tmp``,
 included), and the rank files of the earlier format that had no commit (``rank00000-of-00002.pt``, and
 ``.pt.tmp`` while written). Each is owned by rank ``(its rank number) % world`` (``commit.json.tmp`` by
 rank 0), so no two ranks remove the same file and the files of a larger earlier world are removed too.
-Nothing else in the directory is ever touched.
+Nothing else in the directory is ever touched (``commit.lock`` stays: see below). A save removes every
+leftover it owns. A load removes them too, unless another process is saving into the directory right now
+(savers hold a shared ``flock`` on ``commit.lock`` for the length of a save; the kernel drops it if they die):
+then it removes only parts of saves older than the current commit, since a newer part may belong to the
+save in flight. One writer per directory: two jobs saving into the same directory at once are not supported.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import secrets
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -60,7 +66,7 @@ log = logging.getLogger("zinf")
 
 COMMIT = "commit.json"
 COMMIT_FORMAT = "zinf-commit-v1"
-_PART = re.compile(r"^step\d+-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.pt(\.tmp)?$")
+_PART = re.compile(r"^step(?P<step>\d+)-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.pt(\.tmp)?$")
 _LEGACY = re.compile(r"^rank(?P<rank>\d{5})-of-\d{5}\.pt(?P<tmp>\.tmp)?$")
 
 
@@ -138,8 +144,8 @@ def agreed_commit(directory: Path, comm: "Comm") -> Commit:
     if comm.rank == 0:
         try:
             found = require_commit(directory)
-        except CheckpointError as exc:
-            found = str(exc)
+        except (CheckpointError, OSError) as exc:  # every rank must hear of it, or the others wait forever
+            found = str(exc) if isinstance(exc, CheckpointError) else f"zinf checkpoint: cannot read {directory} ({exc})."
     found = comm.all_gather_object(found)[0]
     if isinstance(found, str):
         raise CheckpointError(found)
@@ -179,14 +185,21 @@ def _owner(name: str) -> int | None:
     return int(m["rank"]) if m else None
 
 
-def remove_leftovers(directory: Path, keep: Commit | None, rank: int, world: int, *, keep_legacy: bool = False) -> None:
-    """Remove the files of ``directory`` that ``rank`` owns and ``keep`` does not name (see [Note: leftovers])."""
+def remove_leftovers(directory: Path, keep: Commit | None, rank: int, world: int, *, keep_legacy: bool = False,
+                     only_older: bool = False) -> None:
+    """Remove the files of ``directory`` that ``rank`` owns and ``keep`` does not name (see [Note: leftovers]).
+    With ``only_older`` (a load) only parts of saves older than ``keep``: a newer part may belong to a save that
+    another process is writing right now, and removing it would break that save's commit."""
     named = set(keep.files()) if keep is not None else set()
     removed = []
     for entry in os.scandir(directory):
         owner = _owner(entry.name)
         if owner is None or owner % world != rank or entry.name in named or not entry.is_file(follow_symlinks=False):
             continue
+        if only_older:
+            m = _PART.match(entry.name)
+            if m is None or keep is None or int(m["step"]) >= keep.global_step:
+                continue
         if keep_legacy and (m := _LEGACY.match(entry.name)) and not m["tmp"]:
             continue
         Path(entry.path).unlink(missing_ok=True)
@@ -195,10 +208,49 @@ def remove_leftovers(directory: Path, keep: Commit | None, rank: int, world: int
         log.debug("zinf checkpoint: removed %s from %s", ", ".join(sorted(removed)), directory)
 
 
-def tidy(directory: Path, keep: Commit, rank: int, world: int) -> None:
-    """``remove_leftovers``, where failing to remove (a read-only copy of a checkpoint) is only a warning."""
+LOCK = "commit.lock"
+
+
+def hold_save_lock(directory: Path) -> int:
+    """A saver's shared lock on ``directory/commit.lock`` for the length of its save (the kernel drops it if the
+    process dies); returns the fd to close."""
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def release_save_lock(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def save_in_flight(directory: Path) -> bool:
+    """Whether some process holds the save lock of ``directory`` (True when that cannot be told)."""
     try:
-        remove_leftovers(directory, keep, rank, world)
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return True
+    try:
+        for _ in range(20):  # another reader's probe holds the exclusive lock for an instant: try again
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                time.sleep(0.005)
+        return True
+    finally:
+        os.close(fd)
+
+
+def tidy(directory: Path, keep: Commit, rank: int, world: int, *, loading: bool = False) -> None:
+    """``remove_leftovers``; failing to remove (a read-only copy of a checkpoint) is only a warning. At a load
+    while another process is saving into the directory, only parts of saves older than ``keep`` go (a newer
+    part may belong to the save in flight)."""
+    try:
+        remove_leftovers(directory, keep, rank, world, only_older=loading and save_in_flight(directory))
     except OSError as exc:
         log.warning("zinf checkpoint: could not remove files of other saves from %s (%s); the next save retries.",
                     directory, exc)
@@ -227,8 +279,10 @@ class Save:
     def __init__(self, directory: Path, comm: "Comm", global_step: int) -> None:
         self.directory, self.comm = directory, comm
         problem, mine = None, {}
+        self._lock: int | None = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            self._lock = hold_save_lock(directory)  # a load meanwhile leaves this save's parts alone
             if comm.rank == 0:
                 mine = {"save_id": f"{secrets.randbits(48):012x}", **_previous(directory)}
         except OSError as exc:
@@ -247,6 +301,7 @@ class Save:
         problems = [(r, (p, False)) for r, (p, _) in enumerate(shared) if p is not None]
         if problems:
             self.state = SaveState.ABANDONED
+            release_save_lock(self._lock)
             raise CheckpointError(self._failure(problems))
 
     def write(self, build_payload: Callable[[], dict[str, Any]]) -> None:
@@ -292,6 +347,7 @@ class Save:
             raise CheckpointError(self._failure(problems)) from self.error
         self.state = SaveState.COMMITTED
         tidy(self.directory, self.new, self.comm.rank, self.comm.world)
+        release_save_lock(self._lock)
 
     def _abandon(self) -> None:
         self.state = SaveState.ABANDONED
@@ -300,6 +356,8 @@ class Save:
         except OSError as exc:
             log.warning("zinf checkpoint: could not remove %s of the failed save (%s); the next save or load retries.",
                         self.part, exc)
+        finally:
+            release_save_lock(self._lock)
 
     def _failure(self, problems: list[tuple[int, tuple[str, bool]]]) -> str:
         lines = "; ".join(f"rank {r}: {text}" for r, (text, _) in problems)

@@ -137,7 +137,7 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
     another save or does not fit, every rank raises CheckpointError and nothing is changed."""
     path, comm = Path(path), engine.comm
     commit = agreed_commit(path, comm)
-    tidy(path, commit, comm.rank, comm.world)  # files of a killed or failed save
+    tidy(path, commit, comm.rank, comm.world, loading=True)  # files of a killed or failed save
     payload, problem, error = None, None, None
     try:
         if commit.world != comm.world:

@@ -27,12 +27,21 @@ __all__ = ["CollectiveWatchdog"]
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_WORDS = ("timed out", "timeout", "time out")
-
-
 def _is_timeout(exc: BaseException) -> bool:
+    """A collective's timeout as torch's backends report it: gloo raises a RuntimeError from its transport
+    ("gloo/transport/... Timed out waiting 3000ms for recv operation to complete"), NCCL a DistBackendError.
+    Anything else that merely mentions a timeout (user code, a data loader) is left as it is."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, ZinfError):
+        return False
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and not isinstance(exc, ZinfError) and any(w in text for w in _TIMEOUT_WORDS)
+    timed_out = "timed out" in text or "timeout" in text
+    backend_error = getattr(dist, "DistBackendError", None)
+    if timed_out and ("gloo" in text or "nccl" in text or "pair closure" in text
+                      or (backend_error is not None and isinstance(exc, backend_error))):
+        return True
+    # a collective that fails while the engine unwinds from a timeout (telling the other ranks it stopped)
+    inner = exc.__cause__ or exc.__context__
+    return inner is not None and inner is not exc and _is_timeout(inner)
 
 
 class CollectiveWatchdog:

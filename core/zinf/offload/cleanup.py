@@ -10,15 +10,19 @@ its own, zinf installs one that raises ``SystemExit(143)`` in the main thread: t
 as for an exception, in-flight I/O is waited for or abandoned by its owners, and the exit handler removes
 the files. A handler the program installed itself (to checkpoint and carry on) is left alone.
 
-SIGKILL and power loss leave files behind. Each file's header records the owner's host, pid and process
-start time, so a later run on the same paths recognises files whose process is gone (same host, no process
-with that pid and start time) and removes them, logging what it freed; files of runs still alive are left
-alone and named when the drive is too full.
+SIGKILL and power loss leave files behind. The owner holds a shared ``flock`` on each of its files for as
+long as it runs (the kernel drops it when the process dies, however it dies), and the header records its
+host and pid for the messages. A later run on the same paths removes every zinf swap file on which it can
+take an exclusive lock (no live process holds it), logging what it freed; files of runs still alive are
+left alone and named when the drive is too full. A SIGTERM that arrives while the main thread waits inside
+a collective or an I/O wait is handled when that wait returns; if the scheduler's SIGKILL comes first, the
+next run removes the files.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["register", "unregister", "owner", "Leftover", "collect_leftovers", "remove_registered"]
+__all__ = ["register", "unregister", "owner", "hold", "Leftover", "collect_leftovers", "remove_registered"]
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +109,29 @@ class Leftover:
     why: str
 
 
+def hold(path: str) -> int:
+    """Open ``path`` and take the shared lock that marks it as in use by this process; returns the fd to close."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def _inspect(path: Path) -> Leftover:
     nbytes = path.stat().st_size
     try:
         with open(path, "rb") as f:
             header = json.loads(f.read(4096).rstrip(b"\0") or b"{}")
+            if not isinstance(header, dict) or header.get("magic") != "ZINFSWAP":
+                return Leftover(str(path), nbytes, True, "not a zinf swap file (its header differs)")
+            who = f"pid {header.get('pid', '?')} on host {header.get('host', '?')}"
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
     except (OSError, ValueError):
         return Leftover(str(path), nbytes, True, "its header is unreadable")
-    host, pid, start = header.get("host"), header.get("pid"), header.get("start")
-    if host is None or pid is None:
-        return Leftover(str(path), nbytes, True, "written by a zinf that did not record its process")
-    if host != socket.gethostname():
-        return Leftover(str(path), nbytes, True, f"owned by pid {pid} on host {host}")
-    if start is not None and _start_time(int(pid)) == start:
-        return Leftover(str(path), nbytes, True, f"owned by pid {pid}, still running")
-    return Leftover(str(path), nbytes, False, f"left by pid {pid}, which is gone")
+    return Leftover(str(path), nbytes, False, f"left by {who}, which is gone")
 
 
 def collect_leftovers(dirs: list[str]) -> list[Leftover]:

@@ -72,7 +72,17 @@ class Record:
         return align_up(self.nbytes + TRAILER_BYTES)
 
 
-def _remove(files: list[str]) -> None:
+def _release(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+def _remove(files: list[str], held: list[int] | None = None) -> None:
+    _release(held or [])
     for f in files:
         if os.path.exists(f):
             os.unlink(f)
@@ -155,9 +165,10 @@ class SwapSpace:
             finally:
                 os.close(fd)
         self._opened = True
+        held = [cleanup.hold(f) for f in self.files]  # a live run's mark (see [Note: clean stops])
         # scratch, not checkpoints: removed by close(), and at interpreter exit after a failure too, so a
         # crashed run does not leave tens of GB behind (only a killed process can)
-        self._cleanup = weakref.finalize(self, _remove, list(self.files))
+        self._cleanup = weakref.finalize(self, _remove, list(self.files), held)
         log.info("zinf offload: rank %d swap files %s", self.rank,
                  ", ".join(f"{f} ({e / 2**20:.0f} MiB)" for f, e in zip(self.files, self._ends)))
 
@@ -166,9 +177,11 @@ class SwapSpace:
             cleanup.unregister(list(self.files))
         finalizer = getattr(self, "_cleanup", None)
         if remove and finalizer is not None:
-            finalizer()
+            finalizer()  # releases the files' locks and removes them
         elif finalizer is not None:
-            finalizer.detach()
+            info = finalizer.detach()
+            if info is not None:
+                _release(info[2][1])
         elif remove:
             _remove(self.files)
 
@@ -237,5 +250,5 @@ class SwapSpace:
                     "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
 
     def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
-        with self.timers.time("checksum"):
+        with self.timers.time("background_checksum" if getattr(self.background, "active", False) else "checksum"):
             return native.crc32c(buf[: rec.nbytes])

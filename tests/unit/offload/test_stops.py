@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,18 +82,26 @@ def test_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path: Path, caplo
     assert len(left) == 1  # SIGKILL leaves them: nothing can run in the process
     (tmp_path / "ready").unlink()
     header = json.loads((tmp_path / left[0]).read_bytes()[:4096].rstrip(b"\0"))
-    assert header["pid"] == proc.pid and header["host"]
+    assert header["pid"] == proc.pid and header["host"] == socket.gethostname()
     with caplog.at_level("WARNING", logger="zinf"):
         kept = cleanup.collect_leftovers([str(tmp_path)])
     assert kept == [] and _swap_files(tmp_path) == []
-    assert f"left by pid {proc.pid}, which is gone" in caplog.text
+    assert f"left by pid {proc.pid} on host {socket.gethostname()}, which is gone" in caplog.text
 
 
 def test_files_of_a_live_run_are_kept_and_named(tmp_path: Path) -> None:
+    """Liveness is the owner's lock on the file, not its pid: it holds across PID namespaces and hidden /proc."""
     path = tmp_path / "zinf-r0-of-1-0123abcd.swap"
-    header = json.dumps({"magic": "ZINFSWAP", "version": 1, **cleanup.owner()}).encode()
+    header = json.dumps({"magic": "ZINFSWAP", "version": 1, "host": "elsewhere", "pid": 1}).encode()
     path.write_bytes(header.ljust(4096, b"\0"))
-    kept = cleanup.collect_leftovers([str(tmp_path)])
-    assert [k.path for k in kept] == [str(path)] and "still running" in kept[0].why
-    assert path.exists()
-    os.unlink(path)
+    fd = cleanup.hold(str(path))
+    try:
+        kept = cleanup.collect_leftovers([str(tmp_path)])
+        assert [k.path for k in kept] == [str(path)] and "in use by a live run (pid 1 on host elsewhere)" in kept[0].why
+    finally:
+        os.close(fd)
+    assert cleanup.collect_leftovers([str(tmp_path)]) == [] and not path.exists()  # the lock is gone: removed
+    other = tmp_path / "zinf-r0-of-1-89abcdef.swap"
+    other.write_bytes(b"not a zinf header".ljust(4096, b"\0"))
+    assert [k.why for k in cleanup.collect_leftovers([str(tmp_path)])] == ["its header is unreadable"]
+    assert other.exists()
