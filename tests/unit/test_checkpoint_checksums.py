@@ -65,3 +65,19 @@ def test_an_intact_checkpoint_loads(tmp_path: Path) -> None:
     fresh = _engine()
     assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == {"epoch": 2}
     assert set(consolidate(tmp_path / "ckpt")) == set(engine.full_state_dict())
+
+
+def test_a_changed_step_or_hyper_parameter_is_refused(tmp_path: Path) -> None:
+    """The zip format torch writes does not check its own CRCs on load: a changed value other than a tensor
+    (here written back through torch.save, as a flipped byte would read) must still be caught."""
+    engine = _engine()
+    engine.backward(engine(torch.randn(8, 32)).square().mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    (file,) = sorted((tmp_path / "ckpt").glob("*.pt"))
+    payload = torch.load(file, weights_only=False)
+    payload["optimizer"]["param_groups"][0]["lr"] = 10.0
+    torch.save(payload, file)
+    with pytest.raises(CheckpointError, match="its step, hyper-parameters or layout do not match their checksum"):
+        _engine().load_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()

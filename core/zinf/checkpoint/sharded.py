@@ -16,6 +16,7 @@ needed), with tiled layers under their untiled names (see [Note: untiled names] 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -94,9 +95,32 @@ def _crc(t: torch.Tensor) -> int:
     return native.crc32c(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)) if t.numel() else 0
 
 
+# the engine's own values besides tensors (step, hyper-parameters, layout, commit): checksummed as their pickle,
+# which is the same bytes for the same plain values in any process (the client state may hold sets or objects
+# whose pickle is not, so only its tensors are covered; the commit record is checked against commit.json)
+_META_KEYS = ("format", "world", "rank", "layout", "precision", "optimizer", "loss_scaler", "global_step", "tiling")
+
+
+def _skeleton(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, dict):
+        return {k: _skeleton(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _meta_crc(payload: dict[str, Any]) -> int:
+    meta = {k: _skeleton(payload.get(k)) for k in _META_KEYS}
+    return native.crc32c(pickle.dumps(meta, protocol=4))
+
+
 def _with_checksums(payload: dict[str, Any]) -> dict[str, Any]:
-    """Add the CRC32C of every tensor's bytes (``checksums``: path -> crc), verified by every reader."""
+    """Add the CRC32C of every tensor's bytes (``checksums``: path -> crc) and of the engine's other values
+    (``meta_checksum``), verified by every reader."""
     payload["checksums"] = {path: _crc(t) for path, t in _tensors(payload)}
+    payload["meta_checksum"] = _meta_crc(payload)
     return payload
 
 
@@ -105,11 +129,15 @@ def _verify_checksums(payload: dict[str, Any], file: Path) -> None:
     if expected is None:
         raise CheckpointError(f"zinf checkpoint: {file} carries no checksums (written by an earlier zinf); resume it "
                               "with that version and save again, or consolidate it there and load the state dict.")
-    found = {path: t for path, t in _tensors({k: v for k, v in payload.items() if k != "checksums"})}
+    found = {path: t for path, t in _tensors({k: v for k, v in payload.items() if k not in ("checksums", "meta_checksum")})}
     if set(found) != set(expected):
         missing = sorted(set(expected) ^ set(found))[:4]
         raise CheckpointError(f"zinf checkpoint: {file} is damaged: its tensors do not match its list of checksums "
                               f"({missing}). Restore the file from a copy or load another checkpoint.")
+    meta = payload.get("meta_checksum")
+    if meta is not None and _meta_crc(payload) != meta:
+        raise CheckpointError(f"zinf checkpoint: {file} is corrupted: its step, hyper-parameters or layout do not match "
+                              "their checksum. Nothing was loaded; restore the file from a copy or load another checkpoint.")
     for path, t in found.items():
         actual = _crc(t)
         if actual != expected[path]:
