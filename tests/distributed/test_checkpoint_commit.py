@@ -115,16 +115,17 @@ def _refusals(rank: int, world: int, root: str) -> dict:
     _save(engine, ckpt, 3)
     dist.barrier()  # each rank removes the previous save's files it owns after the commit
     out["after_save"], out["step3"] = sorted(os.listdir(ckpt)), _current(ckpt)
+    dist.barrier()  # every rank has listed before new files appear
     if rank == 0:
         for name in IN_FLIGHT + OLDER:
             (ckpt / name).write_bytes(b"leftover")
     dist.barrier()
     lock = hold_save_lock(ckpt)  # stands for another job's save in flight
-    _load(ckpt)
+    out["in_flight_load"] = _load(ckpt)
     dist.barrier()
     out["in_flight"] = sorted(os.listdir(ckpt))
     release_save_lock(lock)
-    dist.barrier()
+    dist.barrier()  # every rank has listed (and released) before the next load removes anything
     _load(ckpt)  # no save in flight: every leftover goes
     dist.barrier()
     for name in IN_FLIGHT:
@@ -155,6 +156,7 @@ def test_mixed_missing_and_leftover_files(tmp_path: Path) -> None:
         assert r["after_load"] == sorted(["commit.json", "commit.lock", *r["step2"], *FOREIGN]), r["after_load"]
         assert r["after_save"] == sorted(["commit.json", "commit.lock", *r["step3"], *FOREIGN]), r["after_save"]
         # a load while another process saves there leaves that save's (newer) parts alone, older ones go
+        assert r["in_flight_load"] == 3, r["in_flight_load"]
         assert r["in_flight"] == sorted(["commit.json", "commit.lock", *r["step3"], *FOREIGN, *IN_FLIGHT]), r["in_flight"]
         assert "written by an earlier zinf" in r["legacy"] and "zinf consolidate" in r["legacy"], r["legacy"]
         assert r["legacy_loaded"] == 4
