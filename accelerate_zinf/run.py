@@ -8,6 +8,8 @@ with the script's own command line. ``--module name`` runs a module instead of a
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import runpy
 import sys
@@ -44,7 +46,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     sys.argv = args
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script.py` does
-    runpy.run_path(args[0], run_name="__main__")
+    namespace = runpy.run_path(args[0], run_name="__main__")
+    _finish(namespace)
+
+
+def _finish(namespace: dict) -> None:
+    """The script ended normally: end the process as Python would (the script's objects released, so its
+    open files are flushed and closed; exit handlers run, zinf's swap-file removal among them), then leave
+    without the interpreter's own teardown, where torch 2.13's gloo threads can abort a run that succeeded
+    ("terminate called without an active exception"; README, known problems), which ``accelerate launch``
+    would report as a failed run and answer by stopping the other ranks."""
+    namespace.clear()
+    gc.collect()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

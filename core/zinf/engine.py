@@ -323,7 +323,11 @@ class ZeroInfinityEngine:
         return self.last_report
 
     def close(self) -> None:
-        """Remove every hook and release offload files and buffers; parameters stay partitioned."""
+        """Remove every hook and release offload files and buffers; parameters stay partitioned. A prefetch
+        round still in flight is applied first, so no collective of this engine is left pending at exit."""
+        if self.rounds.active and not self.rounds.failed:
+            self.fetcher.settle()
+            self.fetcher.sweep()
         self.hooks.remove()
         if self.checkpointing is not None:
             self.checkpointing.remove()
