@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["register", "unregister", "owner", "hold", "Leftover", "collect_leftovers", "remove_registered"]
+__all__ = ["register", "unregister", "owner", "lock", "hold", "Leftover", "collect_leftovers", "remove_registered"]
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,15 @@ class Leftover:
     why: str
 
 
-def hold(path: str) -> int:
-    """Open ``path`` and take the shared lock that marks it as in use by this process; returns the fd to close."""
-    fd = os.open(path, os.O_RDONLY)
+def lock(fd: int) -> None:
+    """Take the shared lock that marks an open swap file as in use by this process (held until ``fd`` closes)."""
     fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def hold(path: str) -> int:
+    """Open ``path`` and :func:`lock` it; returns the fd to close."""
+    fd = os.open(path, os.O_RDONLY)
+    lock(fd)
     return fd
 
 
@@ -151,7 +156,7 @@ def collect_leftovers(dirs: list[str]) -> list[Leftover]:
                 kept.append(item)
                 continue
             try:
-                path.unlink()
+                path.unlink(missing_ok=True)  # another rank on the same paths may have removed it first
                 log.warning("zinf offload: removed %s (%.1f MiB), %s", path, item.nbytes / 2**20, item.why)
             except OSError as exc:
                 kept.append(Leftover(item.path, item.nbytes, True, f"{item.why}, but removing it failed: {exc}"))

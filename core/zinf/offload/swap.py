@@ -151,9 +151,14 @@ class SwapSpace:
                         f" Swap files of other runs there hold {sum(x.nbytes for x in others) / 2**20:.1f} MiB: "
                         + "; ".join(f"{x.path} ({x.why})" for x in others[:4]) if others else ""))
         cleanup.register(list(self.files))  # from before they exist: a stop while creating them removes them too
-        for f, end in zip(self.files, self._ends):
-            fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
+        held: list[int] = []  # one fd per file, holding the lock that marks it as this live run's
+        try:
+            for f, end in zip(self.files, self._ends):
+                fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                held.append(fd)
+                # locked before its header says it is a zinf file: another rank's (or run's) search for files
+                # of dead runs never takes a file being created for one (see [Note: clean stops])
+                cleanup.lock(fd)
                 try:
                     os.posix_fallocate(fd, 0, end)
                 except OSError as exc:
@@ -162,10 +167,10 @@ class SwapSpace:
                 header = json.dumps({"magic": _MAGIC.decode(), "version": _VERSION, "run": self.run_id.hex(),
                                      "rank": self.rank, "world": self.world, "bytes": end, **cleanup.owner()}).encode()
                 os.pwrite(fd, header.ljust(ALIGN, b"\0"), 0)
-            finally:
-                os.close(fd)
+        except BaseException:
+            _release(held)
+            raise
         self._opened = True
-        held = [cleanup.hold(f) for f in self.files]  # a live run's mark (see [Note: clean stops])
         # scratch, not checkpoints: removed by close(), and at interpreter exit after a failure too, so a
         # crashed run does not leave tens of GB behind (only a killed process can)
         self._cleanup = weakref.finalize(self, _remove, list(self.files), held)
