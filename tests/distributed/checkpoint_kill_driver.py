@@ -48,6 +48,7 @@ def _set_all(engine: zinf.ZeroInfinityEngine, step: int) -> None:
 
 def _rank(rank: int, work: Path, ckpt: Path, iteration: int, driver: int) -> None:
     log = open(work / f"log{iteration}.rank{rank}", "a", buffering=1)  # line-buffered: a killed rank keeps its lines
+    ready = False  # set once both ranks loaded and the driver may kill them
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{work / f'rendezvous{iteration}'}", rank=rank,
@@ -73,13 +74,20 @@ def _rank(rank: int, work: Path, ckpt: Path, iteration: int, driver: int) -> Non
         dist.barrier()
         if rank == 0:
             (work / f"ready{iteration}").touch()
+        ready = True
         while os.getppid() == driver:  # until killed (or orphaned)
             step += 1
             _set_all(engine, step)
             engine.save_checkpoint(str(ckpt), client_state={"step": step})
             log.write(f"saved {step}\n")
-    except BaseException:  # noqa: BLE001
-        log.write("ERROR " + traceback.format_exc().replace("\n", " | ") + "\n")
+    except BaseException as exc:  # noqa: BLE001
+        text = traceback.format_exc().replace("\n", " | ")
+        if ready and isinstance(exc, RuntimeError) and ("Connection reset by peer" in str(exc)
+                                                        or "Connection closed by peer" in str(exc)):
+            # the driver kills the ranks one after the other: the survivor's collective may see its peer gone
+            log.write("PEERGONE " + text + "\n")  # (what that leaves on disk is checked like any kill)
+        else:
+            log.write("ERROR " + text + "\n")
         os._exit(2)
     os._exit(0)
 
