@@ -7,31 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
-import zinf
 from zinf import native
 from zinf.offload import OffloadFileError
+from test_failures import _engine, _step  # the same one-process NVMe engine and step
 
 pytestmark = pytest.mark.skipif(native.checksum_backend() == "python", reason="checksums need the native build")
-
-
-def _engine(tmp: Path) -> zinf.ZeroInfinityEngine:
-    torch.manual_seed(0)
-    cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp)],
-                                                 "pinned_pool_bytes": 4 << 20}})
-    with zinf.Init(cfg):
-        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
-    return zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
-
-
-def _step(engine: zinf.ZeroInfinityEngine) -> float:
-    loss = engine(torch.randn(8, 64)).square().mean()
-    engine.backward(loss)
-    engine.step()
-    engine.synchronize()
-    return loss.item()
 
 
 def _zero(data: bytearray) -> None:
