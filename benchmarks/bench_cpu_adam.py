@@ -39,7 +39,7 @@ def timeit(fn: Callable[[], None], reps: int) -> float:
 
 
 def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hyper = native.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
     p = torch.randn(n)
     g = torch.randn(n)
     m = torch.zeros(n)
@@ -48,7 +48,7 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
 
     def ours() -> None:
         step[0] += 1
-        native.adam_step(p, g, m, v, step=step[0], decoupled=True, **hp)  # type: ignore[arg-type]
+        native.adam_step(p, g, m, v, hyper, step=step[0])
 
     rows = [("streaming bound (28 B/param)", timeit(lambda: native.stream_bound(p, g, m, v), reps)),
             ("zinf adam_step", timeit(ours, reps))]
@@ -73,8 +73,7 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
         sq, finite = native.grad_norm_sq(g)
         norm = (sq**0.5) / loss_scale
         clip = min(1.0, max_norm / (norm + 1e-6)) if finite else 0.0
-        native.adam_step(p, g, m, v, step=step[0], decoupled=True, grad_scale=loss_scale, clip_coef=clip,
-                         param_out=p_bf16, **hp)  # type: ignore[arg-type]
+        native.adam_step(p, g, m, v, hyper, step=step[0], grad_scale=loss_scale, clip_coef=clip, param_out=p_bf16)
 
     full = [("zinf fused (norm + adam_step)", timeit(ours_full, reps))]
     del m, v

@@ -26,7 +26,7 @@ import zinf
 
 __all__ = [
     "StepRoot", "PREFIX", "resolve_config", "zinf_precision", "with_precision", "build_engine", "strip_prefix",
-    "OFFLOAD_PRESETS", "offload_preset",
+    "OFFLOAD_PRESETS", "offload_preset", "NAME", "register_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,9 @@ _PRECISIONS: dict[str, str] = {
 }
 _LIGHTNING_NAME = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
+NAME = "zero_infinity"
 OFFLOAD_PRESETS = ("zero_infinity_offload", "zero_infinity_nvme")
+_DESCRIPTION = "ZeRO-Infinity (zinf): parameters, gradients and optimizer states partitioned across ranks"
 
 
 class StepRoot(nn.Module):
@@ -140,3 +142,15 @@ def offload_preset(name: str, config: Any) -> dict[str, Any]:
         user = config.to_dict() if isinstance(config, zinf.ZeroConfig) else dict(config)
         base = {**base, **user, "offload": {**base["offload"], **dict(user.get("offload", {}))}}
     return base
+
+
+def register_names(registry: Any, strategy: type, offload: type) -> None:
+    """Register ``NAME`` for ``strategy`` and the offload presets for ``offload`` in one strategy registry
+    (Lightning's ``StrategyRegistry`` or Fabric's ``STRATEGY_REGISTRY``, of the unified package or a
+    standalone one); names already there are left as they are."""
+    if NAME not in registry:
+        registry.register(NAME, strategy, description=_DESCRIPTION)
+    for preset in OFFLOAD_PRESETS:
+        if preset not in registry:
+            registry.register(preset, offload, description=f"{_DESCRIPTION} ({'NVMe' if 'nvme' in preset else 'CPU'} offload)",
+                              preset=preset)

@@ -11,45 +11,29 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_zinf._shared import OFFLOAD_PRESETS
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zinf._shared import NAME, register_names
+from lightning_zinf.fabric import ZeroInfinityFabricOffloadStrategy, ZeroInfinityFabricStrategy
+from lightning_zinf.standalone import register_standalone
+from lightning_zinf.strategy import ZeroInfinityOffloadStrategy, ZeroInfinityStrategy
 
 __all__ = ["register_all", "register_pytorch", "register_fabric", "NAME"]
 
 log = logging.getLogger(__name__)
 
-NAME = "zero_infinity"
-_DESCRIPTION = "ZeRO-Infinity (zinf): parameters, gradients and optimizer states partitioned across ranks"
-
-
-def _register(registry: Any, strategy: type, offload: type) -> None:
-    if NAME not in registry:
-        registry.register(NAME, strategy, description=_DESCRIPTION)
-    for preset in OFFLOAD_PRESETS:
-        if preset not in registry:
-            registry.register(preset, offload, description=f"{_DESCRIPTION} ({'NVMe' if 'nvme' in preset else 'CPU'} offload)",
-                              preset=preset)
-
 
 def register_pytorch(registry: Any, strategy: type | None = None) -> None:
-    from lightning_zinf.strategy import ZeroInfinityOffloadStrategy, ZeroInfinityStrategy
-
-    _register(registry, strategy or ZeroInfinityStrategy, ZeroInfinityOffloadStrategy)
+    register_names(registry, strategy or ZeroInfinityStrategy, ZeroInfinityOffloadStrategy)
 
 
 def register_fabric(registry: Any, strategy: type | None = None) -> None:
-    from lightning_zinf.fabric import ZeroInfinityFabricOffloadStrategy, ZeroInfinityFabricStrategy
-
-    _register(registry, strategy or ZeroInfinityFabricStrategy, ZeroInfinityFabricOffloadStrategy)
+    register_names(registry, strategy or ZeroInfinityFabricStrategy, ZeroInfinityFabricOffloadStrategy)
 
 
 def register_all() -> None:
     """Register in ``lightning.pytorch`` and ``lightning.fabric``, and the standalone packages if installed."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
     register_pytorch(StrategyRegistry)
     register_fabric(STRATEGY_REGISTRY)
-
-    from lightning_zinf.standalone import register_standalone
-
     register_standalone()

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from lightning_zinf._shared import register_names
+
 __all__ = ["load", "register_standalone"]
 
 log = logging.getLogger(__name__)
@@ -56,11 +58,9 @@ def register_standalone() -> bool:
     from lightning_fabric.strategies import STRATEGY_REGISTRY
     from pytorch_lightning.strategies import StrategyRegistry
 
-    from lightning_zinf.registry import _register
-
     load("precision")
     strategy, fabric = load("strategy"), load("fabric")
-    _register(StrategyRegistry, strategy.ZeroInfinityStrategy, strategy.ZeroInfinityOffloadStrategy)
-    _register(STRATEGY_REGISTRY, fabric.ZeroInfinityFabricStrategy, fabric.ZeroInfinityFabricOffloadStrategy)
+    register_names(StrategyRegistry, strategy.ZeroInfinityStrategy, strategy.ZeroInfinityOffloadStrategy)
+    register_names(STRATEGY_REGISTRY, fabric.ZeroInfinityFabricStrategy, fabric.ZeroInfinityFabricOffloadStrategy)
     log.debug("zinf: registered zero_infinity in pytorch_lightning and lightning_fabric")
     return True

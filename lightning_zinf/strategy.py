@@ -28,7 +28,8 @@ from typing_extensions import override
 
 import zinf
 from lightning_zinf._shared import (
-    build_engine, lightning_precision_name, offload_preset, resolve_config, strip_prefix, with_precision,
+    build_engine, lightning_precision_name, offload_preset, register_names, resolve_config, strip_prefix,
+    with_precision,
 )
 from lightning_zinf.precision import ZeroInfinityPrecision
 
@@ -240,9 +241,7 @@ class ZeroInfinityStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from lightning_zinf.registry import register_pytorch
-
-        register_pytorch(strategy_registry, cls)
+        register_names(strategy_registry, cls, ZeroInfinityOffloadStrategy)
 
 
 class ZeroInfinityOffloadStrategy(ZeroInfinityStrategy):

@@ -1,7 +1,13 @@
-"""Type stubs for the zinf C++ extension (cpp/). Tensors cross as data_ptr() addresses."""
+"""Type stubs for the zinf C++ extension (cpp/). Tensors cross as data_ptr() addresses.
 
-from . import _native_adam as adam
-from . import _native_aio as aio
-from . import _native_pool as pool
+This stub stays here, beside the built ``zinf/_native*.so`` (a stub must sit where its module is).
+The submodules' stubs sit beside the Python modules that wrap them, in ``zinf/native/``
+(``_native_adam.pyi`` beside ``adam.py``, ...); they are stub-only names, not importable at run time.
+"""
 
-__all__ = ["adam", "aio", "pool"]
+from .native import _native_adam as adam
+from .native import _native_aio as aio
+from .native import _native_checksum as checksum
+from .native import _native_pool as pool
+
+__all__ = ["adam", "aio", "checksum", "pool"]

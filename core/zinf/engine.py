@@ -24,9 +24,8 @@ from zinf.checkpointing import ActivationCheckpointing
 from zinf.fetch.comm import Comm, default_device
 from zinf.fetch.gather import ParamFetcher
 from zinf.fetch.watchdog import CollectiveWatchdog
-from zinf.offload.optimizer import OffloadedAdam
 from zinf.offload.placement import Placement
-from zinf.optim.sharded import ShardedOptimizer
+from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.gathered import GatheredParameters
 from zinf.param.partition import partition_model
@@ -62,14 +61,13 @@ class ZeroInfinityEngine:
             g.refresh_requires_grad()
         self.timers = StepTimers()
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
-        self.placement = (Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
-                                    check_finite=self.config.precision == "fp16")
-                          if self.config.offload.enabled else None)
+        fp16 = self.config.precision == "fp16"
+        self.placement = Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
+                                   check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0)
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
-                g.persistent = True
-                g.to_gathered()
+                g.make_persistent()
         self.reducer = GradReducer(self.comm, self.config.overlap.reduce_bucket_bytes, self.timers)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
@@ -79,22 +77,16 @@ class ZeroInfinityEngine:
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
                               if self.config.activation_checkpointing.modules else None)
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
-        self.optimizer: ShardedOptimizer | OffloadedAdam | None = None
-        if self.placement is not None and self.placement.optimizer is not None:
-            self.optimizer = self.placement.optimizer
-        elif optimizer is not None:
-            self.optimizer = ShardedOptimizer(optimizer)
+        self.optimizer: ShardOptimizer | None = self.placement.optimizer
         self.loss_scaler = DynamicLossScaler(self.config.loss_scale) if self.config.precision == "fp16" else None
         self.global_step = 0
         self.num_backward = 0
         self.last_report: StepReport | None = None
         self.hooks.on_backward_end.append(self._count_backward)
-        if isinstance(self.optimizer, OffloadedAdam):  # gradients land in shards a background step may still read
-            self.hooks.on_backward_start.append(self.optimizer.wait_updates)
-            if self.optimizer.grads_on_nvme:
-                self.hooks.on_backward_end.append(self.optimizer.flush_grads)
-        if self.placement is not None:
-            self.hooks.on_backward_start.append(self.placement.param_store.stop_keeping)
+        if self.optimizer is not None:  # gradients land in shards a background step may still read
+            self.hooks.on_backward_start.append(self.optimizer.before_backward)
+            self.hooks.on_backward_end.append(self.optimizer.after_backward)
+        self.hooks.on_backward_start.append(self.placement.before_backward)
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
@@ -107,8 +99,7 @@ class ZeroInfinityEngine:
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
-        if self.placement is not None:  # a training forward's shards are gathered again by its backward
-            self.placement.param_store.keep_gathered = torch.is_grad_enabled()
+        self.placement.before_forward(torch.is_grad_enabled())
         with self.watchdog.watch("forward"), self.timers.time("forward"), mode:
             try:
                 return self.module(*args, **kwargs)
@@ -159,16 +150,14 @@ class ZeroInfinityEngine:
             self._unscale()  # with the scale the gradients were made with: the scaler adapts only after
         if self.loss_scaler is not None:
             self.loss_scaler.update(skipped)
-        if not skipped:
-            self.optimizer.step()  # an offloaded optimizer zeroes each gradient shard once it has used it
+        if skipped:
+            self.zero_grad()
+        else:
+            self.optimizer.step()  # applies the gradients' pending factors, writes new shards, zeroes the gradients
             for g in self.groups:
-                if g.master is not None:  # device-tier optimizer: the parameter shard follows the master
-                    g.refresh_shard_from_master()
                 if g.persistent and g.owns_full:
                     g.to_sharded()
                     g.to_gathered()
-        if skipped or not isinstance(self.optimizer, OffloadedAdam):
-            self.zero_grad()
         self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
@@ -178,13 +167,12 @@ class ZeroInfinityEngine:
     def synchronize(self) -> None:
         """Wait for background work (an offloaded optimizer step, parameter shard writes) to finish;
         raises what it raised. Needed only before touching offload files from outside."""
-        if isinstance(self.optimizer, OffloadedAdam):
+        if self.optimizer is not None:
             self.optimizer.settle()
-        if self.placement is not None:
-            self.placement.param_store.flush()
+        self.placement.flush()
 
     def zero_grad(self) -> None:
-        if isinstance(self.optimizer, OffloadedAdam):
+        if self.optimizer is not None:
             self.optimizer.wait()
         for g in self.groups:
             g.zero_grad()
@@ -198,7 +186,8 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None and not self._unscaled:
             inv = 1.0 / self.loss_scaler.scale
             for g in self.groups:
-                g.scale_grad(inv)
+                if g.trainable:
+                    g.grad.scale(inv)
         self._unscaled = True
 
     def _cast_input(self, x: Any) -> Any:
@@ -222,7 +211,7 @@ class ZeroInfinityEngine:
             names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            full = g.gather_master_full(self.master_of(g))
+            full = g.gather_master_full(g.read_master())
             if rank0_only and self.comm.rank != 0:
                 continue
             for p, slot in zip(g.params, g.slots):
@@ -274,10 +263,10 @@ class ZeroInfinityEngine:
                     if p is not None and id(p) in found:
                         full[slot.offset : slot.offset + slot.numel] = state[found[id(p)]].reshape(-1).to(full)
                     elif p is not None:  # not loaded (strict=False): keep this parameter's values
-                        full[slot.offset : slot.offset + slot.numel] = g.gather_master_full(self.master_of(g))[
+                        full[slot.offset : slot.offset + slot.numel] = g.gather_master_full(g.read_master())[
                             slot.offset : slot.offset + slot.numel]
                 lo = self.comm.rank * g.shard_numel
-                self.set_master(g, full[lo : lo + g.shard_numel].clone())
+                g.write_master(full[lo : lo + g.shard_numel].clone())
             for n, b in buffers.items():
                 if n in state:
                     b.copy_(state[n])
@@ -298,25 +287,11 @@ class ZeroInfinityEngine:
 
     def master_of(self, group: FlatParamGroup) -> torch.Tensor:
         """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""
-        if group.master is not None:
-            return group.master
-        assert self.placement is not None and self.placement.optimizer is not None
-        return self.placement.optimizer.read_states(group)["master"]
+        return group.read_master()
 
     def set_master(self, group: FlatParamGroup, master: torch.Tensor) -> None:
         """Replace this rank's master shard of ``group`` and the parameter shard derived from it."""
-        with torch.no_grad():
-            if group.master is not None:
-                group.master.copy_(master)
-                group.refresh_shard_from_master()
-            else:
-                assert group.master_sink is not None
-                group.master_sink(master)
-                group.param_store.writer(group).copy_(master)
-                group.param_store.commit(group)
-            if group.persistent and group.owns_full:
-                group.to_sharded()
-                group.to_gathered()
+        group.write_master(master)
 
     def report(self) -> StepReport | None:
         """The last optimizer step's time and memory breakdown (see :class:`zinf.StepReport`)."""
@@ -331,8 +306,7 @@ class ZeroInfinityEngine:
         self.hooks.remove()
         if self.checkpointing is not None:
             self.checkpointing.remove()
-        if self.placement is not None:
-            self.placement.close()
+        self.placement.close()
 
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, report: StepReport, skipped: bool) -> None:
@@ -342,10 +316,7 @@ class ZeroInfinityEngine:
         waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0) + seconds.get("rounds", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand
-        swap = self.placement.swap if self.placement is not None else None
-        if swap is not None:
-            counts["nvme_read_bytes"], counts["nvme_written_bytes"] = swap.bytes_read, swap.bytes_written
-            swap.bytes_read = swap.bytes_written = 0
+        counts.update(self.placement.io_counts())
         self.fetcher.num_prefetched = self.fetcher.num_demand = 0
         report.seconds, report.counts, report.skipped = seconds, counts, skipped
         report.bytes = self.resident_bytes()
@@ -369,17 +340,13 @@ class ZeroInfinityEngine:
                 add("param_shards", g.shard)
             if g.master is not None and (g.shard is None or g.master.data_ptr() != g.shard.data_ptr()):
                 add("master", g.master)
-            if g.resident_grad_shard is not None:
-                add("grad_shards", g.resident_grad_shard)
+            if g.grad.resident is not None:
+                add("grad_shards", g.grad.resident)
             if g.owns_full:
                 add("gathered", g.full)
-        if isinstance(self.optimizer, ShardedOptimizer):
-            for state in self.optimizer.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:
-                        add("optimizer_state", v)
-        if self.placement is not None:
-            for tier, kinds in self.placement.bytes_by_tier().items():
+        elsewhere = [self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
+        for part in elsewhere:
+            for tier, kinds in part.items():
                 for kind, nbytes in kinds.items():
                     out.setdefault(tier, {})[kind] = out.get(tier, {}).get(kind, 0) + nbytes
         return out

@@ -119,18 +119,19 @@ void set_num_threads(int n) {
 
 AdamArgs make_args(const StepConfig& c) {
   if (c.step < 1) throw std::invalid_argument("step must be >= 1, got " + std::to_string(c.step));
+  const AdamHyper& h = c.hyper;
   AdamArgs a;
-  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(c.step));
-  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(c.step));
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(c.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(c.step));
   a.grad_mul = static_cast<float>(c.clip_coef / c.grad_scale);
-  a.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
-  a.beta2 = static_cast<float>(c.beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
-  a.eps = static_cast<float>(c.eps);
-  a.decoupled = c.decoupled;
-  a.l2_decay = c.decoupled ? 0.0f : static_cast<float>(c.weight_decay);
-  a.decay_mul = c.decoupled ? static_cast<float>(1.0 - c.lr * c.weight_decay) : 1.0f;
-  a.step_size = static_cast<float>(c.lr / bc1);
+  a.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  a.beta2 = static_cast<float>(h.beta2);
+  a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  a.eps = static_cast<float>(h.eps);
+  a.decoupled = h.decoupled;
+  a.l2_decay = h.decoupled ? 0.0f : static_cast<float>(h.weight_decay);
+  a.decay_mul = h.decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  a.step_size = static_cast<float>(h.lr / bc1);
   a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   return a;
 }

@@ -53,14 +53,34 @@ DType parse_dtype(const std::string& name);  // float32 | bfloat16 | float16 | n
 int num_threads();
 void set_num_threads(int n);
 
+// One param group's Adam/AdamW hyper-parameters. Exposed to Python as zinf._native.adam.AdamHyper
+// (zinf.native.AdamHyper; pure-Python twin zinf.native.PythonAdamHyper with the same fields, order
+// and defaults). Defaults are torch.optim.Adam's.
+struct AdamHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled = false;  // true: AdamW, param *= 1 - lr * wd; false: Adam, grad += wd * param (L2)
+
+  bool operator==(const AdamHyper& o) const {
+    return lr == o.lr && beta1 == o.beta1 && beta2 == o.beta2 && eps == o.eps &&
+           weight_decay == o.weight_decay && decoupled == o.decoupled;
+  }
+  bool operator!=(const AdamHyper& o) const { return !(*this == o); }
+};
+
+// One step of one tensor: the group's hyper-parameters plus what changes per step.
 struct StepConfig {
-  int64_t step;
-  double lr, beta1, beta2, eps, weight_decay;
-  bool decoupled;
-  double grad_scale = 1.0, clip_coef = 1.0;
+  AdamHyper hyper;
+  int64_t step = 1;         // step count including this update (>= 1)
+  double grad_scale = 1.0;  // the gradient is multiplied by float(clip_coef / grad_scale)
+  double clip_coef = 1.0;
 };
 
 // Fills the derived scalars the way torch.optim.Adam(W) (single-tensor path) computes them.
+// Throws std::invalid_argument if step < 1.
 AdamArgs make_args(const StepConfig& cfg);
 
 void adam_step(const AdamArgs& args, size_t numel);

@@ -1,4 +1,5 @@
 // Python bindings of zinf::adam (binding only; logic lives in cpp/adam).
+#include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
 
 #include "../adam/adam.h"
@@ -11,13 +12,27 @@ namespace zinf::bindings {
 
 void bind_adam(py::module_& m) {
   m.doc() = "Fused CPU Adam/AdamW kernels (tensors passed as data_ptr addresses).";
+  py::class_<AdamHyper>(m, "AdamHyper",
+                        "One param group's Adam/AdamW hyper-parameters (zinf::adam::AdamHyper); immutable.")
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+             return AdamHyper{lr, beta1, beta2, eps, weight_decay, decoupled};
+           }),
+           py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           py::arg("weight_decay") = 0.0, py::arg("decoupled") = false)
+      .def_readonly("lr", &AdamHyper::lr)
+      .def_readonly("beta1", &AdamHyper::beta1)
+      .def_readonly("beta2", &AdamHyper::beta2)
+      .def_readonly("eps", &AdamHyper::eps)
+      .def_readonly("weight_decay", &AdamHyper::weight_decay)
+      .def_readonly("decoupled", &AdamHyper::decoupled)
+      .def(py::self == py::self)
+      .def(py::self != py::self);
   m.def(
       "adam_step",
       [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
          uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, size_t numel,
-         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-         bool decoupled, double grad_scale, double clip_coef) {
-        AdamArgs a = make_args({step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale, clip_coef});
+         const AdamHyper& hyper, int64_t step, double grad_scale, double clip_coef) {
+        AdamArgs a = make_args(StepConfig{hyper, step, grad_scale, clip_coef});
         a.param = reinterpret_cast<float*>(param);
         a.grad = reinterpret_cast<const void*>(grad);
         a.grad_dtype = parse_dtype(grad_dtype);
@@ -29,9 +44,8 @@ void bind_adam(py::module_& m) {
         adam_step(a, numel);
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-      py::arg("param_out"), py::arg("out_dtype"), py::arg("numel"), py::kw_only(), py::arg("step"),
-      py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-      py::arg("decoupled"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0);
+      py::arg("param_out"), py::arg("out_dtype"), py::arg("numel"), py::arg("hyper"), py::kw_only(),
+      py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0);
   m.def(
       "grad_norm_sq",
       [](uintptr_t data, const std::string& dtype, size_t numel) {

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, nvme: str) -> dict[str, Any]:
         loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
         engine.backward(loss)
         engine.step()
-        pending_seen += sum(g.await_update is not None for g in engine.groups)
+        pending_seen += sum(g.update_pending for g in engine.groups)
         total = loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / world)

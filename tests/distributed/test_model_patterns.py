@@ -60,7 +60,7 @@ def _train(rank: int, world: int, pattern: Pattern) -> dict:
     out = {"losses": losses, "state": engine.full_state_dict(), "units": engine.hooks.units,
            "divergent_rounds": engine.rounds.num_divergent_rounds, "stack": len(engine.hooks.stack),
            "gathered": [g.name for g in engine.groups if g.state.name != "SHARDED" and not g.persistent],
-           "frozen_grad_shards": [g.name for g in engine.groups if not g.trainable and g.resident_grad_shard is not None]}
+           "frozen_grad_shards": [g.name for g in engine.groups if not g.trainable and g.grad.resident is not None]}
     engine.close()
     return out
 

@@ -74,13 +74,13 @@ class ParamFetcher:
             # shard reads (NVMe -> pinned pool) run twice as far ahead as gathers, bounded by the pool
             for g in groups:
                 if reading and g.state is GroupState.SHARDED:
-                    reading = g.param_store.prefetch(g)
+                    reading = g.store.prefetch(g)
             if n >= self.config.prefetch_modules:
                 continue
             for g in groups:
                 if g.state is not GroupState.SHARDED or g in chosen:
                     continue
-                if g.await_update is not None and g.comm.world == 1:
+                if g.update_pending and g.comm.world == 1:
                     # its background update is not done: gathering now would stall this module. Only where
                     # the gather is not a collective: with several ranks every rank must start the same
                     # gathers in the same order, and whether an update is done yet differs between ranks.

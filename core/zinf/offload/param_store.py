@@ -1,9 +1,8 @@
-"""Where a group's compute-dtype parameter shard lives between uses: device, CPU or NVMe.
+"""The host and NVMe tiers of the parameter-shard store (the protocol and the device tier: zinf/param/store.py).
 
-Chosen once per engine (``offload.params``); groups only call ``fetch`` / ``done`` around their
-all-gather and ``writer`` / ``commit`` after an optimizer step. The NVMe store reads each rank's own
-shard (bandwidth-centric: every rank reads 1/world, then all-gather) into a buffer of the pinned
-pool, ahead of use when the trace asks for it (``prefetch``).
+Chosen once per engine (``offload.params``) and built complete by the placement. The NVMe store reads
+each rank's own shard (bandwidth-centric: every rank reads 1/world, then all-gather) into a buffer of the
+pinned pool, ahead of use when the trace asks for it (``prefetch``).
 """
 
 from __future__ import annotations
@@ -11,70 +10,51 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zinf.native import PoolExhaustedError
+from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.swap import Record, SwapSpace
 
 if TYPE_CHECKING:
-    from zinf.native import PinnedBufferPool
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["ParamStore", "DeviceParamStore", "CpuParamStore", "NvmeParamStore"]
+__all__ = ["CpuShardStore", "NvmeShardStore"]
 
 
-ACQUIRE_TIMEOUT_S = 120.0
+class CpuShardStore:
+    """Shards in (pinned, with CUDA) host memory, copied to the device for each gather."""
 
+    tier = "cpu"
 
-def acquire_waiting(pool: "PinnedBufferPool", nbytes: int, make_room: Callable[[], bool] | None) -> torch.Tensor:
-    """A pool buffer for work that must not fail for room (the optimizer pipeline, an updated shard).
-    The pool keeps a reserve for it, but buddy fragmentation can still leave no block of the size:
-    then parameter read-ahead is given up (``make_room``), or buffers held by gathers in flight are
-    waited for, for at most ``ACQUIRE_TIMEOUT_S``. Never call it holding a lock those gathers need."""
-    from zinf.native import PoolExhaustedError
+    def __init__(self, groups: Sequence["FlatParamGroup"]) -> None:
+        self._shards: dict[int, torch.Tensor] = {}
+        for g in groups:
+            shard = g.hand_over_shard()
+            if shard.device.type != "cpu":  # pragma: no cover - CUDA only
+                host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
+                host.copy_(shard)
+                shard = host
+            self._shards[id(g)] = shard
 
-    deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
-    while True:
-        try:
-            return pool.acquire(nbytes)
-        except PoolExhaustedError:
-            if time.monotonic() > deadline:
-                raise
-            if make_room is None or not make_room():
-                time.sleep(0.002)
-
-
-class ParamStore:
-    """Base and device tier: the shard stays where compute runs."""
-
-    tier = "device"
-    # set by the engine: True during a training forward, whose shards its backward gathers again
-    keep_gathered = False
-
-    def stop_keeping(self) -> None:
-        """The backward has started: a shard it gathers is not needed again before the next update."""
-        self.keep_gathered = False
-
-    def attach(self, group: "FlatParamGroup") -> None:
-        group.param_store = self
-
-    def prefetch(self, group: "FlatParamGroup") -> bool:
+    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        assert group.shard is not None
-        return group.shard
+        return self._shards[id(group)].to(group.device, non_blocking=True)
 
     def done(self, group: "FlatParamGroup") -> None:
         return None
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
-        """A compute-dtype tensor of ``shard_numel`` to write the updated shard into."""
-        assert group.shard is not None
-        return group.shard
+        return self._shards[id(group)]
 
     def commit(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def keep_for_backward(self, keep: bool) -> None:
         return None
 
     def flush(self) -> None:
@@ -83,26 +63,8 @@ class ParamStore:
     def close(self) -> None:
         return None
 
-
-DeviceParamStore = ParamStore
-
-
-class CpuParamStore(ParamStore):
-    """Shards in (pinned, with CUDA) host memory, copied to the device for each gather."""
-
-    tier = "cpu"
-
-    def attach(self, group: "FlatParamGroup") -> None:
-        super().attach(group)
-        assert group.shard is not None
-        if group.shard.device.type != "cpu":  # pragma: no cover - CUDA only
-            host = torch.empty(group.shard.shape, dtype=group.shard.dtype, pin_memory=True)
-            host.copy_(group.shard)
-            group.shard = host
-
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        assert group.shard is not None
-        return group.shard.to(group.device, non_blocking=True)
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {"cpu": sum(t.untyped_storage().nbytes() for t in self._shards.values())}
 
 
 @dataclass(eq=False)
@@ -122,7 +84,7 @@ class _Slot:
         return not (self.in_use or self.staged)
 
 
-class NvmeParamStore(ParamStore):
+class NvmeShardStore:
     """Shards in this rank's swap files; see [Note: offload file format] in swap.py.
 
     [Note: NVMe parameter slots]
@@ -141,33 +103,33 @@ class NvmeParamStore(ParamStore):
 
     tier = "nvme"
 
-    def __init__(self, swap: SwapSpace, pool: "PinnedBufferPool") -> None:
-        self.swap, self.pool = swap, pool
-        self.records: dict[int, Record] = {}
+    def __init__(self, groups: Sequence["FlatParamGroup"], swap: SwapSpace, room: PoolRoom, reserve_bytes: int) -> None:
+        self.swap, self.room, self.pool = swap, room, room.pool
+        self.records: dict[int, Record] = {
+            id(g): swap.allocate(g.shard_numel * g.compute_dtype.itemsize) for g in groups}
         self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
-        # share the slots; see [Note: background step] in optimizer.py
+        # share the slots; see [Note: background step] in zinf/optim/offloaded.py
         self._lock = threading.RLock()
-        self.reserve_bytes = 0  # pool bytes read-ahead and kept slots leave free (for a demand read and a staged update)
+        self.reserve_bytes = reserve_bytes  # pool bytes read-ahead and kept slots leave free (a demand read, a staged update)
         self._clock = 0  # counts finished gathers, for the least-recently-used order of kept slots
-        # frees pool room for a demand read; the placement widens it to the optimizer's buffers
-        self.make_room: Callable[[], bool] = self.evict_one
-        # told when a gather gives its slot back outside a training forward (the placement: the
-        # optimizer extends its read-ahead of the next step's states into the room)
-        self.on_room: Callable[[], None] | None = None
+        # True during a training forward, whose shards its backward gathers again
+        self.keep_gathered = False
+        room.add_evictor(PARAMS, self.evict_one)
 
-    def attach(self, group: "FlatParamGroup") -> None:
-        super().attach(group)
-        self.records[id(group)] = self.swap.allocate(group.shard_numel * group.compute_dtype.itemsize)
+    def keep_for_backward(self, keep: bool) -> None:
+        self.keep_gathered = keep
 
     def write_initial(self, group: "FlatParamGroup") -> None:
-        """After ``swap.open()``: the resident shard goes to its file and its memory is freed."""
-        assert group.shard is not None
-        self.writer(group).copy_(group.shard)
+        """After ``swap.open()``: the shard the group was built with goes to its file and its memory is freed."""
+        shard = group.hand_over_shard()
+        self.writer(group).copy_(shard)
         self.commit(group)
         with self._lock:
             self._drop(id(group))
-        group.shard = None
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {"nvme": sum(r.span for r in self.records.values())}
 
     def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
         nbytes = self.records[id(group)].nbytes
@@ -176,10 +138,8 @@ class NvmeParamStore(ParamStore):
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         """Start reading ``group``'s shard; False when the pool has no room. Read-ahead (not ``demand``)
         is bounded by the pool less ``reserve_bytes``; the optimizer evicts it when it needs the room."""
-        from zinf.native import PoolExhaustedError
-
         key = id(group)
-        if group.await_update is not None and not demand:
+        if group.update_pending and not demand:
             return True  # its new shard is still being computed: it will be in its slot when needed
         with self._lock:
             self._reap()
@@ -210,7 +170,7 @@ class NvmeParamStore(ParamStore):
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
         while not self.prefetch(group, demand=True):
-            if self.make_room():
+            if self.room.make_room():
                 continue
             if time.monotonic() > deadline:  # nothing came free: the optimizer step holds the rest
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
@@ -236,8 +196,8 @@ class NvmeParamStore(ParamStore):
             slot.consumed = True  # not needed again soon, or no room to keep it
             if slot.write is None:
                 self._drop(key)
-        if self.on_room is not None and not self.keep_gathered:
-            self.on_room()
+        if not self.keep_gathered:
+            self.room.room_given_back()
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)
@@ -251,7 +211,7 @@ class NvmeParamStore(ParamStore):
                 self._slots[key] = self._slots.pop(key)  # most recently filled: last
                 slot.staged, slot.consumed, slot.used = True, False, 0
                 return self._data(group, slot.buf)
-        buf = acquire_waiting(self.pool, self.records[key].span, self.make_room)  # not under the lock: done() frees room
+        buf = self.room.acquire_waiting(self.records[key].span)  # not under the lock: done() frees room
         with self._lock:
             self._slots[key] = _Slot(buf, staged=True)
             return self._data(group, buf)

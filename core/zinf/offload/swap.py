@@ -98,7 +98,7 @@ class SwapSpace:
         self.bytes_read = self.bytes_written = 0
         # set on threads whose waits are hidden behind training (the background optimizer step): their
         # waits are timed as "background_nvme_read" / "background_nvme_write"
-        self.background = threading.local()
+        self._background = threading.local()
         self._kind: dict[int, tuple[str, int]] = {}  # handle -> ("nvme_read" | "nvme_write", bytes)
         self.rank, self.world = rank, world
         self.run_id = uuid.uuid4().bytes
@@ -121,6 +121,16 @@ class SwapSpace:
                         "without content checksums (corruption on disk would go unnoticed); %s", native._BUILD_HINT)
 
     # -- layout ---------------------------------------------------------------------------------
+    def take_counts(self) -> tuple[int, int]:
+        """Bytes read and written since the last call."""
+        counts = (self.bytes_read, self.bytes_written)
+        self.bytes_read = self.bytes_written = 0
+        return counts
+
+    def mark_background_thread(self) -> None:
+        """The calling thread's waits are hidden behind training: time them as background I/O."""
+        self._background.active = True
+
     def allocate(self, nbytes: int) -> Record:
         """Reserve a record of ``nbytes`` on the path with the least allocated (striping)."""
         assert not self._opened, "allocate every record before open()"
@@ -213,14 +223,14 @@ class SwapSpace:
 
     def wait(self, handle: int, rec: Record) -> None:
         """Wait for one request. On the training thread the time spent waiting is what the step could not
-        hide behind compute; on a background thread (``background.active``) it is timed separately."""
+        hide behind compute; on a background thread (``mark_background_thread``) it is timed separately."""
         kind, nbytes = self._kind.pop(handle, ("nvme_read", 0))
         if kind == "nvme_read":
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
         try:
-            with self.timers.time(f"background_{kind}" if getattr(self.background, "active", False) else kind):
+            with self.timers.time(f"background_{kind}" if getattr(self._background, "active", False) else kind):
                 self.aio.wait(handle)
         except native.AIONoSpaceError as exc:
             raise OffloadSpaceError(
@@ -255,5 +265,5 @@ class SwapSpace:
                     "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
 
     def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
-        with self.timers.time("background_checksum" if getattr(self.background, "active", False) else "checksum"):
+        with self.timers.time("background_checksum" if getattr(self._background, "active", False) else "checksum"):
             return native.crc32c(buf[: rec.nbytes])

@@ -3,7 +3,8 @@
 Uses :func:`zinf.native.adam_step` (C++ SIMD + OpenMP when the extension is built, its pure-PyTorch
 fallback otherwise). Steps match torch.optim.AdamW (``adamw_mode=True``) or torch.optim.Adam
 (``adamw_mode=False``, L2 weight decay) to float rounding; see ``[Note: adam semantics]`` in
-zinf/native.py.
+zinf/native/adam.py. Each param group's hyper-parameters are read once per step as a
+:class:`zinf.native.AdamHyper`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            hyper = native.AdamHyper.from_param_group(group, decoupled=bool(group["adamw_mode"]))
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -68,10 +69,6 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                native.adam_step(
-                    p.data, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"]), lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                    decoupled=bool(group["adamw_mode"]),
-                )
+                native.adam_step(p.data, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], hyper,
+                                 step=int(state["step"]))
         return loss

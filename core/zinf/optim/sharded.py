@@ -14,12 +14,15 @@ no rank produced a gradient for since the last step (a skipped branch) not in th
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of
+from zinf.report import tier_of
 
 __all__ = ["ShardedOptimizer", "NOT_ELEMENTWISE"]
 
@@ -28,7 +31,7 @@ NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 
 class ShardedOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> None:
         name = type(optimizer).__name__
         if name in NOT_ELEMENTWISE:
             raise UnsupportedModelError(
@@ -41,6 +44,7 @@ class ShardedOptimizer:
                 "parameters and hand it to the engine before the first step; restore state with engine.load_state_dict."
             )
         self.optimizer = optimizer
+        self.groups = list(groups)
         self.shard_params: list[nn.Parameter] = []
         self.full_params: list[nn.Parameter] = []
         self._grads: list[tuple[FlatParamGroup, int, torch.Tensor | None]] = []
@@ -55,21 +59,48 @@ class ShardedOptimizer:
                     )
                 index = group.index_of(p)
                 a, b = group.local_range(index)
+                assert group.master is not None, f"{group.name}: a device-tier optimizer needs the master in the group"
                 shard = nn.Parameter(group.master[a:b], requires_grad=p.requires_grad)
-                self._grads.append((group, index, group.grad_shard[a:b] if p.requires_grad else None))
+                self._grads.append((group, index, group.grad.tensor()[a:b] if p.requires_grad else None))
                 replaced.append(shard)
                 self.shard_params.append(shard)
                 self.full_params.append(p)
             pg["params"] = replaced
 
     def step(self) -> None:
+        for g in self.groups:  # unscale / clip, one multiply each, before torch reads the gradients
+            g.grad.apply_pending()
         # set every time: a zero_grad(set_to_none=True) in user code must not detach the shards
         for s, (group, index, grad) in zip(self.shard_params, self._grads):
             s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
         self.optimizer.step()
+        for g in self.groups:
+            g.refresh_shard_from_master()  # the compute-dtype shard follows the fp32 master
+            g.zero_grad()
+
+    def wait(self) -> None:
+        return None
+
+    def before_backward(self) -> None:
+        return None
+
+    def after_backward(self) -> None:
+        return None
+
+    def settle(self) -> None:
+        return None
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+    def bytes_by_tier(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    kinds = out.setdefault(tier_of(v), {})
+                    kinds["optimizer_state"] = kinds.get("optimizer_state", 0) + v.untyped_storage().nbytes()
+        return out

@@ -23,17 +23,26 @@ import enum
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from zinf.fetch.comm import Comm
-from zinf.offload.param_store import ParamStore
+from zinf.param.fence import UpdateFence
+from zinf.param.grad_shard import GradShard
+from zinf.param.store import DEVICE_STORE, ShardStore
 
-_DEVICE_STORE = ParamStore()
+__all__ = ["GroupState", "FlatParamGroup", "ParamSlot", "MasterHome"]
 
-__all__ = ["GroupState", "FlatParamGroup", "ParamSlot"]
+_NO_FENCE = UpdateFence()
+
+
+class MasterHome(Protocol):
+    """Where fp32 master shards live when they are not kept in the group (an offloaded optimizer's state)."""
+
+    def read_master(self, group: "FlatParamGroup") -> torch.Tensor: ...
+    def write_master(self, group: "FlatParamGroup", master: torch.Tensor) -> None: ...
 
 
 class GroupState(enum.Enum):
@@ -107,27 +116,19 @@ class FlatParamGroup:
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
             if a < b:
                 master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
-        # master / shard become None when the offload engine moves them off (optimizer / param tiers)
+        # master / shard become None when an offload placement takes them (``place``)
         self.master: torch.Tensor | None = master
         self.shard: torch.Tensor | None = master if compute_dtype == torch.float32 else master.to(compute_dtype)
-        self.param_store: ParamStore = _DEVICE_STORE
-        self.master_sink: Callable[[torch.Tensor], None] | None = None  # set when the master is offloaded
-        # set while a background optimizer step has not yet produced this group's new shard; see
-        # zinf/offload/optimizer.py [Note: background step]
-        self.await_update: Callable[[], None] | None = None
+        # [Note: placement] built on the device tier; an offload placement moves the group once (``place``)
+        self.store: ShardStore = DEVICE_STORE
+        self._master_home: MasterHome | None = None
+        self._fence = _NO_FENCE
+        self.placed = False
         # With one rank the shard is the whole flat vector: gathering is free.
         self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         if comm.world > 1:
             self.full.untyped_storage().resize_(0)
-        self._grad_shard: torch.Tensor | None = None  # allocated by the engine, not at construction
-        self.grad_device = device  # the offload engine keeps gradient shards in host memory
-        # With gradient shards on NVMe (zinf/offload/optimizer.py [Note: gradients on NVMe]) the store
-        # takes a complete shard; while it is there, grad_stats has its per-parameter norms and whether it
-        # is finite, and grad_scales the factors (unscale, clip) still to apply when it is read back.
-        self.grad_store: Any = None
-        self.grad_stashed = False
-        self.grad_stats: tuple[torch.Tensor, bool] | None = None
-        self.grad_scales: list[torch.Tensor | float] = []
+        self.grad = GradShard(self, [self.local_range(i) for i in range(len(self.slots))], device)
         self._grad_full: torch.Tensor | None = None
         self._arrived: set[int] = set()  # slots whose gradient arrived since the last reduce
         # [Note: stepped parameters] which slots produced a gradient since the last optimizer step: on this
@@ -154,46 +155,66 @@ class FlatParamGroup:
         """The group's parameters in slot order; None where a parameter no longer exists."""
         return [r() for r in self._param_refs]
 
-    @property
-    def grad_shard(self) -> torch.Tensor:
-        """This rank's fp32 gradient shard (allocated on first use, i.e. by the engine; read back, with
-        its pending scales applied, when it was stashed on NVMe)."""
-        if self._grad_shard is None:
-            if self.grad_stashed:
-                self._grad_shard = self.grad_store.load_grad(self)
-                for factor in self.grad_scales:
-                    self._grad_shard.mul_(factor)
-                self.grad_stashed, self.grad_stats, self.grad_scales = False, None, []
-            else:
-                self._grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.grad_device)
-        return self._grad_shard
+    def place(self, store: ShardStore, grad: GradShard, fence: UpdateFence, master_home: MasterHome | None) -> None:
+        """[Note: placement] Move the group to an offload placement, once: ``store`` takes its parameter shard
+        (see ``hand_over_shard``), ``grad`` is its gradient shard there, ``fence`` tells whether a background
+        step is still producing its new shard, and ``master_home`` (when the optimizer is offloaded) holds its
+        fp32 master. The group is built on the device tier (by zinf.Init, before any engine exists), so this is
+        the one transition its placement makes."""
+        if self.placed:
+            raise RuntimeError(f"zinf: {self.name} is already placed by another engine; build a new model for a "
+                               "second engine with offload, or close() the first and rebuild the model.")
+        self.store, self.grad, self._fence, self._master_home, self.placed = store, grad, fence, master_home, True
+
+    def hand_over_shard(self) -> torch.Tensor:
+        """Give the parameter shard to the store that keeps it from now on (the group no longer holds it)."""
+        assert self.shard is not None and self.state is GroupState.SHARDED
+        self._separate_full()  # one rank gathers into the shard itself; from now on into a buffer of its own
+        shard, self.shard = self.shard, None
+        return shard
+
+    def hand_over_master(self) -> torch.Tensor:
+        """Give the fp32 master shard to the offloaded optimizer's state (the group no longer holds it)."""
+        assert self.master is not None
+        master, self.master = self.master, None
+        return master
+
+    def make_persistent(self) -> None:
+        """Small groups stay gathered for the whole run (``overlap.persistent_numel``)."""
+        self.persistent = True
+        self.to_gathered()
 
     @property
-    def resident_grad_shard(self) -> torch.Tensor | None:
-        """The gradient shard if it is in memory (None when not allocated or stashed on NVMe)."""
-        return self._grad_shard
-
-    def grad_complete(self) -> None:
-        """This backward's gradient of the group is final (reduced): hand it to an NVMe gradient store."""
-        if self.grad_store is not None and self._grad_shard is not None:
-            self.grad_store.stash_grad(self, self._grad_shard)
-            self._grad_shard, self.grad_stashed = None, True
-
-    def scale_grad(self, factor: torch.Tensor | float) -> None:
-        """Multiply the gradient shard by ``factor`` (unscaling, clipping); deferred while it is on NVMe."""
-        if not self.trainable:
-            return  # frozen: no gradient shard
-        if self.grad_stashed:
-            self.grad_scales.append(factor)
-        else:
-            self.grad_shard.mul_(factor)
+    def update_pending(self) -> bool:
+        """A background optimizer step has not yet produced this group's new shard."""
+        return self._fence.pending(self)
 
     def zero_grad(self) -> None:
         self.grad_used.zero_()
-        if self.grad_stashed:
-            self.grad_stashed, self.grad_stats, self.grad_scales = False, None, []
-        elif self._grad_shard is not None:
-            self._grad_shard.zero_()
+        self.grad.zero()
+
+    # -- the fp32 master ------------------------------------------------------------------------
+    def read_master(self) -> torch.Tensor:
+        """This rank's fp32 master shard (read back from the optimizer's tier when offloaded)."""
+        if self.master is not None:
+            return self.master
+        assert self._master_home is not None, f"{self.name}: no master shard"
+        return self._master_home.read_master(self)
+
+    def write_master(self, master: torch.Tensor) -> None:
+        """Replace this rank's master shard and the parameter shard derived from it."""
+        with torch.no_grad():
+            if self.master is not None:
+                self.master.copy_(master)
+                self.refresh_shard_from_master()
+            else:
+                assert self._master_home is not None
+                self._master_home.write_master(self, master)
+                self.store.writer(self).copy_(master)
+                self.store.commit(self)
+            if self.persistent and self.owns_full:
+                self.to_sharded()
+                self.to_gathered()
 
     # -- parameter state transitions ------------------------------------------------------------
     @property
@@ -207,11 +228,10 @@ class FlatParamGroup:
 
     def start_gather(self) -> None:
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
-        if self.await_update is not None:
-            self.await_update()
+        self._fence.wait(self)
         if self.owns_full:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        source = self.param_store.fetch(self)
+        source = self.store.fetch(self)
         self._work = self.comm.all_gather_into(self.full, source, async_op=True)
         self.state = GroupState.GATHERING
 
@@ -220,7 +240,7 @@ class FlatParamGroup:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        self.param_store.done(self)
+        self.store.done(self)
         for p, slot in zip(self.params, self.slots):
             if p is not None:
                 p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -253,8 +273,7 @@ class FlatParamGroup:
         """Take a hold: the group is gathered (waiting for an in-flight gather) until the last release.
         A group that stays gathered (persistent, or one rank gathering in place) is read without a new
         gather, so a pending background update must be waited for here too."""
-        if self.await_update is not None:
-            self.await_update()
+        self._fence.wait(self)
         self.to_gathered()
         self.holds += 1
 
@@ -279,11 +298,11 @@ class FlatParamGroup:
         lo = self.comm.rank * self.shard_numel
         mine = self.full[lo : lo + self.shard_numel]
         if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
-            self.param_store.writer(self).copy_(mine)
-            self.param_store.commit(self)
+            self.store.writer(self).copy_(mine)
+            self.store.commit(self)
         if self.master is None:
-            assert self.master_sink is not None
-            self.master_sink(mine.to(torch.float32))
+            assert self._master_home is not None
+            self._master_home.write_master(self, mine.to(torch.float32))
         elif self.shard is None or self.master.data_ptr() != self.shard.data_ptr():
             self.master.copy_(mine)
 
@@ -295,7 +314,7 @@ class FlatParamGroup:
         self.comm.all_gather_into(full, local.to(self.device), async_op=False)
         return full
 
-    def separate_full(self) -> None:
+    def _separate_full(self) -> None:
         """Give the group a gather buffer of its own (one rank normally gathers in place into the shard)."""
         if self.shard is not None and self.full.data_ptr() == self.shard.data_ptr():
             assert self.state is GroupState.SHARDED
@@ -307,8 +326,8 @@ class FlatParamGroup:
         assert self.master is not None
         if self.shard is not None and self.master.data_ptr() == self.shard.data_ptr():
             return
-        self.param_store.writer(self).copy_(self.master)
-        self.param_store.commit(self)
+        self.store.writer(self).copy_(self.master)
+        self.store.commit(self)
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
@@ -320,7 +339,7 @@ class FlatParamGroup:
         slot = self.slots[index]
         self.grad_used[index] = True
         if self.comm.world == 1:
-            self.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(self.grad_device))
+            self.grad.accumulating()[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(self.grad.device))
         else:
             if self._grad_full is None:
                 self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)

@@ -1,6 +1,7 @@
 """Global-norm gradient clipping over gradient shards, computed the way torch.nn.utils.clip_grad_norm_ does.
 
-Per parameter: the norm of its gradient (on several ranks: the square root of the all-reduced sum of
+Per parameter: the norm of its gradient (taken by its gradient shard, whatever its tier: see
+[Note: gradient shard states] in zinf/param/grad_shard.py) (on several ranks: the square root of the all-reduced sum of
 each rank's squared partial norm); total: the norm of those norms. With one rank this reproduces
 torch's result bit for bit, so clipped runs still match plain PyTorch exactly.
 """
@@ -20,18 +21,15 @@ __all__ = ["grad_norm", "clip_grad_norm_"]
 
 
 def grad_norm(params: Sequence[nn.Parameter], comm: Comm) -> torch.Tensor:
-    norms = []
+    norms, by_group = [], {}
     for p in params:
         if not p.requires_grad:  # frozen: no gradient (torch skips grads that are None)
             continue
         g = group_of(p)
         assert g is not None
-        i = g.index_of(p)
-        if g.grad_stashed and not g.grad_scales and g.grad_stats is not None:  # on NVMe: norms taken when stashed
-            norms.append(g.grad_stats[0][i])
-            continue
-        a, b = g.local_range(i)
-        norms.append(torch.linalg.vector_norm(g.grad_shard[a:b]))
+        if id(g) not in by_group:
+            by_group[id(g)] = g.grad.norms()
+        norms.append(by_group[id(g)][g.index_of(p)])
     if not norms:
         return torch.zeros(())
     per_param = torch.stack(norms)
@@ -45,5 +43,6 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], groups: Sequence[FlatParamGr
     total = grad_norm(params, comm)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in groups:
-        g.scale_grad(coef)
+        if g.trainable:
+            g.grad.scale(coef)
     return total

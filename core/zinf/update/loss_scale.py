@@ -19,8 +19,7 @@ def found_nonfinite(groups: Sequence[FlatParamGroup], comm: Comm) -> bool:
     for g in groups:
         if not g.trainable:
             continue
-        finite = g.grad_stats[1] if g.grad_stashed and g.grad_stats is not None else bool(torch.isfinite(g.grad_shard).all())
-        if not finite:
+        if not g.grad.finite():
             bad.fill_(1.0)
             break
     return bool(comm.all_reduce(bad, op="max").item() > 0)

@@ -39,7 +39,7 @@ class GradReducer:
         on (see [Note: rounds] in zinf/schedule/rounds.py)."""
         full = group.take_grad_full(reduce_dtype)
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
-            group.grad_complete()
+            group.grad.complete()
             return
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
@@ -82,5 +82,5 @@ class GradReducer:
         with self.timers.time("reduce_scatter"):
             work.wait()
         for group, part in slices:
-            group.grad_shard.add_(part.to(group.grad_device, torch.float32).div_(self.comm.world))
-            group.grad_complete()
+            group.grad.accumulating().add_(part.to(group.grad.device, torch.float32).div_(self.comm.world))
+            group.grad.complete()

@@ -46,6 +46,7 @@ def _run(numel: int, grad_dtype: torch.dtype, out_dtype: torch.dtype | None, dec
     ref = param.clone().requires_grad_(True)
     opt_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     opt = opt_cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    hyper = native.AdamHyper.from_param_group(opt.param_groups[0], decoupled=decoupled)
     m = torch.zeros(numel)
     v = torch.zeros(numel)
     out = None if out_dtype is None else torch.empty(numel, dtype=out_dtype)
@@ -53,8 +54,7 @@ def _run(numel: int, grad_dtype: torch.dtype, out_dtype: torch.dtype | None, dec
         grad = (torch.randn(numel, generator=gen) * grad_scale).to(grad_dtype)
         ref.grad = grad.to(torch.float32).mul(clip_coef / grad_scale)
         opt.step()
-        native.adam_step(param, grad, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                         weight_decay=wd, decoupled=decoupled, grad_scale=grad_scale, clip_coef=clip_coef,
+        native.adam_step(param, grad, m, v, hyper, step=step, grad_scale=grad_scale, clip_coef=clip_coef,
                          param_out=out)
     state = opt.state[ref]
     torch.testing.assert_close(param, ref.detach(), rtol=1e-6, atol=1e-7)
@@ -100,8 +100,8 @@ def test_low_precision_copy_rounds_like_torch(simd: str, out_dtype: torch.dtype)
     expected = param.to(out_dtype)
     out = torch.empty(n, dtype=out_dtype)
     # lr=0, zero grad, no decay: the fp32 param is unchanged, so only the conversion is tested.
-    native.adam_step(param, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=0.9,
-                     beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, param_out=out)
+    native.adam_step(param, torch.zeros(n), torch.zeros(n), torch.zeros(n), native.AdamHyper(lr=0.0, decoupled=True),
+                     step=1, param_out=out)
     nan = torch.isnan(expected)  # NaN payloads differ between torch's own scalar and vector paths
     assert torch.isnan(out[nan]).all()
     assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
@@ -140,10 +140,10 @@ def test_fallback_matches_native() -> None:
     tensors = [p.clone(), torch.zeros(n), torch.zeros(n)]
     ref = [p.clone(), torch.zeros(n), torch.zeros(n)]
     out, out_ref = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, decoupled=False,
-              grad_scale=2.0, clip_coef=0.7)
-    native.adam_step(tensors[0], g, tensors[1], tensors[2], param_out=out, **kw)  # type: ignore[arg-type]
-    native.adam_step_torch(ref[0], g, ref[1], ref[2], param_out=out_ref, **kw)  # type: ignore[arg-type]
+    hyper = native.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, decoupled=False)
+    native.adam_step(tensors[0], g, tensors[1], tensors[2], hyper, step=1, grad_scale=2.0, clip_coef=0.7, param_out=out)
+    native.adam_step_torch(ref[0], g, ref[1], ref[2], native.PythonAdamHyper(1e-3, 0.9, 0.99, 1e-8, 0.01, False),
+                           step=1, grad_scale=2.0, clip_coef=0.7, param_out=out_ref)
     for a, b in zip(tensors, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert native.grad_norm_sq_torch(g)[0] == pytest.approx(native.grad_norm_sq(g)[0], rel=1e-12)
@@ -151,7 +151,7 @@ def test_fallback_matches_native() -> None:
 
 def test_validation_messages() -> None:
     p = torch.zeros(10)
-    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True)
+    kw = dict(hyper=native.AdamHyper(lr=1e-3, beta2=0.99, decoupled=True), step=1)
     with pytest.raises(ValueError, match=r"exp_avg.*float32.*10 elements.*numel=9"):
         native.adam_step(p, torch.zeros(10), torch.zeros(9), torch.zeros(10), **kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`param`.*dtype=float64"):

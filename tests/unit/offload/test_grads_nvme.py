@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zinf
+from zinf.param.grad_shard import GradState
 
 
 def _run(tmp_path: Path, grads: str, precision: str = "fp32", accumulate: int = 2) -> tuple[list[float], zinf.ZeroInfinityEngine]:
@@ -49,7 +50,7 @@ def test_nvme_gradients_leave_host_memory(tmp_path: Path) -> None:
     engine.synchronize()
     x = torch.randn(8, 64)
     engine.backward(engine(x).square().mean())
-    assert all(g.resident_grad_shard is None and g.grad_stashed for g in engine.groups)
+    assert all(g.grad.resident is None and g.grad.state is GradState.ON_NVME for g in engine.groups)
     assert "grad_shards" not in engine.resident_bytes().get("cpu", {})
     assert engine.resident_bytes()["nvme"]["grad_shards"] == sum(g.shard_numel * 4 for g in engine.groups)
     engine.close()

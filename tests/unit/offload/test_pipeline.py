@@ -70,9 +70,10 @@ def test_pool_pressure_changes_no_number(grads: str, tmp_path: Path) -> None:
 
 def test_updated_shards_are_not_read_back_and_states_are_read_ahead(tmp_path: Path) -> None:
     engine = _engine(tmp_path, 8 << 20)  # room for every shard and the first sub-groups' states
-    params = {rec.record_id for rec in engine.placement.param_store.records.values()}
-    first = engine.optimizer.subgroups[0]
-    first_states = [rec.record_id for name, rec in first.records.items() if name != "grad"]
+    params = {rec.record_id for rec in engine.placement.store.records.values()}
+    states = engine.placement.states
+    first = states.subgroups[0]
+    first_states = [rec.record_id for rec in states.records[id(first)].values()]
     log = _ReadLog(engine)
     g = torch.Generator().manual_seed(1)
     steps = 3
@@ -84,11 +85,11 @@ def test_updated_shards_are_not_read_back_and_states_are_read_ahead(tmp_path: Pa
         engine.backward(loss)
         # the step starts from the first sub-group's master and moments, read once the last step's
         # writes were done (during the backward, or as soon as that step finished)
-        preread = engine.optimizer._preread
+        preread = states._preread
         assert preread and preread[0][0] is first, f"step {step}: the first sub-group's states were not read ahead"
         log.phase = f"step{step}"
         engine.step()
-        engine.optimizer.wait_updates()
+        engine.optimizer.before_backward()
     engine.optimizer.wait()
     # after a step the forward gathers the updated shards from their slots, and the backward the ones
     # the forward kept: no parameter shard is read from the file again
@@ -106,9 +107,10 @@ def test_write_states_drops_what_was_read_ahead(tmp_path: Path) -> None:
     _train(engine, steps=2)
     group = engine.groups[0]
     engine.optimizer.wait()
-    assert engine.optimizer._preread, "the next step's first states were read ahead"
+    states = engine.placement.states
+    assert states._preread, "the next step's first states were read ahead"
     new_master = torch.full((group.shard_numel,), 0.25)
-    engine.optimizer.write_states(group, {"master": new_master})
-    assert not engine.optimizer._preread
-    assert torch.equal(engine.optimizer.read_states(group)["master"], new_master)
+    states.write_states(group, {"master": new_master})
+    assert not states._preread
+    assert torch.equal(states.read_states(group)["master"], new_master)
     engine.close()

@@ -1,4 +1,4 @@
-"""Stubs for zinf._native.aio (a submodule of zinf._native)."""
+"""Stubs for zinf._native.aio (a submodule of zinf._native; wrapped by aio.py beside this file)."""
 
 DIRECT_ALIGN_BYTES: int
 

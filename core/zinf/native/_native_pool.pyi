@@ -1,4 +1,4 @@
-"""Stubs for zinf._native.pool (a submodule of zinf._native)."""
+"""Stubs for zinf._native.pool (a submodule of zinf._native; wrapped by pool.py beside this file)."""
 
 class BufferPool:
     """Supports the buffer protocol: memoryview(pool) is the whole arena (uint8)."""

@@ -1,0 +1,334 @@
+"""Side streams, the events that gate reuse, and the names that profiler traces and debug logs share.
+
+[Note: streams]
+One :class:`Streams` per engine, built from its device, holds four side streams (the layout of
+torch FSDP2's ``FSDPCommContext``). The compute stream is not one of them: it is whatever stream
+torch has current when the engine runs (:meth:`Streams.current`), so a user's own stream context
+is respected.
+
+- ``copy_in``: host -> device copies of offloaded shards (pinned pool buffer -> device shard).
+  High priority, so a copy that compute is about to wait for is not queued behind other work.
+- ``all_gather``: the coalesced all-gather of a module's device shards into its full parameter.
+  High priority; a separate stream lets the next module's gather overlap this module's compute.
+- ``reduce_scatter``: the post-backward reduce-scatter of full gradients into this rank's shard.
+  High priority, so backward's communication is not delayed behind its own compute.
+- ``copy_out``: device -> host copies of gradient shards (to the CPU/NVMe tier). Normal priority:
+  it only feeds the optimizer step, so it must not delay the copy-ins compute is waiting on. It
+  is apart from ``copy_in`` because H2D and D2H use separate copy engines and can run at once.
+
+Every hand-over between two streams, or between a stream and the host, goes through a
+:class:`BufferFence` (one CUDA event):
+
+- a pinned pool buffer read by an H2D copy goes back to the pool only after ``fence.wait()``
+  (the host blocks until the copy has read it; a pool that keeps its buffers allocated is not
+  protected by torch's host allocator, which only guards its own free-and-reallocate);
+- the all-gather waits for the H2D copy: ``h2d_fence.make_wait(streams.all_gather)``;
+- compute waits for the all-gather before reading the gathered parameter:
+  ``gather_fence.make_wait(streams.current())`` (the host does not block). NCCL runs a collective
+  on its own internal stream: with ``async_op=True``, call ``work.wait()`` (a stream wait, the host
+  goes on) inside the same ``use(streams.all_gather)`` block, before ``record``, so the fence covers it;
+- a gradient shard's D2H copy lands in a pinned buffer that the optimizer (host) reads only after
+  ``d2h_fence.wait()``; the reduce-scatter's input gradient is dropped only after compute waited on
+  the reduce-scatter's fence.
+
+Memory of a tensor used on a stream other than the one it was allocated on: we do not call
+``Tensor.record_stream``. record_stream makes the caching allocator record an event on the other
+stream when the tensor is freed and reuse the block only once a later allocation finds that event
+done: the block stays reserved for an unknown time, so peak memory depends on timing and grows when
+the CPU runs ahead (FSDP1 needed a rate limiter for this; FSDP2 removed record_stream). Instead, the
+same two rules as FSDP2:
+
+1. Allocate on the stream that frees. Buffers a side stream writes for compute (device shard,
+   gathered parameter) are allocated on the compute stream before entering the side stream, and
+   the side stream first waits for compute (``side.wait_stream(streams.current())``), since the new
+   block may be memory compute has just freed. Compute reads them only after ``make_wait``, so
+   when compute later drops them, any reuse of the block is ordered after the side stream's work.
+2. Keep alive until waited for. A tensor allocated on compute and read by a side stream (the
+   full gradient read by the reduce-scatter, a device shard read by the all-gather) is passed to
+   :meth:`BufferFence.record` as ``keep``; the fence holds it until ``wait()``, ``release()`` or the
+   fence's own end, which the owner arranges to come after compute's ``make_wait``. Freeing is
+   then deterministic (a Python reference drops) and costs no allocator bookkeeping.
+
+On CPU there is no asynchrony to order: every op has finished when it returns. The streams are
+:class:`NullStream` stand-ins and the events :class:`NullEvent`, whose methods do nothing, so the
+engine's code is the same on both devices with no branch on the device; fences on CPU hold no
+tensors. A fence still checks it was recorded before it is waited for, so CPU tests catch a
+reuse that would race on CUDA.
+
+Names: :func:`label` builds ``zinf::<kind>(<module>)`` (e.g. ``zinf::all_gather(layers.3)``), and
+:func:`region` opens ``torch.profiler.record_function`` with it and logs it at DEBUG, so a trace and
+a debug log name the same work alike. :class:`RankFilter` keeps the ``zinf`` loggers to rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Callable, ContextManager, Iterator, Literal, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "KINDS",
+    "BufferFence",
+    "Kind",
+    "NullEvent",
+    "NullStream",
+    "RankFilter",
+    "Streams",
+    "current_rank",
+    "install_rank_filter",
+    "label",
+    "log_all_ranks",
+    "region",
+]
+
+log = logging.getLogger(__name__)
+
+# FSDP2's choice: high priority (-1) for the copy-in, all-gather and reduce-scatter streams, so their
+# short copies are not delayed behind compute kernels; 0 (the default, lowest) for the rest.
+_HIGH_PRIORITY = -1
+_NORMAL_PRIORITY = 0
+
+
+class NullEvent:
+    """A CPU stand-in for ``torch.cuda.Event``: always complete (see [Note: streams])."""
+
+    __slots__ = ()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_NULL_EVENT = NullEvent()
+
+
+class NullStream:
+    """A CPU stand-in for ``torch.cuda.Stream``: work issued "on" it has finished when issued."""
+
+    __slots__ = ("name",)
+    priority = _NORMAL_PRIORITY
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return _NULL_EVENT if event is None else event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"NullStream({self.name})"
+
+
+Stream = Union[torch.cuda.Stream, NullStream]
+Event = Union[torch.cuda.Event, NullEvent]
+
+
+class BufferFence:
+    """One event that gates a reuse: record it after the last op that reads (or writes) a buffer,
+    then either block the host (:meth:`wait`) or make a stream wait (:meth:`make_wait`) before the
+    buffer is reused or read. See [Note: streams] for which fence gates what.
+
+    ``keep`` tensors given to :meth:`record` stay referenced until :meth:`wait`, :meth:`release` or the
+    fence's end (rule 2 of the note); with a :class:`NullEvent` (CPU) nothing is held.
+    """
+
+    __slots__ = ("_event", "_holds", "_held", "_recorded")
+
+    def __init__(self, event: Event | None = None) -> None:
+        self._event: Event = _NULL_EVENT if event is None else event
+        self._holds = not isinstance(self._event, NullEvent)
+        self._held: list[torch.Tensor] = []
+        self._recorded = False
+
+    def record(self, stream: Stream, *keep: torch.Tensor) -> "BufferFence":
+        """Mark the point reached by the work issued so far on ``stream``; hold ``keep`` until waited for."""
+        self._event.record(stream)
+        if self._holds:
+            self._held.extend(keep)
+        self._recorded = True
+        return self
+
+    def wait(self) -> None:
+        """Block the host until the recorded work has finished (then held tensors are dropped)."""
+        assert self._recorded, "zinf: BufferFence.wait() before record(): its buffer would be reused unguarded"
+        self._event.synchronize()
+        self._held.clear()
+
+    def make_wait(self, stream: Stream) -> None:
+        """Make ``stream`` wait, on the device, for the recorded work; the host goes on at once."""
+        assert self._recorded, "zinf: BufferFence.make_wait() before record(): the stream would read unguarded"
+        stream.wait_event(self._event)
+
+    def query(self) -> bool:
+        """Whether the recorded work has finished (never blocks); always True on CPU."""
+        return self._event.query()
+
+    def release(self) -> None:
+        """Drop the held tensors: call once the allocating stream has waited (``make_wait``) for this fence."""
+        self._held.clear()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+
+class Streams:
+    """The engine's four side streams on ``device``: real CUDA streams, or no-op stand-ins on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        # chosen once: torch's stream context manager, or a no-op
+        self._use: Callable[[Any], ContextManager[Any]] = torch.cuda.stream if self.is_cuda else _null_use
+        self.copy_in: Stream = self._make("copy_in", _HIGH_PRIORITY)
+        self.all_gather: Stream = self._make("all_gather", _HIGH_PRIORITY)
+        self.reduce_scatter: Stream = self._make("reduce_scatter", _HIGH_PRIORITY)
+        self.copy_out: Stream = self._make("copy_out", _NORMAL_PRIORITY)
+        self._cpu_current = NullStream("compute")
+
+    def _make(self, name: str, priority: int) -> Stream:
+        if self.is_cuda:  # pragma: no cover - CUDA path, not run in CI
+            return torch.cuda.Stream(device=self.device, priority=priority)
+        return NullStream(name)
+
+    def current(self) -> Stream:
+        """The compute stream: torch's current stream on this device (a stand-in on CPU)."""
+        if self.is_cuda:  # pragma: no cover - CUDA path
+            return torch.cuda.current_stream(self.device)
+        return self._cpu_current
+
+    def use(self, stream: Stream) -> ContextManager[Any]:
+        """``with streams.use(streams.copy_in):`` issues the block's work on that stream (no-op on CPU)."""
+        return self._use(stream)
+
+    def fence(self) -> BufferFence:
+        """A new, unrecorded fence for this device."""
+        return BufferFence(torch.cuda.Event() if self.is_cuda else None)
+
+    def record(self, stream: Stream, *keep: torch.Tensor) -> BufferFence:
+        """A new fence recorded on ``stream`` now, holding ``keep`` (see :meth:`BufferFence.record`)."""
+        return self.fence().record(stream, *keep)
+
+    def named(self) -> dict[str, Stream]:
+        return {"copy_in": self.copy_in, "all_gather": self.all_gather,
+                "reduce_scatter": self.reduce_scatter, "copy_out": self.copy_out}
+
+    def __repr__(self) -> str:
+        return f"Streams(device={self.device})"
+
+
+def _null_use(stream: Any) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+# ---- names shared by profiler traces and debug logs -------------------------------------------------
+
+Kind = Literal["h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer"]
+KINDS: tuple[str, ...] = ("h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer")
+
+
+def label(kind: Kind, name: str) -> str:
+    """``zinf::<kind>(<name>)``, ``name`` being the module's qualified name, e.g. ``zinf::h2d(layers.3)``."""
+    if kind not in KINDS:
+        raise ValueError(f"zinf: unknown region kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return f"zinf::{kind}({name})"
+
+
+@contextlib.contextmanager
+def region(kind: Kind, name: str) -> Iterator[str]:
+    """A profiler range named :func:`label` ``(kind, name)``; the same label is logged when ``zinf`` is at DEBUG."""
+    text = label(kind, name)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", text)
+    with torch.profiler.record_function(text):
+        yield text
+
+
+# ---- rank-0 logging ----------------------------------------------------------------------------------
+
+_ALL_RANKS_ENV = "ZINF_LOG_ALL_RANKS"
+_all_ranks_override: bool | None = None
+
+
+def log_all_ranks(enabled: bool | None = True) -> None:
+    """Let every rank's ``zinf`` records through (True), rank 0's only (False), or follow the
+    environment variable ``ZINF_LOG_ALL_RANKS=1`` again (None, the default state)."""
+    global _all_ranks_override
+    _all_ranks_override = enabled
+
+
+def _all_ranks() -> bool:
+    if _all_ranks_override is not None:
+        return _all_ranks_override
+    return os.environ.get(_ALL_RANKS_ENV, "") == "1"
+
+
+def current_rank() -> int:
+    """The global rank: torch.distributed's once initialised, else the launcher's ``RANK``, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+class RankFilter(logging.Filter):
+    """Passes records on rank 0 only, unless all ranks log (``all_ranks``, else :func:`log_all_ranks`,
+    else ``ZINF_LOG_ALL_RANKS=1``); then records from other ranks are prefixed ``[rank N]``. The rank
+    is also set on the record as ``zinf_rank`` for formatters."""
+
+    def __init__(self, all_ranks: bool | None = None) -> None:
+        super().__init__()
+        self.all_ranks = all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = current_rank()
+        if rank == 0:
+            record.zinf_rank = 0
+            return True
+        if not (_all_ranks() if self.all_ranks is None else self.all_ranks):
+            return False
+        if getattr(record, "zinf_rank", None) is None:  # prefix once, whatever else filters the record
+            record.msg = f"[rank {rank}] {record.msg}"
+        record.zinf_rank = rank
+        return True
+
+
+def install_rank_filter(logger_name: str = "zinf") -> RankFilter:
+    """Put one :class:`RankFilter` on ``logger_name`` and on every logger below it that exists now.
+
+    A filter on a logger is not consulted for records of its child loggers (``zinf.fetch.gather``),
+    hence the walk over existing descendants; call again after importing more modules. Idempotent:
+    loggers that already carry a RankFilter keep it, and that filter is returned.
+    """
+    root = logging.getLogger(logger_name)
+    found = next((f for f in root.filters if isinstance(f, RankFilter)), None)
+    shared = found or RankFilter()
+    prefix = logger_name + "."
+    loggers = [root] + [lg for name, lg in list(logging.Logger.manager.loggerDict.items())
+                        if name.startswith(prefix) and isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        if not any(isinstance(f, RankFilter) for f in lg.filters):
+            lg.addFilter(shared)
+    return shared

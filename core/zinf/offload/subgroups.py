@@ -1,0 +1,79 @@
+"""How an offloaded optimizer cuts this rank's shards: sub-groups of at most ``offload.sub_group_numel``.
+
+A sub-group is the unit of the offloaded step: its master, moments and (on NVMe) gradient are one record
+each, read, stepped and written together. Its ``segments`` are the ranges some optimizer param group steps
+(one per parameter, with the param group's index), its ``gaps`` the ranges nothing steps (padding, frozen
+parameters, parameters the optimizer does not hold), which keep their values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from zinf.offload.swap import Record, SwapSpace
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "STATES", "ALIGN_NUMEL"]
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
+
+
+@dataclass(eq=False)
+class SubGroup:
+    group: "FlatParamGroup"
+    lo: int
+    hi: int
+    segments: list[tuple[int, int, int, int]]  # (lo, hi, optimizer param group index, slot), group-shard coordinates
+    gaps: list[tuple[int, int]]
+    last_of_group: bool
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def hyper_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Parameter id -> index of the optimizer param group holding it."""
+    index: dict[int, int] = {}
+    for i, pg in enumerate(optimizer.param_groups):
+        for p in pg["params"]:
+            index[id(p)] = i
+    return index
+
+
+def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Optimizer,
+                   sub_group_numel: int) -> list[SubGroup]:
+    hyper = hyper_index(optimizer)
+    # a record's trailer lives inside its span: one block less keeps a power-of-two sub-group's states
+    # (and the pool's buddy blocks that stage them) at the power of two instead of rounding up to twice it
+    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)
+    out: list[SubGroup] = []
+    for g in groups:
+        runs = []
+        for i, p in enumerate(g.params):
+            a, b = g.local_range(i)
+            if b > a and p is not None and p.requires_grad and id(p) in hyper:
+                runs.append((a, b, hyper[id(p)], i))
+        for lo in range(0, g.shard_numel, size):
+            hi = min(g.shard_numel, lo + size)
+            segs = [(max(a, lo), min(b, hi), k, i) for a, b, k, i in runs if a < hi and b > lo]
+            gaps, cursor = [], lo
+            for a, b, _, _ in segs:
+                if a > cursor:
+                    gaps.append((cursor, a))
+                cursor = b
+            if cursor < hi:
+                gaps.append((cursor, hi))
+            out.append(SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
+    return out
+
+
+def allocate_records(swap: "SwapSpace", subgroups: Sequence[SubGroup], grads: bool) -> dict[int, dict[str, "Record"]]:
+    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (and its gradient)."""
+    names = STATES + (("grad",) if grads else ())
+    return {id(sg): {name: swap.allocate(sg.numel * 4) for name in names} for sg in subgroups}

@@ -1,0 +1,243 @@
+"""fp32 master shards and Adam moments off the device, stepped by zinf's C++ CPU-Adam.
+
+The user's torch Adam/AdamW stays the source of hyper-parameters (read from its param groups at
+every step, so LR schedulers keep working); its own param groups are not stepped. As with torch's Adam, a
+parameter is stepped only when it has a gradient: frozen parameters never, and a parameter no rank
+produced a gradient for since the last step not in that step; each parameter keeps its own step count
+for the bias correction (see [Note: stepped parameters] in zinf/param/flat_group.py). The states live in
+a state store (zinf/offload/state_store.py: host memory, or NVMe records stepped as a pipeline), which hands
+the step one sub-group at a time.
+
+[Note: fused step]
+One pass per sub-group: the C++ kernel reads the gradient, master and moments once, applies the gradient's
+pending factors (fp16 unscale, clip coefficient: ``GradShard.take_factor``, one float32 multiply equal to
+applying them one by one), steps Adam/AdamW, and writes the master, the moments and the compute-dtype
+parameter shard straight into the parameter store's write buffer (``param_out``). The norms and finiteness
+that clipping and loss scaling need were taken when each gradient shard was complete (zinf/param/grad_shard.py),
+so the step reads each byte once: 16 bytes per parameter in (gradient, master, two moments) and 12 + 2 out
+(master, moments, bf16 shard), against 54 for torch's unscale, clip_grad_norm_, AdamW and copy.
+
+[Note: background step]
+With ``offload.overlap_optimizer`` the step runs on a background thread (the C++ Adam and the I/O
+waits release the GIL), in group order, which is the order the next forward needs them. The update fence
+(zinf/param/fence.py) holds each group until its new shard is committed and its gradient shard zeroed; its
+next gather (and any NVMe read-ahead of it) waits on that. The next backward waits for every group's
+update (``before_backward``), not for the state writes still trailing on disk; the next step,
+checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
+group raises the error instead of training on a half-updated model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from zinf import native
+from zinf.errors import UnsupportedModelError
+from zinf.offload.grad_stash import NvmeGradStash
+from zinf.offload.subgroups import SubGroup, hyper_index
+from zinf.param.fence import UpdateFence
+from zinf.report import StepTimers
+
+if TYPE_CHECKING:
+    from zinf.offload.state_store import CpuStateStore, NvmeStateStore
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["OffloadedAdam", "check_offloadable"]
+
+log = logging.getLogger(__name__)
+
+
+def check_offloadable(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UnsupportedModelError(
+            f"zinf: offload.optimizer='cpu'/'nvme' steps with zinf's CPU-Adam, so the optimizer must be torch.optim.Adam "
+            f"or AdamW (found {type(optimizer).__name__}). Use one of those, or set offload.optimizer='device'.")
+    for pg in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if pg.get(flag):
+                raise UnsupportedModelError(f"zinf: the offloaded CPU-Adam does not implement {flag}=True; "
+                                            "turn it off or set offload.optimizer='device'.")
+    if any(optimizer.state.values()):
+        raise UnsupportedModelError("zinf: the optimizer has already taken steps; hand it to the engine before the first step.")
+
+
+class OffloadedAdam:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
+                 states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
+                 background: bool = False, timers: StepTimers | None = None) -> None:
+        check_offloadable(optimizer)
+        self.optimizer, self.states, self.fence, self.stash = optimizer, states, fence, stash
+        self.groups = list(groups)
+        self.background = background
+        self.timers = timers or StepTimers()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._hyper: list[_Hyper] = []
+        self._factors: dict[int, float] = {}
+        hyper = hyper_index(optimizer)
+        # per parameter (group, slot): how many steps it took; None where the optimizer does not step it
+        self.steps: dict[int, list[int | None]] = {
+            id(g): [0 if p is not None and p.requires_grad and id(p) in hyper else None for p in g.params] for g in groups}
+        self._stepped: dict[int, list[bool]] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
+        self.wait()
+        self._stepped = {}
+        for g in self.groups:  # what this step updates, taken now: the groups' flags are reset as they finish
+            counts, used = self.steps[id(g)], g.grad_used.tolist()
+            self._stepped[id(g)] = [n is not None and u for n, u in zip(counts, used)]
+            self.steps[id(g)] = [n + 1 if n is not None and u else n for n, u in zip(counts, used)]
+        # hyper-parameters and gradient factors as they are now: an LR scheduler stepped right after engine.step()
+        # returns must not change the learning rate of sub-groups the background step has not reached yet
+        self._hyper = [_Hyper.of(self.optimizer, pg) for pg in self.optimizer.param_groups]
+        self._factors = {id(g): g.grad.take_factor() for g in self.groups}
+        # The user's optimizer "steps" too: its parameters' gradients were all consumed (set to None) by
+        # the engine, so torch skips every one of them; its step hooks run and LR schedulers see the step.
+        assert all(p.grad is None for pg in self.optimizer.param_groups for p in pg["params"])
+        self.optimizer.step()
+        self.states.begin_step()
+        if not self.background:
+            self._run()
+            return
+        self.fence.begin(self.groups)
+        # not a daemon: interpreter exit waits for a running step instead of killing it inside native code
+        self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until a background step has finished; raise its error here (and on every later call:
+        after a failed step the model is half updated and must not be trained on)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            log.error("zinf: the background optimizer step failed; the model is partly updated and will not train "
+                      "further. Restart from the last checkpoint.")
+            raise self._error
+
+    def before_backward(self) -> None:
+        """Block until every group's update of a background step is done (its state writes may still be
+        trailing); raise its error as ``wait`` does."""
+        try:
+            self.fence.wait_all()
+        except BaseException:
+            self.wait()
+            raise
+
+    def after_backward(self) -> None:
+        if self.stash is not None:
+            self.stash.flush()
+
+    def settle(self) -> None:
+        self.wait()
+        self.states.settle()
+
+    def _background(self) -> None:
+        self.states.on_background_thread()
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+            self.fence.fail(exc)
+        finally:
+            for g in self.groups:
+                self.fence.finish(g)
+
+    def _run(self) -> None:
+        for sg, states in self.states.sweep():
+            self._step(sg, states)
+
+    def _finish_group(self, group: "FlatParamGroup") -> None:
+        group.store.commit(group)
+        group.zero_grad()
+        self.fence.finish(group)
+
+    def _step(self, sg: SubGroup, states: dict[str, torch.Tensor]) -> None:
+        """See [Note: fused step]."""
+        g = sg.group
+        out = g.store.writer(g)
+        fp32 = out.dtype == torch.float32
+        master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
+        grad = states.get("grad")  # read from NVMe with the states, else the resident shard (below, only if needed)
+        factor = self._factors[id(g)]
+        stepped, steps = self._stepped[id(g)], self.steps[id(g)]
+        for lo, hi, k, i in sg.segments:
+            h = self._hyper[k]
+            a, b = lo - sg.lo, hi - sg.lo
+            if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
+                out[lo:hi].copy_(master[a:b])
+                continue
+            if grad is None:  # a group nothing steps (all frozen or unused) never allocates a gradient shard
+                grad = g.grad.tensor()[sg.lo : sg.hi]
+            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=steps[i], lr=h.lr,
+                             beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                             decoupled=h.decoupled, clip_coef=factor, param_out=None if fp32 else out[lo:hi])
+            if fp32:
+                out[lo:hi].copy_(master[a:b])
+        for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
+            out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
+        if sg.last_of_group:
+            self._finish_group(g)
+
+    # -- state for checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self.wait()
+        moments = [self.states.read_states(g) for g in self.groups]
+        # the hyper-parameters too, as torch's optimizers do: an LR scheduler restored on its own does not set the
+        # optimizer's current lr, so a resumed run would take its first step with the lr the optimizer was built with
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        return {"param_steps": [list(self.steps[id(g)]) for g in self.groups], "param_groups": hyper,
+                "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.wait()
+        saved = state.get("param_groups")  # absent in checkpoints written before it was saved
+        if saved is not None:
+            if len(saved) != len(self.optimizer.param_groups):
+                raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
+                                 f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
+            for pg, values in zip(self.optimizer.param_groups, saved):
+                pg.update({k: v for k, v in values.items() if k != "params"})
+        if "param_steps" in state:
+            for g, steps in zip(self.groups, state["param_steps"]):
+                self.steps[id(g)] = list(steps)
+        else:  # written before steps were counted per parameter: one count per optimizer param group
+            hyper = hyper_index(self.optimizer)
+            for g in self.groups:
+                self.steps[id(g)] = [None if n is None else int(state["steps"][hyper[id(p)]])
+                                     for n, p in zip(self.steps[id(g)], g.params)]
+        for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
+            self.states.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
+
+    def bytes_by_tier(self) -> dict[str, dict[str, int]]:
+        out = {self.states.tier: {"optimizer_state": self.states.state_bytes()}}
+        if self.stash is not None:
+            stashed = sum(g.grad.nbytes_on_nvme() for g in self.groups)
+            out.setdefault("nvme", {})["grad_shards"] = stashed
+        return out
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    """One param group's hyper-parameters, read once per step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, pg: dict[str, Any]) -> "_Hyper":
+        beta1, beta2 = pg["betas"]
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(pg.get("decoupled_weight_decay", False))
+        return cls(float(pg["lr"]), float(beta1), float(beta2), float(pg["eps"]), float(pg["weight_decay"]), decoupled)
+

@@ -1,0 +1,94 @@
+"""Where a group's compute-dtype parameter shard lives between uses: the store protocol, and the device tier.
+
+One store per engine, chosen once from ``offload.params`` (zinf/offload/placement.py) and built complete
+by its constructor; groups only call ``fetch`` / ``done`` around their all-gather and ``writer`` /
+``commit`` when their shard is rewritten (an optimizer step, an edit). The host and NVMe stores live in
+zinf/offload/param_store.py; the rest of the engine never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["ShardStore", "DeviceShardStore"]
+
+
+class ShardStore(Protocol):
+    tier: str
+
+    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+        """Start bringing ``group``'s shard closer (an NVMe read); False when there is no room for it now."""
+        ...
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        """``group``'s shard on the compute device, the source of its all-gather."""
+        ...
+
+    def done(self, group: "FlatParamGroup") -> None:
+        """The all-gather that read ``fetch``'s tensor has finished."""
+        ...
+
+    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        """A compute-dtype tensor of ``shard_numel`` elements to write ``group``'s new shard into."""
+        ...
+
+    def commit(self, group: "FlatParamGroup") -> None:
+        """The new shard is written; store it."""
+        ...
+
+    def keep_for_backward(self, keep: bool) -> None:
+        """Whether shards gathered from now on are gathered again soon (a training forward's are, by its backward)."""
+        ...
+
+    def flush(self) -> None:
+        """Finish every write in flight; afterwards the store's home alone holds the shards."""
+        ...
+
+    def close(self) -> None: ...
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Bytes of parameter shards this store keeps, per tier."""
+        ...
+
+
+class DeviceShardStore:
+    """The device tier: the shard stays in the group, where compute runs."""
+
+    tier = "device"
+
+    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+        return True
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        assert group.shard is not None
+        return group.shard
+
+    def done(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        assert group.shard is not None
+        return group.shard
+
+    def commit(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def keep_for_backward(self, keep: bool) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {}  # the group's own shard, counted with the group
+
+
+DEVICE_STORE = DeviceShardStore()

@@ -1,0 +1,204 @@
+"""Streams and fences on CPU (no-ops with the same API), region labels in profiler traces and debug logs,
+and the rank-0 log filter. The CUDA behaviour is in tests/gpu/test_cuda_streams.py."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import zinf.fetch.streams as streams_mod
+from zinf.fetch.streams import (KINDS, BufferFence, NullEvent, NullStream, RankFilter, Streams, install_rank_filter,
+                                label, log_all_ranks, region)
+
+
+# ---- streams and fences on CPU -------------------------------------------------------------------------
+
+def test_cpu_streams_are_noop_stand_ins() -> None:
+    s = Streams(torch.device("cpu"))
+    named = s.named()
+    assert list(named) == ["copy_in", "all_gather", "reduce_scatter", "copy_out"]
+    assert all(isinstance(x, NullStream) for x in named.values())
+    assert len({id(x) for x in named.values()}) == 4
+    assert not s.is_cuda and isinstance(s.current(), NullStream)
+    x = torch.arange(4.0)
+    with s.use(s.copy_in):  # no stream switch, work runs as usual
+        y = x * 2
+    assert torch.equal(y, torch.arange(4.0) * 2)
+    for stream in named.values():
+        stream.wait_stream(s.current())
+        event = stream.record_event()
+        assert isinstance(event, NullEvent) and event.query()
+        stream.wait_event(event)
+        event.synchronize()
+        stream.synchronize()
+        assert stream.query()
+
+
+def test_cpu_fence_is_free_and_holds_nothing() -> None:
+    s = Streams(torch.device("cpu"))
+    t = torch.ones(8)
+    ref = weakref.ref(t)
+    fence = s.record(s.copy_in, t)
+    assert fence.num_held == 0 and fence.query()
+    fence.make_wait(s.current())
+    fence.wait()
+    del t
+    gc.collect()
+    assert ref() is None, "a CPU fence must not keep tensors alive"
+
+
+def test_fence_must_be_recorded_before_it_gates_anything() -> None:
+    fence = Streams(torch.device("cpu")).fence()
+    with pytest.raises(AssertionError, match="before record"):
+        fence.wait()
+    with pytest.raises(AssertionError, match="before record"):
+        fence.make_wait(NullStream("compute"))
+
+
+class _FakeEvent:
+    """Stands for torch.cuda.Event, so the real path of BufferFence is checked without a GPU."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def record(self, stream: Any = None) -> None:
+        self.calls.append(("record", stream))
+
+    def synchronize(self) -> None:
+        self.calls.append(("synchronize", None))
+
+    def query(self) -> bool:
+        return False
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
+
+
+def test_fence_with_a_real_event_records_waits_and_keeps_tensors_alive() -> None:
+    event, side, compute = _FakeEvent(), _FakeStream(), _FakeStream()
+    fence = BufferFence(event)  # type: ignore[arg-type]
+    a, b = torch.ones(2), torch.zeros(3)
+    assert fence.record(side, a, b) is fence  # type: ignore[arg-type]
+    assert event.calls == [("record", side)] and fence.num_held == 2 and not fence.query()
+    fence.make_wait(compute)  # type: ignore[arg-type]
+    assert compute.waited == [event] and fence.num_held == 2  # a stream's wait does not free the held tensors
+    fence.release()
+    assert fence.num_held == 0
+    fence.record(side, a)  # type: ignore[arg-type]
+    fence.wait()
+    assert event.calls[-1] == ("synchronize", None) and fence.num_held == 0  # the host waited: nothing in flight
+
+
+# ---- labels and regions --------------------------------------------------------------------------------
+
+def test_labels() -> None:
+    assert label("h2d", "layers.3") == "zinf::h2d(layers.3)"
+    assert label("all_gather", "layers.3") == "zinf::all_gather(layers.3)"
+    assert [label(k, "m") for k in KINDS] == [
+        "zinf::h2d(m)", "zinf::all_gather(m)", "zinf::reduce_scatter(m)", "zinf::d2h(m)",
+        "zinf::nvme_read(m)", "zinf::nvme_write(m)", "zinf::optimizer(m)"]
+    with pytest.raises(ValueError, match="unknown region kind 'allgather'.*all_gather"):
+        label("allgather", "m")  # type: ignore[arg-type]
+
+
+def test_region_logs_at_debug_only(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="zinf")
+    with region("h2d", "layers.3"):
+        pass
+    assert not [r for r in caplog.records if r.name.startswith("zinf")]
+    caplog.set_level(logging.DEBUG, logger="zinf")
+    with region("reduce_scatter", "layers.3.attn") as text:
+        assert text == "zinf::reduce_scatter(layers.3.attn)"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("zinf")] == [text]
+
+
+def test_region_names_the_profiler_event_as_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="zinf")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with region("all_gather", "x"):
+            torch.ones(4).add_(1)
+    names = {e.name for e in prof.events()}
+    assert "zinf::all_gather(x)" in names
+    assert "zinf::all_gather(x)" in [r.getMessage() for r in caplog.records]
+
+
+# ---- rank-0 logging ------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The rank the filter sees, settable by the test (torch.distributed is not initialised here)."""
+    box = [0]
+    monkeypatch.setattr(streams_mod, "current_rank", lambda: box[0])
+    monkeypatch.delenv("ZINF_LOG_ALL_RANKS", raising=False)
+    log_all_ranks(None)
+    yield box
+    log_all_ranks(None)
+
+
+def _record(msg: str = "gathered %d groups", args: tuple = (3,)) -> logging.LogRecord:
+    return logging.LogRecord("zinf.fetch", logging.INFO, __file__, 1, msg, args, None)
+
+
+def test_rank_filter_passes_rank_zero_only(rank: list[int]) -> None:
+    f = RankFilter()
+    rec = _record()
+    assert f.filter(rec) and rec.getMessage() == "gathered 3 groups"
+    rank[0] = 3
+    assert not f.filter(_record())
+
+
+def test_rank_filter_all_ranks_by_env_function_or_argument(rank: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    rank[0] = 2
+    monkeypatch.setenv("ZINF_LOG_ALL_RANKS", "1")
+    rec = _record()
+    assert RankFilter().filter(rec)
+    assert rec.getMessage() == "[rank 2] gathered 3 groups" and rec.zinf_rank == 2
+    assert RankFilter().filter(rec) and rec.getMessage() == "[rank 2] gathered 3 groups"  # prefixed once
+    assert not RankFilter(all_ranks=False).filter(_record())  # an explicit argument wins over the env
+    log_all_ranks(False)  # and the function over the env
+    assert not RankFilter().filter(_record())
+    monkeypatch.delenv("ZINF_LOG_ALL_RANKS")
+    log_all_ranks(True)
+    assert RankFilter().filter(_record())
+    log_all_ranks(None)  # back to the env, which is unset now
+    assert not RankFilter().filter(_record())
+    assert RankFilter(all_ranks=True).filter(_record())
+
+
+def test_current_rank_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert streams_mod.current_rank() == 0
+    monkeypatch.setenv("RANK", "5")  # set by torchrun before the process group exists
+    assert streams_mod.current_rank() == 5
+
+
+def test_install_rank_filter_covers_child_loggers_once(rank: list[int], caplog: pytest.LogCaptureFixture) -> None:
+    name = "zinf_test_streams_logs"
+    parent, child = logging.getLogger(name), logging.getLogger(name + ".fetch.gather")
+    try:
+        first = install_rank_filter(name)
+        assert install_rank_filter(name) is first
+        for lg in (parent, child):
+            assert [f for f in lg.filters if isinstance(f, RankFilter)] == [first]
+        caplog.set_level(logging.INFO, logger=name)
+        child.info("on rank zero")
+        rank[0] = 1
+        child.info("on rank one")
+        log_all_ranks(True)
+        parent.info("everyone")
+        assert [r.getMessage() for r in caplog.records] == ["on rank zero", "[rank 1] everyone"]
+    finally:
+        for lg in (parent, child):
+            for f in [f for f in lg.filters if isinstance(f, RankFilter)]:
+                lg.removeFilter(f)
