@@ -9,7 +9,9 @@ tensors themselves: the first run uses the live tensors (so gradients flow to th
 detached copies with the same ``requires_grad``. With ``offload: true`` the held copy lives in host
 memory (pinned and copied on a side stream with CUDA, waited for by an event before the copy back),
 and the live tensors are dropped once the first run has used them, so the device holds nothing of the
-block between forward and backward.
+block between forward and backward. The device tensors a side-stream copy reads are kept alive by its
+:class:`~zinf.fetch.streams.BufferFence` until compute has waited for the copy, at the end of the first
+run (see [Note: streams] in zinf/fetch/streams.py; no ``record_stream``).
 
 The recomputation does not go through the block's ``__call__``, so the block's own parameters (if it
 holds any directly) are gathered around it by ``ModuleHooks.recompute_scope``; its submodules' hooks
@@ -32,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zinf.config import CheckpointingConfig
 from zinf.errors import UnsupportedModelError
+from zinf.fetch.streams import BufferFence
 
 if TYPE_CHECKING:
     from zinf.schedule.hooks import ModuleHooks
@@ -62,11 +65,16 @@ class HeldInputs:
         self.live: list[Any] | None = list(self.leaves)
         self.requires_grad = {i: self.leaves[i].requires_grad for i in self.tensor_at}
         self.devices = {i: self.leaves[i].device for i in self.tensor_at}
-        self.event: Any = None
+        self.fence: BufferFence | None = None  # the copies to host memory, with CUDA
         if offload:
             self.held = list(self.leaves)
             for i in self.tensor_at:
                 self.held[i] = self._to_host(self.leaves[i], side_stream)
+            on_device = [self.leaves[i].detach() for i in self.tensor_at if self.leaves[i].is_cuda]
+            if on_device:  # pragma: no cover - CUDA only
+                # one event after every copy (they run in order on the side stream); the device tensors they
+                # read stay referenced until compute has waited for it (``copied``)
+                self.fence = BufferFence(torch.cuda.Event()).record(side_stream, *on_device)
             self.tier = "cpu"
         else:
             self.held = [v.detach() if isinstance(v, torch.Tensor) else v for v in self.leaves]
@@ -82,18 +90,23 @@ class HeldInputs:
         side_stream.wait_stream(torch.cuda.current_stream(t.device))  # pragma: no cover
         with torch.cuda.stream(side_stream):  # pragma: no cover
             host.copy_(t.detach(), non_blocking=True)
-            t.record_stream(side_stream)
-        self.event = torch.cuda.Event()  # pragma: no cover
-        self.event.record(side_stream)  # pragma: no cover
         return host  # pragma: no cover
+
+    def copied(self) -> None:
+        """The first run is over: compute waits (on the device) for the copies to host memory, then the device
+        tensors they read are no longer held here, so their memory is reused only after the copies."""
+        if self.fence is not None:  # pragma: no cover - CUDA only
+            self.fence.make_wait(torch.cuda.current_stream())
+            self.fence.release()
 
     def take(self) -> tuple[tuple, dict]:
         """The inputs for this run of the block: the live ones the first time, restored copies after."""
         if self.live is not None:
             leaves, self.live = self.live, None
             return tree_unflatten(leaves, self.spec)
-        if self.event is not None:  # pragma: no cover - CUDA only
-            torch.cuda.current_stream().wait_event(self.event)
+        if self.fence is not None:  # pragma: no cover - CUDA only: the copy back reads the host copy once written
+            self.fence.make_wait(torch.cuda.current_stream())
+            self.fence.release()
         leaves = list(self.held)
         for i in self.tensor_at:
             t = self.held[i].to(self.devices[i], non_blocking=True).detach()
@@ -149,7 +162,9 @@ class ActivationCheckpointing:
             if _in_backward():  # the recomputation skips the block's own __call__ and its hooks
                 with hooks.recompute_scope(module):
                     return forward(*args, **kwargs)
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            held.copied()  # the copies to host memory ran beside the block's forward
+            return out
 
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled() or _in_backward():  # evaluation, or inside an enclosing recomputation

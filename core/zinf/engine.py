@@ -20,9 +20,11 @@ from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
+from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.checkpointing import ActivationCheckpointing
 from zinf.fetch.comm import Comm, default_device
 from zinf.fetch.gather import ParamFetcher
+from zinf.fetch.streams import install_rank_filter
 from zinf.fetch.watchdog import CollectiveWatchdog
 from zinf.offload.placement import Placement
 from zinf.optim.protocol import ShardOptimizer
@@ -48,6 +50,7 @@ class ZeroInfinityEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: ZeroConfig | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None) -> None:
+        install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
         self.config = config or ZeroConfig()
         self.device = torch.device(device) if device is not None else default_device()
         self.comm = comm or Comm.current(device=self.device)
@@ -139,14 +142,13 @@ class ZeroInfinityEngine:
         if self.optimizer is None:
             raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
         start = time.perf_counter()
-        report = StepReport(step=self.global_step)
-        skipped = False
+        step, skipped, grad_norm = self.global_step, False, None
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
-            report.loss_scale = self.loss_scaler.scale
             skipped = found_nonfinite(self.groups, self.comm)
         if not skipped:
             if self.config.gradient_clipping > 0 and not self._clipped:
-                report.grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
+                grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
             self._unscale()  # with the scale the gradients were made with: the scaler adapts only after
         if self.loss_scaler is not None:
             self.loss_scaler.update(skipped)
@@ -161,7 +163,7 @@ class ZeroInfinityEngine:
         self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
-        self._finish_report(report, skipped)
+        self._finish_report(step, skipped, grad_norm, loss_scale)
         return not skipped
 
     def synchronize(self) -> None:
@@ -206,9 +208,7 @@ class ZeroInfinityEngine:
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """An ordinary (unsharded, fp32) state dict of the model, built one group at a time."""
-        names: dict[int, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
+        names = self._param_names()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
             full = g.gather_master_full(g.read_master())
@@ -232,9 +232,7 @@ class ZeroInfinityEngine:
         the same values. With ``strict`` a missing or unexpected key is an error before anything changes."""
         state = dict(state)
         errors = split_tiles(state, tile_spec(self.module))
-        names: dict[int, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)
+        names = self._param_names()
         buffers = dict(self.module.named_buffers())
         found: dict[int, str] = {}
         missing = []
@@ -275,15 +273,53 @@ class ZeroInfinityEngine:
         """Every rank writes its shard of weights and optimizer state under ``path`` (a directory); once every
         rank's file is on disk, ``path/commit.json`` makes this save the current one (see
         zinf/checkpoint/commit.py). Collective."""
-        from zinf.checkpoint import save_sharded
-
-        save_sharded(self, path, client_state)
+        save_sharded(self.comm, path, self.global_step, self.shard_state, client_state)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what ``save_checkpoint`` wrote (same model, same world size); returns the client state."""
-        from zinf.checkpoint import load_sharded
+        payload = load_sharded(self.comm, path, self.shard_layout())
+        self.load_shard_state(payload)
+        return payload["client_state"]
 
-        return load_sharded(self, path)
+    def shard_layout(self) -> list[dict[str, Any]]:
+        """The groups' layout as a checkpoint records it: sizes, parameter names, shapes and offsets."""
+        names = self._param_names()
+        return [{"numel": g.numel, "shard_numel": g.shard_numel,
+                 "params": [{"names": names.get(id(p), []), "shape": list(s.shape), "offset": s.offset}
+                            for p, s in zip(g.params, g.slots)]}
+                for g in self.groups]
+
+    def shard_state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: layout, fp32 masters, optimizer and loss-scaler state, step, buffers."""
+        return {
+            "layout": self.shard_layout(), "precision": self.config.precision,
+            "master": [g.read_master().detach().cpu() for g in self.groups],
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "global_step": self.global_step,
+            "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()},
+            "tiling": tile_spec(self.module),  # so consolidate can give tiled layers their nn.Linear names
+        }
+
+    def load_shard_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``shard_state`` returned (checked against this engine's layout by the caller)."""
+        with torch.no_grad():
+            for g, master in zip(self.groups, state["master"]):
+                g.write_master(master.to(self.device))
+            buffers = dict(self.module.named_buffers())
+            for n, b in state["buffers"].items():
+                buffers[n].copy_(b)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.global_step = state["global_step"]
+
+    def _param_names(self) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
+        return names
 
     def master_of(self, group: FlatParamGroup) -> torch.Tensor:
         """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""
@@ -309,19 +345,18 @@ class ZeroInfinityEngine:
         self.placement.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _finish_report(self, report: StepReport, skipped: bool) -> None:
+    def _finish_report(self, step: int, skipped: bool, grad_norm: float | None, loss_scale: float | None) -> None:
         seconds, counts = self.timers.take()
         # NVMe read waits of parameter shards and waits for a group's background update happen inside the
         # all-gather time (the gather needs the shard)
         waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0) + seconds.get("rounds", 0.0)
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
-        counts["prefetched_gathers"], counts["demand_gathers"] = self.fetcher.num_prefetched, self.fetcher.num_demand
+        fetched = self.fetcher.take_counts()
+        counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
-        self.fetcher.num_prefetched = self.fetcher.num_demand = 0
-        report.seconds, report.counts, report.skipped = seconds, counts, skipped
-        report.bytes = self.resident_bytes()
-        report.peak_gathered_bytes = self.fetcher.peak_gathered_bytes
-        self.fetcher.peak_gathered_bytes = self.fetcher.gathered_bytes
+        report = StepReport(step=step, seconds=seconds, counts=counts, bytes=self.resident_bytes(),
+                            peak_gathered_bytes=fetched.peak_gathered_bytes, skipped=skipped, grad_norm=grad_norm,
+                            loss_scale=loss_scale)
         self.last_report = report
         every = self.config.log_every_n_steps
         if every and self.comm.rank == 0 and report.step % every == 0:

@@ -12,11 +12,14 @@ Skipped without a GPU. Not yet run on a GPU: no GPU was lent to the session that
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from zinf.fetch.comm import Comm
-from zinf.fetch.streams import Streams
+from zinf.fetch.streams import Streams, streams_for
+from zinf.offload.swap import Record
 
 pytestmark = pytest.mark.gpu
 
@@ -91,3 +94,73 @@ def test_compute_waits_for_the_all_gather_by_event(streams: Streams, fenced: boo
         assert threes < _NUMEL, ("without the event compute was expected to read the zeros (the control that "
                                       "shows this test can see the race); the sleep may be too short on this GPU")
     assert torch.equal(full, torch.full_like(full, 3.0))
+
+
+# ---- the NVMe parameter store: a pool buffer goes back only after its copy to the device ---------------
+
+class _PinnedPool:
+    """Pinned buffers; the next NVMe read fills a released buffer at once (2.0), as the real pool's next user may."""
+
+    def __init__(self) -> None:
+        self.capacity_bytes, self.bytes_in_use = 1 << 30, 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        self.bytes_in_use += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.bytes_in_use -= buf.numel()
+        buf.view(torch.float32)[:_NUMEL].fill_(2.0)  # the buffer's next use, by the host
+
+
+class _InstantSwap:
+    """A "read" that has filled the buffer (with 1.0) by the time it is submitted."""
+
+    def allocate(self, nbytes: int) -> Record:
+        return Record(record_id=1, path="swap", offset=0, nbytes=nbytes)
+
+    def submit_read(self, rec: Record, buf: torch.Tensor) -> int:
+        buf[: rec.nbytes].view(torch.float32).fill_(1.0)
+        return 1
+
+    def wait(self, handle: int, rec: Record) -> None:
+        pass
+
+    def verify(self, rec: Record, buf: torch.Tensor) -> None:
+        pass
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.name, self.shard_numel, self.compute_dtype = "layers.0", _NUMEL, torch.float32
+        self.device, self.update_pending = torch.device("cuda", torch.cuda.current_device()), False
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["with_fence", "without_fence_race_is_seen"])
+def test_nvme_store_waits_for_the_copy_before_the_pool_takes_the_buffer(
+        streams: Streams, fenced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NvmeShardStore.fetch copies the pool buffer to the device on copy_in; done() gives the buffer back to the
+    pool only after that copy's fence. The copy is held back behind a sleep on compute (copy_in waits for it)."""
+    from zinf.offload import param_store
+    from zinf.offload.pool_room import PoolRoom
+
+    if not fenced:  # the control: the buffer is released without waiting for the copy
+        monkeypatch.setattr(param_store._Slot, "_wait_copied", lambda self: None)
+    group: Any = _Group()
+    swap: Any = _InstantSwap()
+    room: Any = PoolRoom(_PinnedPool())  # type: ignore[arg-type]
+    store = param_store.NvmeShardStore([group], swap, room, reserve_bytes=0)
+    assert store.prefetch(group)
+    torch.cuda._sleep(_SLEEP_CYCLES)  # on compute: the copy-in waits for it, so it has not started when done() runs
+    shard = store.fetch(group)
+    copy_in = streams_for(group.device).copy_in  # the store's streams (shared per device), not the fixture's
+    assert shard.is_cuda and not copy_in.query(), "the copy should still be queued behind the sleep"
+    store.done(group)  # not kept: the buffer goes back to the pool (which overwrites it)
+    torch.cuda.synchronize()
+    ones = int((shard == 1.0).sum().item())
+    if fenced:
+        assert ones == _NUMEL, f"the pool took the buffer back before the copy read it; {_NUMEL - ones} values differ"
+    else:
+        assert ones < _NUMEL, ("without the fence the pool's overwrite was expected to reach the copy (the control "
+                               "that shows this test can see the race); the sleep may be too short on this GPU")
+    assert store.pool.bytes_in_use == 0

@@ -158,6 +158,12 @@ def test_rank_filter_passes_rank_zero_only(rank: list[int]) -> None:
     assert not f.filter(_record())
 
 
+def test_rank_filter_passes_warnings_and_errors_on_every_rank(rank: list[int]) -> None:
+    rank[0] = 1
+    rec = logging.LogRecord("zinf.fetch", logging.ERROR, __file__, 1, "the background step failed", (), None)
+    assert RankFilter().filter(rec) and rec.getMessage() == "[rank 1] the background step failed"
+
+
 def test_rank_filter_all_ranks_by_env_function_or_argument(rank: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     rank[0] = 2
     monkeypatch.setenv("ZINF_LOG_ALL_RANKS", "1")

@@ -18,51 +18,43 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zinf import native
 from zinf.checkpoint.commit import Commit, Save, agreed_commit, check_part, raise_if_any, require_commit, tidy
 from zinf.errors import CheckpointError
-from zinf.tiling import merge_tiles, tile_spec
-
-if TYPE_CHECKING:
-    from zinf.engine import ZeroInfinityEngine
+from zinf.fetch.comm import Comm
+from zinf.tiling import merge_tiles
 
 __all__ = ["save_sharded", "load_sharded", "consolidate", "read_client_state", "CheckpointError"]
 
 FORMAT = "zinf-sharded-v1"
 
 
-def _layout(engine: "ZeroInfinityEngine") -> list[dict[str, Any]]:
-    names: dict[int, list[str]] = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    return [
-        {"numel": g.numel, "shard_numel": g.shard_numel,
-         "params": [{"names": names.get(id(p), []), "shape": list(s.shape), "offset": s.offset}
-                    for p, s in zip(g.params, g.slots)]}
-        for g in engine.groups
-    ]
+# what an engine hands over (``ZeroInfinityEngine.shard_state``): this rank's part, without format fields
+STATE_KEYS = ("layout", "precision", "master", "optimizer", "loss_scaler", "global_step", "buffers", "tiling")
 
 
-def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_state: dict | None = None) -> Path:
-    """Every rank writes its part of a new checkpoint under ``path`` (a directory); once all parts are on
-    disk, rank 0 commits it and the previous checkpoint's files are removed. Collective; returns this rank's
-    file. When any rank fails (a full disk, say), every rank raises CheckpointError, nothing of the save is
-    kept, and the previous checkpoint stays current."""
-    comm = engine.comm
-    save = Save(Path(path), comm, engine.global_step)
-    save.write(lambda: _with_checksums({
-        "format": FORMAT, "world": comm.world, "rank": comm.rank, "layout": _layout(engine),
-        "precision": engine.config.precision, "master": [engine.master_of(g).detach().cpu() for g in engine.groups],
-        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "global_step": engine.global_step, "client_state": client_state or {},
-        "buffers": {n: b.detach().cpu() for n, b in engine.module.named_buffers()},
-        "tiling": tile_spec(engine.module),  # so consolidate can give tiled layers their nn.Linear names
-    }))
+def save_sharded(comm: Comm, path: str | os.PathLike, step: int, shard_state: Callable[[], dict[str, Any]],
+                 client_state: dict | None = None) -> Path:
+    """Every rank writes its part of a new checkpoint of ``step`` under ``path`` (a directory): ``shard_state()``
+    (``ZeroInfinityEngine.shard_state``) is called as the part is written, so an error reading the state (a failed
+    background step, a bad offload record) fails the save like any other; once all parts are on disk, rank 0
+    commits it and the previous checkpoint's files are removed. Collective; returns this rank's file. When any rank
+    fails (a full disk, say), every rank raises CheckpointError, nothing of the save is kept, and the previous
+    checkpoint stays current."""
+
+    def part() -> dict[str, Any]:
+        state = shard_state()
+        missing = [k for k in STATE_KEYS if k not in state]
+        assert not missing, f"shard state lacks {missing}"
+        return _with_checksums({"format": FORMAT, "world": comm.world, "rank": comm.rank, **state,
+                                "client_state": client_state or {}})
+
+    save = Save(Path(path), comm, step)
+    save.write(part)
     save.agree()
     save.commit()
     return save.part
@@ -159,11 +151,12 @@ def _read_part(path: Path, commit: Commit, rank: int) -> dict[str, Any]:
     return payload
 
 
-def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
-    """Restore weights, optimizer state, loss scale and step into ``engine`` from the checkpoint that
-    ``path/commit.json`` names; returns the client state. Collective: when any rank's file is missing, from
-    another save or does not fit, every rank raises CheckpointError and nothing is changed."""
-    path, comm = Path(path), engine.comm
+def load_sharded(comm: Comm, path: str | os.PathLike, layout: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's part of the checkpoint that ``path/commit.json`` names, checked against ``layout`` (the
+    engine's ``shard_layout()``): the caller restores it (``ZeroInfinityEngine.load_shard_state``). Collective:
+    when any rank's file is missing, from another save or does not fit, every rank raises CheckpointError and
+    nothing is returned to change anything with."""
+    path = Path(path)
     commit = agreed_commit(path, comm)
     tidy(path, commit, comm.rank, comm.world, loading=True)  # files of a killed or failed save
     payload, problem, error = None, None, None
@@ -174,7 +167,7 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
                 f"{comm.rank} of {comm.world} does not exist. Load on the same world size, or consolidate it "
                 "(zinf consolidate) and load the full state dict.")
         payload = _read_part(path, commit, comm.rank)
-        mine = _layout(engine)
+        mine = layout
         if payload["layout"] != mine:
             first = next(i for i, (a, b) in enumerate(zip(payload["layout"] + [None], mine + [None])) if a != b)
             raise CheckpointError(f"zinf checkpoint: {path} was written for a different model (group {first} differs: "
@@ -183,18 +176,7 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> dict:
         error, problem = exc, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     raise_if_any(comm, problem, error)
     assert payload is not None
-    with torch.no_grad():
-        for g, master in zip(engine.groups, payload["master"]):
-            engine.set_master(g, master.to(engine.device))
-        buffers = dict(engine.module.named_buffers())
-        for n, b in payload["buffers"].items():
-            buffers[n].copy_(b)
-    if engine.optimizer is not None and payload["optimizer"] is not None:
-        engine.optimizer.load_state_dict(payload["optimizer"])
-    if engine.loss_scaler is not None and payload["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(payload["loss_scaler"])
-    engine.global_step = payload["global_step"]
-    return payload["client_state"]
+    return payload
 
 
 def read_client_state(path: str | os.PathLike) -> dict:

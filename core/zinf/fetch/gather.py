@@ -6,11 +6,10 @@ round and every rank starts what any rank asked for (see [Note: rounds] in zinf/
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from zinf.config import OverlapConfig
+from zinf.fetch.streams import region
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.report import StepTimers
 from zinf.units import format_bytes
@@ -18,7 +17,13 @@ from zinf.units import format_bytes
 if TYPE_CHECKING:
     from zinf.schedule.rounds import Rounds
 
-__all__ = ["ParamFetcher"]
+__all__ = ["ParamFetcher", "FetchCounts"]
+
+
+class FetchCounts(NamedTuple):
+    prefetched: int  # gathers started ahead of use
+    demand: int  # gathers a module had to start itself
+    peak_gathered_bytes: int
 
 
 class ParamFetcher:
@@ -45,7 +50,7 @@ class ParamFetcher:
             self.start(todo, label, ahead=False)
         waiting = [g for g in groups if g.state is GroupState.GATHERING]
         if waiting:
-            with self.timers.time("all_gather"), torch.profiler.record_function(f"zinf::all_gather({label})"):
+            with self.timers.time("all_gather"), region("all_gather", label):
                 for g in waiting:
                     g.finish_gather()
         for g in groups:
@@ -167,3 +172,10 @@ class ParamFetcher:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def take_counts(self) -> FetchCounts:
+        """The gathers and the gathered peak since the last call (the peak starts again from what is held now)."""
+        counts = FetchCounts(self.num_prefetched, self.num_demand, self.peak_gathered_bytes)
+        self.num_prefetched = self.num_demand = 0
+        self.peak_gathered_bytes = self.gathered_bytes
+        return counts

@@ -1,10 +1,10 @@
 """Side streams, the events that gate reuse, and the names that profiler traces and debug logs share.
 
 [Note: streams]
-One :class:`Streams` per engine, built from its device, holds four side streams (the layout of
-torch FSDP2's ``FSDPCommContext``). The compute stream is not one of them: it is whatever stream
-torch has current when the engine runs (:meth:`Streams.current`), so a user's own stream context
-is respected.
+One :class:`Streams` per device (:func:`streams_for`, made on first use and shared by the groups,
+the stores and the reducer) holds four side streams (the layout of torch FSDP2's
+``FSDPCommContext``). The compute stream is not one of them: it is whatever stream torch has
+current when the engine runs (:meth:`Streams.current`), so a user's own stream context is respected.
 
 - ``copy_in``: host -> device copies of offloaded shards (pinned pool buffer -> device shard).
   High priority, so a copy that compute is about to wait for is not queued behind other work.
@@ -26,7 +26,9 @@ Every hand-over between two streams, or between a stream and the host, goes thro
 - compute waits for the all-gather before reading the gathered parameter:
   ``gather_fence.make_wait(streams.current())`` (the host does not block). NCCL runs a collective
   on its own internal stream: with ``async_op=True``, call ``work.wait()`` (a stream wait, the host
-  goes on) inside the same ``use(streams.all_gather)`` block, before ``record``, so the fence covers it;
+  goes on) inside a ``use(streams.all_gather)`` block, before ``record``, so the fence covers it.
+  :class:`InFlight` does that when the result is needed, not when the collective is issued: with
+  gloo ``work.wait()`` blocks the host, and the CPU path must go on while the gather runs;
 - a gradient shard's D2H copy lands in a pinned buffer that the optimizer (host) reads only after
   ``d2h_fence.wait()``; the reduce-scatter's input gradient is dropped only after compute waited on
   the reduce-scatter's fence.
@@ -65,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Any, Callable, ContextManager, Iterator, Literal, Union
 
 import torch
@@ -73,6 +76,7 @@ import torch.distributed as dist
 __all__ = [
     "KINDS",
     "BufferFence",
+    "InFlight",
     "Kind",
     "NullEvent",
     "NullStream",
@@ -83,6 +87,7 @@ __all__ = [
     "label",
     "log_all_ranks",
     "region",
+    "streams_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -244,6 +249,60 @@ def _null_use(stream: Any) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
+_by_device: dict[torch.device, Streams] = {}
+_by_device_lock = threading.Lock()
+
+
+def streams_for(device: torch.device | str) -> Streams:
+    """The :class:`Streams` of ``device``: made on first use and shared by everything that runs there (groups,
+    stores, the reducer), so a copy-in, the all-gather that waits for it and the compute that waits for
+    that are on the same four streams without passing them around. ``cuda`` means the current device; every
+    CPU device shares one set of no-op stand-ins."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # pragma: no cover - CUDA path
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cuda":
+        device = torch.device(device.type)
+    found = _by_device.get(device)
+    if found is None:
+        with _by_device_lock:  # the background optimizer thread asks too
+            found = _by_device.get(device)
+            if found is None:
+                found = _by_device[device] = Streams(device)
+    return found
+
+
+class InFlight:
+    """Work issued on a side stream (a collective, or a copy) until the compute stream has waited for it.
+
+    ``work`` is the collective's handle, or None when nothing is left to wait for on the host's side (one
+    rank, a synchronous call). ``keep`` are the tensors the side stream reads or writes that compute
+    allocated (the source shard, the output buffer): held until :meth:`join` (rule 2 of [Note: streams]).
+    :meth:`join` calls ``work.wait()`` on the side stream (with NCCL a stream wait; with gloo the host waits,
+    as it always did on CPU), records a fence there, makes compute wait for it and then drops ``keep``.
+    """
+
+    __slots__ = ("streams", "stream", "_work", "_keep")
+
+    def __init__(self, streams: Streams, stream: Stream, work: Any, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.streams = streams
+        self.stream = stream
+        self._work = work
+        self._keep = keep
+
+    def join(self) -> BufferFence:
+        """Compute waits for the work (the host only where the backend blocks); returns the recorded fence,
+        which other streams may still wait for (``make_wait``)."""
+        with self.streams.use(self.stream):
+            if self._work is not None:
+                self._work.wait()
+            fence = self.streams.record(self.stream, *self._keep)
+        self._work, self._keep = None, ()
+        fence.make_wait(self.streams.current())
+        fence.release()  # compute now comes after the side stream's work: its blocks may be reused
+        return fence
+
+
 # ---- names shared by profiler traces and debug logs -------------------------------------------------
 
 Kind = Literal["h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer"]
@@ -294,8 +353,9 @@ def current_rank() -> int:
 
 
 class RankFilter(logging.Filter):
-    """Passes records on rank 0 only, unless all ranks log (``all_ranks``, else :func:`log_all_ranks`,
-    else ``ZINF_LOG_ALL_RANKS=1``); then records from other ranks are prefixed ``[rank N]``. The rank
+    """Passes info and debug records on rank 0 only, unless all ranks log (``all_ranks``, else
+    :func:`log_all_ranks`, else ``ZINF_LOG_ALL_RANKS=1``); warnings and errors pass on every rank. Records from
+    other ranks are prefixed ``[rank N]``. The rank
     is also set on the record as ``zinf_rank`` for formatters."""
 
     def __init__(self, all_ranks: bool | None = None) -> None:
@@ -307,8 +367,8 @@ class RankFilter(logging.Filter):
         if rank == 0:
             record.zinf_rank = 0
             return True
-        if not (_all_ranks() if self.all_ranks is None else self.all_ranks):
-            return False
+        if record.levelno < logging.WARNING and not (_all_ranks() if self.all_ranks is None else self.all_ranks):
+            return False  # warnings and errors pass on every rank: a timeout or a failed step is rank-specific
         if getattr(record, "zinf_rank", None) is None:  # prefix once, whatever else filters the record
             record.msg = f"[rank {rank}] {record.msg}"
         record.zinf_rank = rank

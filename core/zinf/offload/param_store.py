@@ -7,13 +7,14 @@ pinned pool, ahead of use when the trace asks for it (``prefetch``).
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zinf.fetch.streams import BufferFence, region, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.swap import Record, SwapSpace
@@ -21,16 +22,36 @@ from zinf.offload.swap import Record, SwapSpace
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["CpuShardStore", "NvmeShardStore"]
+__all__ = ["CpuShardStore", "NvmeShardStore", "SlotState"]
+
+
+def _copy_in(group: "FlatParamGroup", host: torch.Tensor) -> tuple[torch.Tensor, BufferFence]:
+    """``host`` (a pinned shard) on ``group``'s device, copied on the copy_in stream, and the fence that gates
+    the reuse of ``host``; the all_gather stream is made to wait for the copy. See [Note: streams] in
+    zinf/fetch/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op."""
+    streams = streams_for(group.device)
+    if host.device == group.device:
+        shard = host
+    else:  # pragma: no cover - CUDA path
+        shard = torch.empty(host.shape, dtype=host.dtype, device=group.device)  # on compute: the stream that frees it
+        with region("h2d", group.name):
+            streams.copy_in.wait_stream(streams.current())  # its block may be memory compute has just freed
+            with streams.use(streams.copy_in):
+                shard.copy_(host, non_blocking=True)
+    fence = streams.record(streams.copy_in)
+    fence.make_wait(streams.all_gather)
+    return shard, fence
 
 
 class CpuShardStore:
-    """Shards in (pinned, with CUDA) host memory, copied to the device for each gather."""
+    """Shards in (pinned, with CUDA) host memory, copied to the device for each gather (on the copy_in
+    stream; a shard is rewritten by the optimizer only once its last copy has read it)."""
 
     tier = "cpu"
 
     def __init__(self, groups: Sequence["FlatParamGroup"]) -> None:
         self._shards: dict[int, torch.Tensor] = {}
+        self._fences: dict[int, BufferFence] = {}  # the last copy-in of each shard
         for g in groups:
             shard = g.hand_over_shard()
             if shard.device.type != "cpu":  # pragma: no cover - CUDA only
@@ -43,12 +64,16 @@ class CpuShardStore:
         return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        return self._shards[id(group)].to(group.device, non_blocking=True)
+        shard, self._fences[id(group)] = _copy_in(group, self._shards[id(group)])
+        return shard
 
     def done(self, group: "FlatParamGroup") -> None:
         return None
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        fence = self._fences.pop(id(group), None)
+        if fence is not None:
+            fence.wait()  # the host overwrites the shard: its copy to the device must have read it
         return self._shards[id(group)]
 
     def commit(self, group: "FlatParamGroup") -> None:
@@ -67,21 +92,111 @@ class CpuShardStore:
         return {"cpu": sum(t.untyped_storage().nbytes() for t in self._shards.values())}
 
 
-@dataclass(eq=False)
-class _Slot:
-    """One group's shard in a pool buffer of the NVMe store. See [Note: NVMe parameter slots]."""
+class SlotState(enum.Enum):
+    """Who uses an NVMe slot's buffer and what it holds; see [Note: NVMe parameter slots]. Apart from the
+    state, a write of the buffer to its file (``_Slot.write``) may be in flight in FILLED, IN_USE, KEPT and
+    CONSUMED (it only reads the buffer, as a gather's copy does)."""
 
-    buf: torch.Tensor
-    read: int | None = None  # a read of the file into ``buf`` is in flight
-    write: int | None = None  # a write of ``buf`` to the file is in flight
-    in_use: bool = False  # handed to a gather: fetch() .. done()
-    staged: bool = False  # the optimizer is writing the updated shard into it: writer() .. commit()
-    consumed: bool = False  # gathered and not kept: release it once its write has finished
-    used: int = 0  # when its last gather finished (the store's counter); 0: not gathered since it was filled
+    READING = "reading"  # the file is being read into it (read-ahead, or a demand read); not gathered yet
+    FILLED = "filled"  # holds the shard, not gathered since it was filled (read, or staged and committed)
+    IN_USE = "in_use"  # handed to a gather: fetch() .. done()
+    KEPT = "kept"  # gathered, and kept for the next gather (the backward's)
+    CONSUMED = "consumed"  # gathered and not kept: released once its write (if any) has finished
+    STAGED = "staged"  # the optimizer is writing the updated shard into it: writer() .. commit()
+
+
+_HANDED = (SlotState.FILLED, SlotState.KEPT, SlotState.CONSUMED, SlotState.IN_USE)
+
+
+class _Slot:
+    """One group's shard in a pool buffer of the NVMe store: its state, the I/O in flight on the buffer and
+    the fence of the buffer's last copy to the device. The store does the I/O and the pool; every change of
+    a slot is one of the verbs below. See [Note: NVMe parameter slots]."""
+
+    __slots__ = ("buf", "state", "read", "write", "used", "_copied")
+
+    def __init__(self, buf: torch.Tensor, state: SlotState, read: int | None = None) -> None:
+        assert (state is SlotState.READING) == (read is not None)
+        self.buf = buf
+        self.state = state
+        self.read = read  # the read of the file into ``buf`` in flight (READING)
+        self.write: int | None = None  # a write of ``buf`` to the file is in flight
+        self.used = 0  # when its last gather finished (the store's counter); 0: not gathered since it was filled
+        self._copied: BufferFence | None = None  # the last copy of ``buf`` to the device (a gather's source)
+
+    @classmethod
+    def reading(cls, buf: torch.Tensor, handle: int) -> "_Slot":
+        """A buffer the file is being read into (``handle``)."""
+        return cls(buf, SlotState.READING, handle)
+
+    @classmethod
+    def staging(cls, buf: torch.Tensor) -> "_Slot":
+        """A new buffer for the optimizer to write an updated shard into."""
+        return cls(buf, SlotState.STAGED)
 
     @property
     def idle(self) -> bool:
-        return not (self.in_use or self.staged)
+        """Neither a gather nor the optimizer has it: it may be evicted, flushed or staged."""
+        return self.state is not SlotState.IN_USE and self.state is not SlotState.STAGED
+
+    @property
+    def staged(self) -> bool:
+        return self.state is SlotState.STAGED
+
+    def read_done(self) -> None:
+        """Its read has been waited for: READING -> FILLED (the store verifies the trailer next)."""
+        assert self.state is SlotState.READING, f"read_done from {self.state}"
+        self.state, self.read = SlotState.FILLED, None
+
+    def hand_to_gather(self, copied: BufferFence) -> None:
+        """A gather copies the buffer to the device (``copied``: that copy's fence) -> IN_USE. The previous copy's
+        fence is replaced: copies run in order on the copy_in stream, so the new fence covers the old one too.
+        From IN_USE only when a gather is started again after one that failed before its ``done``."""
+        assert self.state in _HANDED, f"hand_to_gather from {self.state}"
+        self.state, self._copied = SlotState.IN_USE, copied
+
+    def give_back(self, clock: int, keep: bool) -> None:
+        """Its gather finished at ``clock``: IN_USE -> KEPT (``keep``: gathered again soon) or CONSUMED."""
+        assert self.state is SlotState.IN_USE, f"give_back from {self.state}"
+        self.state, self.used = (SlotState.KEPT if keep else SlotState.CONSUMED), clock
+
+    def stage(self) -> None:
+        """The optimizer writes the updated shard into the buffer (an idle slot whose I/O the store settled)
+        -> STAGED, as newly filled. Waits for the last device copy to have read the buffer."""
+        assert self.idle and self.read is None and self.write is None, f"stage from {self.state}"
+        self._wait_copied()
+        self.state, self.used = SlotState.STAGED, 0
+
+    def commit(self) -> None:
+        """The staged shard is complete: STAGED -> FILLED (the store starts its write next)."""
+        assert self.state is SlotState.STAGED and self.write is None, f"commit from {self.state}"
+        self.state = SlotState.FILLED
+
+    def start_write(self, handle: int) -> None:
+        """A write of the buffer to the file is in flight (``handle``); the buffer is only read by it."""
+        assert self.write is None and self.state is not SlotState.READING and self.state is not SlotState.STAGED
+        self.write = handle
+
+    def write_done(self) -> None:
+        """Its write has been waited for."""
+        assert self.write is not None
+        self.write = None
+
+    def release(self) -> torch.Tensor:
+        """The buffer, to go back to the pool: the slot is idle and its I/O settled. Waits for the last
+        device copy to have read it (the pool hands it to the next read at once)."""
+        assert self.idle and self.read is None and self.write is None, f"release from {self.state}"
+        self._wait_copied()
+        return self.buf
+
+    def _wait_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
+
+    def __repr__(self) -> str:
+        io = " reading" if self.read is not None else " writing" if self.write is not None else ""
+        return f"_Slot({self.state.name}{io}, used={self.used})"
 
 
 class NvmeShardStore:
@@ -99,6 +214,13 @@ class NvmeShardStore:
     last), then the ones not gathered yet, most recently filled first (the forward reaches them last);
     ``flush`` empties it. Writes never block the optimizer: finished ones are collected (``_reap``)
     whenever the store is called, or waited for when their buffer is needed.
+
+    A slot's state (:class:`SlotState`): READING -> FILLED when its read is waited for; FILLED, KEPT or
+    CONSUMED -> IN_USE in ``fetch``; IN_USE -> KEPT or CONSUMED in ``done``; an idle one -> STAGED in
+    ``writer`` (a new slot starts STAGED); STAGED -> FILLED in ``commit``. A write to the file may be in
+    flight beside any state but READING and STAGED. ``fetch`` copies the buffer to the device on the copy_in
+    stream and keeps that copy's fence on the slot: the buffer goes back to the pool, or is staged again,
+    only after the fence is waited for (see [Note: streams] in zinf/fetch/streams.py).
     """
 
     tier = "nvme"
@@ -107,6 +229,7 @@ class NvmeShardStore:
         self.swap, self.room, self.pool = swap, room, room.pool
         self.records: dict[int, Record] = {
             id(g): swap.allocate(g.shard_numel * g.compute_dtype.itemsize) for g in groups}
+        self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
         # share the slots; see [Note: background step] in zinf/optim/offloaded.py
@@ -152,7 +275,9 @@ class NvmeShardStore:
                 buf = self.pool.acquire(rec.span)
             except PoolExhaustedError:
                 return False
-            self._slots[key] = _Slot(buf, read=self.swap.submit_read(rec, buf))
+            with region("nvme_read", group.name):
+                handle = self.swap.submit_read(rec, buf)
+            self._slots[key] = _Slot.reading(buf, handle)
             return True
 
     def evict_one(self) -> bool:
@@ -162,7 +287,7 @@ class NvmeShardStore:
             idle = [(k, s) for k, s in self._slots.items() if s.idle]
             if not idle:
                 return False
-            consumed = [k for k, s in idle if s.consumed]
+            consumed = [k for k, s in idle if s.state is SlotState.CONSUMED]
             gathered = sorted((s.used, k) for k, s in idle if s.used)
             self._drop(consumed[0] if consumed else gathered[0][1] if gathered else idle[-1][0])
             return True
@@ -176,24 +301,25 @@ class NvmeShardStore:
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
             time.sleep(0.002)
         with self._lock:
-            slot, rec = self._slots[id(group)], self.records[id(group)]
+            key = id(group)
+            slot = self._slots[key]
             assert not slot.staged, f"{group.name}: gathered while its update is being staged"
             if slot.read is not None:
-                self.swap.wait(slot.read, rec)
-                slot.read = None
-                self.swap.verify(rec, slot.buf)
-            slot.in_use, slot.consumed = True, False
-            return self._data(group, slot.buf).to(group.device, non_blocking=True)
+                self._finish_read(key, slot)
+            # the buffer goes back to the pool (or is staged again) only once this copy has read it
+            source, copied = _copy_in(group, self._data(group, slot.buf))
+            slot.hand_to_gather(copied)
+            return source
 
     def done(self, group: "FlatParamGroup") -> None:
         with self._lock:
             key = id(group)
             slot = self._slots[key]
             self._clock += 1
-            slot.in_use, slot.used = False, self._clock
-            if self.keep_gathered and self.pool.capacity_bytes - self.pool.bytes_in_use >= self.reserve_bytes:
+            keep = self.keep_gathered and self.pool.capacity_bytes - self.pool.bytes_in_use >= self.reserve_bytes
+            slot.give_back(self._clock, keep)  # not kept: not needed again soon, or no room to keep it
+            if keep:
                 return
-            slot.consumed = True  # not needed again soon, or no room to keep it
             if slot.write is None:
                 self._drop(key)
         if not self.keep_gathered:
@@ -209,11 +335,11 @@ class NvmeShardStore:
                 assert slot.idle, f"{group.name}: its shard is updated while a gather uses it"
                 self._settle(key, slot)
                 self._slots[key] = self._slots.pop(key)  # most recently filled: last
-                slot.staged, slot.consumed, slot.used = True, False, 0
+                slot.stage()  # waits for its last copy to the device
                 return self._data(group, slot.buf)
         buf = self.room.acquire_waiting(self.records[key].span)  # not under the lock: done() frees room
         with self._lock:
-            self._slots[key] = _Slot(buf, staged=True)
+            self._slots[key] = _Slot.staging(buf)
             return self._data(group, buf)
 
     def commit(self, group: "FlatParamGroup") -> None:
@@ -221,35 +347,42 @@ class NvmeShardStore:
         key = id(group)
         with self._lock:
             slot = self._slots[key]
-            assert slot.staged and slot.write is None
-            slot.staged = False
-            slot.write = self.swap.submit_write(self.records[key], slot.buf)
+            slot.commit()
+            with region("nvme_write", group.name):
+                slot.start_write(self.swap.submit_write(self.records[key], slot.buf))
             self._reap()
+
+    def _finish_read(self, key: int, slot: _Slot) -> None:
+        """Wait for ``slot``'s read and check what it read."""
+        rec = self.records[key]
+        assert slot.read is not None
+        with region("nvme_read", self._names[key]):
+            self.swap.wait(slot.read, rec)
+        slot.read_done()
+        self.swap.verify(rec, slot.buf)
 
     def _settle(self, key: int, slot: _Slot) -> None:
         """Finish the I/O in flight on ``slot``."""
-        rec = self.records[key]
         if slot.read is not None:
-            self.swap.wait(slot.read, rec)
-            slot.read = None
-            self.swap.verify(rec, slot.buf)
+            self._finish_read(key, slot)
         if slot.write is not None:
-            self.swap.wait(slot.write, rec)
-            slot.write = None
+            with region("nvme_write", self._names[key]):
+                self.swap.wait(slot.write, self.records[key])
+            slot.write_done()
 
     def _drop(self, key: int) -> None:
         slot = self._slots.pop(key)
         assert slot.idle
         self._settle(key, slot)
-        self.pool.release(slot.buf)
+        self.pool.release(slot.release())  # after its last copy to the device has read it
 
     def _reap(self) -> None:
         """Collect finished writes, releasing the slots that were only waiting for them."""
         for key, slot in list(self._slots.items()):
             if slot.write is not None and self.swap.aio.done(slot.write):
                 self.swap.wait(slot.write, self.records[key])
-                slot.write = None
-                if slot.consumed and slot.idle:
+                slot.write_done()
+                if slot.state is SlotState.CONSUMED:  # idle, only waiting for its write
                     self._drop(key)
 
     def flush(self) -> None:

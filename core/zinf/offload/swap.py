@@ -66,6 +66,11 @@ class Record:
     nbytes: int
     generation: int = 0
 
+    def next_generation(self) -> int:
+        """A write of the record begins: its trailer carries the next generation."""
+        self.generation += 1
+        return self.generation
+
     @property
     def span(self) -> int:
         """Bytes the record occupies on disk (data, padding, trailer), a multiple of 4096."""
@@ -98,7 +103,7 @@ class SwapSpace:
         self.bytes_read = self.bytes_written = 0
         # set on threads whose waits are hidden behind training (the background optimizer step): their
         # waits are timed as "background_nvme_read" / "background_nvme_write"
-        self._background = threading.local()
+        self._background: set[int] = set()  # thread idents
         self._kind: dict[int, tuple[str, int]] = {}  # handle -> ("nvme_read" | "nvme_write", bytes)
         self.rank, self.world = rank, world
         self.run_id = uuid.uuid4().bytes
@@ -129,7 +134,7 @@ class SwapSpace:
 
     def mark_background_thread(self) -> None:
         """The calling thread's waits are hidden behind training: time them as background I/O."""
-        self._background.active = True
+        self._background.add(threading.get_ident())
 
     def allocate(self, nbytes: int) -> Record:
         """Reserve a record of ``nbytes`` on the path with the least allocated (striping)."""
@@ -203,7 +208,7 @@ class SwapSpace:
     # -- I/O ------------------------------------------------------------------------------------
     def stamp(self, rec: Record, buf: torch.Tensor) -> None:
         """Write the trailer of ``rec``'s next generation into ``buf`` (a uint8 buffer of ``rec.span`` bytes)."""
-        rec.generation += 1
+        rec.next_generation()
         crc = self._checksum(rec, buf) if self.checksums else 0
         trailer = _TRAILER.pack(_REC_MAGIC, self.run_id, rec.record_id, rec.generation, rec.nbytes, crc)
         buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + len(trailer)].copy_(
@@ -230,7 +235,7 @@ class SwapSpace:
         else:
             self.bytes_written += nbytes
         try:
-            with self.timers.time(f"background_{kind}" if getattr(self._background, "active", False) else kind):
+            with self.timers.time(f"background_{kind}" if threading.get_ident() in self._background else kind):
                 self.aio.wait(handle)
         except native.AIONoSpaceError as exc:
             raise OffloadSpaceError(
@@ -265,5 +270,5 @@ class SwapSpace:
                     "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
 
     def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
-        with self.timers.time("background_checksum" if getattr(self._background, "active", False) else "checksum"):
+        with self.timers.time("background_checksum" if threading.get_ident() in self._background else "checksum"):
             return native.crc32c(buf[: rec.nbytes])

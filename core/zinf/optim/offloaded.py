@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from zinf import native
+from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.subgroups import SubGroup, hyper_index
@@ -77,7 +77,7 @@ class OffloadedAdam:
         self.timers = timers or StepTimers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._hyper: list[_Hyper] = []
+        self._hyper: list[AdamHyper] = []
         self._factors: dict[int, float] = {}
         hyper = hyper_index(optimizer)
         # per parameter (group, slot): how many steps it took; None where the optimizer does not step it
@@ -96,7 +96,8 @@ class OffloadedAdam:
             self.steps[id(g)] = [n + 1 if n is not None and u else n for n, u in zip(counts, used)]
         # hyper-parameters and gradient factors as they are now: an LR scheduler stepped right after engine.step()
         # returns must not change the learning rate of sub-groups the background step has not reached yet
-        self._hyper = [_Hyper.of(self.optimizer, pg) for pg in self.optimizer.param_groups]
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
+        self._hyper = [AdamHyper.from_param_group(pg, decoupled=decoupled) for pg in self.optimizer.param_groups]
         self._factors = {id(g): g.grad.take_factor() for g in self.groups}
         # The user's optimizer "steps" too: its parameters' gradients were all consumed (set to None) by
         # the engine, so torch skips every one of them; its step hooks run and LR schedulers see the step.
@@ -169,16 +170,14 @@ class OffloadedAdam:
         factor = self._factors[id(g)]
         stepped, steps = self._stepped[id(g)], self.steps[id(g)]
         for lo, hi, k, i in sg.segments:
-            h = self._hyper[k]
             a, b = lo - sg.lo, hi - sg.lo
             if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
                 out[lo:hi].copy_(master[a:b])
                 continue
             if grad is None:  # a group nothing steps (all frozen or unused) never allocates a gradient shard
                 grad = g.grad.tensor()[sg.lo : sg.hi]
-            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], step=steps[i], lr=h.lr,
-                             beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                             decoupled=h.decoupled, clip_coef=factor, param_out=None if fp32 else out[lo:hi])
+            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], self._hyper[k], step=steps[i],
+                             clip_coef=factor, param_out=None if fp32 else out[lo:hi])
             if fp32:
                 out[lo:hi].copy_(master[a:b])
         for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
@@ -222,22 +221,3 @@ class OffloadedAdam:
             stashed = sum(g.grad.nbytes_on_nvme() for g in self.groups)
             out.setdefault("nvme", {})["grad_shards"] = stashed
         return out
-
-
-@dataclass(frozen=True)
-class _Hyper:
-    """One param group's hyper-parameters, read once per step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer, pg: dict[str, Any]) -> "_Hyper":
-        beta1, beta2 = pg["betas"]
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(pg.get("decoupled_weight_decay", False))
-        return cls(float(pg["lr"]), float(beta1), float(beta2), float(pg["eps"]), float(pg["weight_decay"]), decoupled)
-

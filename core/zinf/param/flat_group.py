@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zinf.fetch.comm import Comm
+from zinf.fetch.streams import InFlight, region, streams_for
 from zinf.param.fence import UpdateFence
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, ShardStore
@@ -227,18 +228,27 @@ class FlatParamGroup:
         return self.padded_numel * self.full.element_size()
 
     def start_gather(self) -> None:
+        """Issue the all-gather on the all_gather stream (see [Note: streams] in zinf/fetch/streams.py): the full
+        buffer is allocated on compute, and the stream waits for compute and for the store's copy-in (``fetch``
+        makes it wait for its H2D fence) first. The shard is kept (in ``_work``) until compute has waited."""
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
         self._fence.wait(self)
         if self.owns_full:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        streams = streams_for(self.device)
         source = self.store.fetch(self)
-        self._work = self.comm.all_gather_into(self.full, source, async_op=True)
+        with region("all_gather", self.name):
+            streams.all_gather.wait_stream(streams.current())
+            with streams.use(streams.all_gather):
+                work = self.comm.all_gather_into(self.full, source, async_op=True)
+        self._work = InFlight(streams, streams.all_gather, work, (source,))
         self.state = GroupState.GATHERING
 
     def finish_gather(self) -> None:
+        """Compute waits for the all-gather's event before the parameters point at the full buffer."""
         assert self.state is GroupState.GATHERING, f"{self.name}: finish_gather from {self.state}"
         if self._work is not None:
-            self._work.wait()
+            self._work.join()
             self._work = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
@@ -253,8 +263,15 @@ class FlatParamGroup:
             self.finish_gather()
         assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
         lo = self.comm.rank * self.shard_numel
-        scratch = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.device)
-        self.comm.all_gather_into(scratch, self.full[lo : lo + self.shard_numel], async_op=False)
+        streams = streams_for(self.device)
+        with region("all_gather", self.name):
+            scratch = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.device)  # on compute
+            mine = self.full[lo : lo + self.shard_numel]
+            streams.all_gather.wait_stream(streams.current())
+            with streams.use(streams.all_gather):
+                self.comm.all_gather_into(scratch, mine, async_op=False)
+            # compute waits before it drops the scratch it allocated (and before it may reshard the full buffer)
+            InFlight(streams, streams.all_gather, None, (scratch,)).join()
 
     def to_gathered(self) -> None:
         if self.state is GroupState.SHARDED:
@@ -282,6 +299,20 @@ class FlatParamGroup:
         assert self.holds > 0, f"{self.name}: release without a hold"
         self.holds -= 1
         self.maybe_shard()
+
+    def hold_for_backward(self) -> None:
+        """The backward gathered the group: it stays gathered until its gradients are complete."""
+        self.backward_held = True
+
+    def drop_backward_hold(self) -> bool:
+        """Its gradients are complete: True if the backward held it (the caller releases the fetcher's hold)."""
+        held, self.backward_held = self.backward_held, False
+        return held
+
+    def report_ready(self) -> bool:
+        """Mark this rank's gradients of the group as announced to the other ranks; False if they already were."""
+        first, self.reported_ready = not self.reported_ready, True
+        return first
 
     def maybe_shard(self) -> None:
         if self.holds == 0 and not self.backward_held and not self.persistent and self.state is GroupState.GATHERED:

@@ -338,7 +338,7 @@ class ModuleHooks:
         todo = [g for g in state.needed() if not g.backward_held]
         self.fetcher.acquire(todo, state.name)
         for g in todo:
-            g.backward_held = True
+            g.hold_for_backward()
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
 
@@ -359,8 +359,7 @@ class ModuleHooks:
             self.reducer.reduce(group)
 
     def _drop_backward_hold(self, group: FlatParamGroup) -> None:
-        if group.backward_held:
-            group.backward_held = False
+        if group.drop_backward_hold():
             self.fetcher.release([group])
 
     def abandon_backward(self) -> None:

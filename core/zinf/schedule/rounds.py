@@ -94,8 +94,7 @@ class Rounds:
 
     def ready(self, group: FlatParamGroup) -> None:
         """This rank's gradients of ``group`` are complete for now: announce it in the next round."""
-        if not group.reported_ready:
-            group.reported_ready = True
+        if group.report_ready():
             self._ready_local.append(self._id[id(group)])
 
     def forget_backward(self) -> None:

@@ -7,15 +7,18 @@ Several groups in one bucket are laid out rank-major (rank r's slices of every g
 r+1's), so one collective lands each group's slice in its place; a bucket of one group is reduced
 in place with no copy. The shard holds the average over ranks, accumulated across micro-batches
 until the optimizer step clears it.
+
+With CUDA the reduce-scatter runs on the reduce_scatter stream once it has waited for compute, and a
+shard that lives in host memory leaves the device on the copy_out stream (see [Note: streams] in
+zinf/fetch/streams.py); on CPU both are the plain calls.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from zinf.fetch.comm import Comm
+from zinf.fetch.streams import BufferFence, InFlight, Streams, region, streams_for
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
 
@@ -31,8 +34,9 @@ class GradReducer:
         self.timers = timers
         self._bucket: list[tuple[FlatParamGroup, torch.Tensor]] = []
         self._bucket_bytes = 0
-        # (work, [(group, its slice of the output)], tensors kept alive until the work is done)
-        self._in_flight: list[tuple[Any, list[tuple[FlatParamGroup, torch.Tensor]], tuple[torch.Tensor, ...]]] = []
+        # (the reduce-scatter, holding its input and output until compute waited for it,
+        #  [(group, its slice of the output)])
+        self._in_flight: list[tuple[InFlight, list[tuple[FlatParamGroup, torch.Tensor]]]] = []
 
     def reduce(self, group: FlatParamGroup, reduce_dtype: torch.dtype = torch.float32) -> None:
         """Reduce-scatter ``group``'s flat gradient. With several ranks, only in the order every rank agreed
@@ -71,16 +75,33 @@ class GradReducer:
                 offset += group.shard_numel
             keep = (full,)
         label = items[0][0].name if len(items) == 1 else f"{len(items)} groups"
-        with self.timers.time("reduce_scatter"), torch.profiler.record_function(f"zinf::reduce_scatter({label})"):
-            work = self.comm.reduce_scatter_sum(out, keep[0].view(-1), async_op=True)
-        self._in_flight.append((work, slices, keep))
+        streams = streams_for(out.device)
+        with self.timers.time("reduce_scatter"), region("reduce_scatter", label):
+            streams.reduce_scatter.wait_stream(streams.current())  # the gradients, and `out` allocated on compute
+            with streams.use(streams.reduce_scatter):
+                work = self.comm.reduce_scatter_sum(out, keep[0].view(-1), async_op=True)
+        self._in_flight.append((InFlight(streams, streams.reduce_scatter, work, keep + (out,)), slices))
         while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._drain_one()
 
     def _drain_one(self) -> None:
-        work, slices, _ = self._in_flight.pop(0)
+        work, slices = self._in_flight.pop(0)
         with self.timers.time("reduce_scatter"):
-            work.wait()
+            done = work.join()  # compute waits for the reduce-scatter; its input gradient may then be freed
         for group, part in slices:
+            if part.device != group.grad.device:  # pragma: no cover - CUDA path: the shard is in host memory
+                with region("d2h", group.name):
+                    part = _off_device(work.streams, done, part)
             group.grad.accumulating().add_(part.to(group.grad.device, torch.float32).div_(self.comm.world))
             group.grad.complete()
+
+
+def _off_device(streams: Streams, reduced: BufferFence, part: torch.Tensor) -> torch.Tensor:  # pragma: no cover - CUDA
+    """``part`` (a slice of the reduce-scatter's output) in pinned host memory, copied on the copy_out stream once
+    the reduce-scatter (``reduced``) is done; the host waits for the copy, since the optimizer reads it next."""
+    host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+    reduced.make_wait(streams.copy_out)
+    with streams.use(streams.copy_out):
+        host.copy_(part, non_blocking=True)
+    streams.record(streams.copy_out, part).wait()  # `part` is held until the copy has read it
+    return host
