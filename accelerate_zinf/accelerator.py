@@ -15,6 +15,9 @@ and the methods that touch parameters, gradients or their state:
   safetensors shards, never holding the whole model); ``save_state`` / ``load_state`` write and read each
   rank's shard files (under ``zinf_model``) next to Accelerate's own files.
 - ``init_module()`` builds a model under ``zinf.Init`` (no rank ever holds all of it).
+- with trackers (``log_with=...`` and ``init_trackers``), every ``zinf_report_every``-th optimizer step's
+  report (:meth:`zinf.StepReport.metrics`: ``zinf/compute``, ``zinf/all_gather``, ``zinf/bytes_cpu``,
+  ``zinf/io_hidden_share``, ...) goes to them through ``accelerator.log``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import contextlib
 import logging
 import os
 import re
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import accelerate
 import torch
@@ -43,11 +46,18 @@ _ENGINE_DIR = "zinf_model"
 
 
 class Accelerator(accelerate.Accelerator):
-    """``Accelerator(..., zinf_config=None)``: every argument of Accelerate's, plus the engine config (a
-    :class:`zinf.ZeroConfig`, a mapping or a YAML path; see :func:`accelerate_zinf.settings.engine_config`)."""
+    """``Accelerator(..., zinf_config=None, zinf_report_every=10)``: every argument of Accelerate's, plus the
+    engine config (a :class:`zinf.ZeroConfig`, a mapping or a YAML path; see
+    :func:`accelerate_zinf.settings.engine_config`) and how often (in optimizer steps) the engine's step report
+    is logged to the trackers (``accelerator.log(report.metrics(), step=<optimizer steps taken>)``; 0: never;
+    nothing is logged before ``init_trackers``)."""
 
     def __init__(self, *args: Any, zinf_config: zinf.ZeroConfig | Mapping[str, Any] | str | None = None,
-                 **kwargs: Any) -> None:
+                 zinf_report_every: int = 10, **kwargs: Any) -> None:
+        if not isinstance(zinf_report_every, int) or zinf_report_every < 0:
+            raise ValueError(f"zinf: zinf_report_every={zinf_report_every!r} must be an int >= 0 (optimizer steps "
+                             "between reports to the trackers; 0 turns them off).")
+        self.zinf_report_every = zinf_report_every
         super().__init__(*args, **kwargs)
         check_distributed_type(self.distributed_type.value if hasattr(self.distributed_type, "value")
                                else self.distributed_type)
@@ -123,7 +133,7 @@ class Accelerator(accelerate.Accelerator):
         self._models.append(model)
         wrapped = None
         if optimizer is not None:
-            wrapped = ZinfOptimizer(optimizer, engine)
+            wrapped = _ReportingOptimizer(optimizer, engine, self._report_step)
             self._optimizers.append(wrapped)
         return model, wrapped
 
@@ -140,7 +150,7 @@ class Accelerator(accelerate.Accelerator):
                 if m.built is not None:
                     break
                 engine = m.resolve(optimizer).engine
-                wrapped = ZinfOptimizer(optimizer, engine)
+                wrapped = _ReportingOptimizer(optimizer, engine, self._report_step)
                 self._optimizers.append(wrapped)
                 return wrapped
         raise UnsupportedModelError(
@@ -149,6 +159,19 @@ class Accelerator(accelerate.Accelerator):
             "optimizer) (the engine partitions the optimizer's parameters when it is built).")
 
     # -- the training step ---------------------------------------------------------------------------
+    def _report_step(self, engine: zinf.ZeroInfinityEngine, num_steps: int) -> None:
+        """After an engine's ``num_steps``-th optimizer step: its report to the trackers, every
+        ``zinf_report_every`` steps (keys ``zinf/...``; ``zinf_<i>/...`` for the i-th of several models)."""
+        every = self.zinf_report_every
+        report = engine.report()
+        if not every or num_steps % every or not self.trackers or report is None:
+            return
+        metrics = report.metrics()
+        index = next(i for i, e in enumerate(self._engines()) if e is engine)
+        if index:
+            metrics = {f"zinf_{index}/{k.removeprefix('zinf/')}": v for k, v in metrics.items()}
+        self.log(metrics, step=num_steps)
+
     def _engines(self) -> list[zinf.ZeroInfinityEngine]:
         out = []
         for m in self._zinf_models:
@@ -292,6 +315,23 @@ class Accelerator(accelerate.Accelerator):
             engine.synchronize()
             engine.close()
         super().end_training()
+
+
+class _ReportingOptimizer(ZinfOptimizer):
+    """A :class:`ZinfOptimizer` that tells its Accelerator after each optimizer step (for the step report)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: zinf.ZeroInfinityEngine,
+                 after_step: Callable[[zinf.ZeroInfinityEngine, int], None]) -> None:
+        super().__init__(optimizer, engine)
+        self._after_step = after_step
+        self.num_steps = 0  # optimizer steps taken (skipped fp16 overflow steps included)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = super().step(closure)
+        if self.gradient_state.sync_gradients:
+            self.num_steps += 1
+            self._after_step(self.engine, self.num_steps)
+        return loss
 
 
 def _is_zinf(model: Any) -> bool:

@@ -9,8 +9,8 @@ copy of the param; zinf fuses it into grad_norm_sq + one adam_step pass, torch r
 g.mul_(1/S); clip_grad_norm_; fused AdamW; param_bf16.copy_(param).
 Table 3: the same step as the engine runs it (``engine.step()`` of a one-group model with the optimizer
 offloaded to CPU: norms from the gradient shard's statistics, taken when backward completed it; unscale and
-clip applied inside the one Adam pass; the bf16/fp16 shard written by that pass; the gradient zeroed for the
-next backward), against torch's sequence on the same numbers. Bytes per parameter are printed beside it:
+clip applied inside the one Adam pass; the bf16/fp16 shard written by that pass; the gradient zeroed by it
+for the next backward), against torch's sequence on the same numbers. Bytes per parameter are printed beside it:
 the floor is 30 (read gradient, master, two moments; write master, two moments, the 2-byte shard).
 """
 
@@ -149,8 +149,8 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
         low.copy_(param)
 
     torch_bytes = (8 if loss_scale != 1.0 else 0) + 4 + 8 + 28 + 6  # unscale, norm, clip multiply, AdamW, copy
-    out = [("zinf engine.step() (fused pass + gradient zeroed)", best, 30 + 4),
-           ("  + norm taken at gradient completion (in backward)", best + stats, 34 + 4),
+    out = [("zinf engine.step() (one fused pass, gradient zeroed in it)", best, 30),
+           ("  + norm taken at gradient completion (in backward)", best + stats, 30 + 4),
            ("torch: " + ("unscale, " if loss_scale != 1.0 else "") + "clip_grad_norm_, fused AdamW, low-precision copy",
             timeit(torch_step, reps), torch_bytes)]
     del opt, param, g_work
@@ -186,8 +186,8 @@ def main() -> None:
             for name, t, nbytes in table:
                 print(f"| {name} | {t:.4f} | {n / t / 1e9:.3f} | {nbytes} | {nbytes * n / t / 1e9:.1f} | "
                       f"{t / table[0][1]:.2f}x |")
-            print(f"\nfloor: 30 bytes/param for the step (the engine moves 34: its pass plus zeroing the gradient for the "
-                  f"next backward); torch's sequence moves {table[-1][2]}. zinf engine.step() is "
+            print(f"\nfloor: 30 bytes/param for the step (the engine's pass moves exactly that, zeroing the gradient for "
+                  f"the next backward as it reads it); torch's sequence moves {table[-1][2]}. zinf engine.step() is "
                   f"{table[-1][1] / table[0][1]:.2f}x torch's sequence, {table[-1][1] / table[1][1]:.2f}x with the norm "
                   "taken in backward counted in.")
         if args.engine_only:

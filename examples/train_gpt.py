@@ -1,15 +1,29 @@
-"""Train a GPT with zinf from a plain PyTorch loop.
+"""Train a GPT with zinf from a plain PyTorch loop, on a synthetic language it generates, with the optimizer
+states offloaded to NVMe (a temporary directory unless you name one), and show that it learns.
 
     torchrun --nproc_per_node 2 examples/train_gpt.py                     # CPU (gloo) or one GPU per rank (NCCL)
-    python examples/train_gpt.py --config examples/configs/gpt_small.yaml zinf.precision=bf16 train.steps=10
+    python examples/train_gpt.py                                          # one process
+    python examples/train_gpt.py --config examples/configs/gpt_small.yaml train.steps=50 zinf.precision=bf16
+    python examples/train_gpt.py zinf.offload.params=nvme zinf.offload.nvme_paths=[/mnt/nvme0] train.out_dir=run1
+
+The data is a fixed random Markov chain over the vocabulary (examples/synthetic_language.py), different
+on every rank and every step: a model that has learnt it reaches the chain's entropy ("floor"), far below
+the ln(vocab) of guessing ("chance"). At the end rank 0 prints a summary and writes the loss curve
+(loss.png), the per-step losses (losses.csv) and a zinf checkpoint into ``train.out_dir``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import csv
 import logging
+import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -17,17 +31,27 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import zinf
+from zinf.config import PRECISIONS
+from zinf.report import io_hidden_share
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+from png_plot import GREEN, RED, line_plot  # noqa: E402
+from synthetic_language import MarkovLanguage  # noqa: E402
 
-log = logging.getLogger("train_gpt")
+try:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+except ImportError:  # tqdm comes with the lightning extra; without it, a line every 10% of the steps
+    tqdm = None
+
+PARAMS_ON_NVME_SHARE = 0.25  # offload.params: auto puts a rank's parameter shards on NVMe above this share of its memory
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "gpt_small.yaml"))
-    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist, e.g. zinf.precision=bf16")
+    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist, e.g. zinf.precision=bf16 train.steps=50")
     args = parser.parse_args()
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
 
@@ -38,10 +62,16 @@ def main() -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    # zinf's messages carry their own "zinf:" prefix; other ranks only warn, and say which rank they are
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
 
-    zcfg = zinf.ZeroConfig.from_dict(cfg.zinf)
     model_cfg = GPTConfig(**OmegaConf.to_container(cfg.model))
+    language = MarkovLanguage(model_cfg.vocab, branching=cfg.data.branching, seed=cfg.data.seed)
+    zdict = OmegaConf.to_container(cfg.zinf, resolve=True)
+    nvme_dir = place_offload(zdict, model_cfg, world)
+    zcfg = zinf.ZeroConfig.from_dict(zdict)
+
     torch.manual_seed(0)
     with zinf.Init(zcfg):  # no rank ever holds the whole model
         model = GPT(model_cfg)
@@ -50,20 +80,187 @@ def main() -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.train.lr)
     engine = zinf.initialize(model, optimizer, zcfg)
+    steps = int(cfg.train.steps)
+    warmup = max(1, int(steps * cfg.train.warmup))  # linear warm-up, then cosine down to a tenth
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, steps - warmup))))))
     numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    log.info("GPT with %.1fM parameters on %d rank(s), %s, device %s", numel / 1e6, world, zcfg.precision, engine.device)
+    tokens_per_step = world * cfg.train.batch_per_rank * model_cfg.block
+    say(rank, f"GPT with {numel / 1e6:.1f}M parameters on {world} rank(s), {zcfg.precision}, device {engine.device}; "
+              f"offload: params {zcfg.offload.params}, optimizer {zcfg.offload.optimizer}"
+              + (f" (NVMe: {', '.join(zcfg.offload.nvme_paths)})" if zcfg.offload.nvme_paths else ""))
+    say(rank, f"data: a random Markov chain over {language.vocab} tokens, {language.branching} successors each; "
+              f"{steps} steps of {tokens_per_step} tokens")
 
+    losses, step_seconds, io_shares, reports = [], [], [], []
+    totals_s: dict[str, float] = {}
+    totals_n: dict[str, int] = {}
+    bar = Progress(rank, steps)
     start = time.perf_counter()
-    for step in range(cfg.train.steps):
-        idx, targets = synthetic_batch(model_cfg, cfg.train.batch_per_rank, step, rank)
-        loss = engine(idx.to(engine.device), targets.to(engine.device))
-        engine.backward(loss)
-        engine.step()
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-            log.info("step %d/%d loss %.4f | %s", step + 1, cfg.train.steps, loss.item(), engine.report().summary())
-    log.info("done: %d steps in %.1f s", cfg.train.steps, time.perf_counter() - start)
+    with (logging_redirect_tqdm() if tqdm is not None and rank == 0 else contextlib.nullcontext()):
+        for step in range(steps):
+            t0 = time.perf_counter()
+            idx, targets = language.batch(cfg.train.batch_per_rank, model_cfg.block, step, rank)
+            loss = engine(idx.to(engine.device), targets.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            schedule.step()
+            losses.append(loss.item())
+            step_seconds.append(time.perf_counter() - t0)
+            report = engine.report()
+            io_shares.append(report.io_hidden_share)
+            reports.append(report)
+            add_up(totals_s, totals_n, [report])
+            recent_s, recent_n = add_up({}, {}, reports[-10:])
+            bar.update(step, losses, tokens_per_step * len(step_seconds[-10:]) / sum(step_seconds[-10:]),
+                       io_hidden_share(recent_s, recent_n))
+    train_s = time.perf_counter() - start
+    bar.close()
+
+    out_dir = os.path.abspath(cfg.train.out_dir)
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    t0 = time.perf_counter()
+    engine.save_checkpoint(ckpt_dir, client_state={"config": OmegaConf.to_container(cfg, resolve=True)})
+    save_s = time.perf_counter() - t0
+    # two collectives, on every rank in the same order: the global batch's loss per step; every rank's bytes
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    io_bytes = totals_n.get("nvme_read_bytes", 0) + totals_n.get("nvme_written_bytes", 0)
+    per_rank = [(engine.report().bytes, io_bytes)]
+    if dist.is_initialized():
+        dist.all_reduce(mean_losses)
+        mean_losses /= world
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (engine.report().bytes, io_bytes))
+    engine.close()  # removes the swap files
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        write_outputs(out_dir, mean_losses.tolist(), losses, step_seconds, io_shares, tokens_per_step, language)
+        say(rank, summary(mean_losses.tolist(), language, steps, tokens_per_step, train_s, save_s, per_rank,
+                          io_hidden_share(totals_s, totals_n), out_dir, ckpt_dir, zcfg.offload.nvme_paths, nvme_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def place_offload(zdict: dict, model_cfg: GPTConfig, world: int) -> str | None:
+    """Resolve this example's ``offload.params: auto`` and give NVMe offload a temporary directory when the config
+    names none; returns that directory (removed at the end) or None."""
+    offload = zdict.setdefault("offload", {})
+    if offload.get("params", "device") == "auto":
+        # parameter shards on NVMe only when they would take a real share of the device's memory: below that,
+        # NVMe reads in every forward and backward would cost time and save memory nobody needs
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in dict.fromkeys(GPT(model_cfg).parameters()))
+        shard_bytes = numel * PRECISIONS[zdict.get("precision", "fp32")].itemsize / world
+        offload["params"] = "nvme" if shard_bytes > PARAMS_ON_NVME_SHARE * memory_per_rank_bytes() else "device"
+    if "nvme" in (offload.get("params"), offload.get("optimizer")) and not offload.get("nvme_paths"):
+        nvme_dir = tempfile.mkdtemp(prefix="zinf_nvme_", dir=os.environ.get("ZINF_NVME_DIR"))  # one per rank
+        atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)  # after the engine's own clean-up (LIFO)
+        offload["nvme_paths"] = [nvme_dir]
+        return nvme_dir
+    return None
+
+
+def memory_per_rank_bytes() -> int:
+    """A GPU's memory, or on CPU the host's memory shared by the ranks on this machine."""
+    if torch.cuda.is_available() and not (dist.is_initialized() and dist.get_backend() == "gloo"):
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def add_up(seconds: dict[str, float], counts: dict[str, int], reports: list[zinf.StepReport]) -> tuple[dict, dict]:
+    """Sum the reports' timings and counts into ``seconds`` and ``counts`` (io_hidden_share of several steps)."""
+    for report in reports:
+        for key, value in report.seconds.items():
+            seconds[key] = seconds.get(key, 0.0) + value
+        for key, value in report.counts.items():
+            counts[key] = counts.get(key, 0) + value
+    return seconds, counts
+
+
+def say(rank: int, text: str) -> None:
+    if rank == 0:
+        (tqdm.write if tqdm is not None else print)(text)
+
+
+class Progress:
+    """Rank 0's progress bar: loss, tokens/s and the share of the NVMe I/O wait hidden, over the last 10 steps."""
+
+    def __init__(self, rank: int, steps: int) -> None:
+        self.rank, self.steps = rank, steps
+        self.bar = None
+        if rank == 0 and tqdm is not None:
+            tty = sys.stderr.isatty()
+            self.bar = tqdm(total=steps, desc="train", unit="step", mininterval=0.5 if tty else 10.0, dynamic_ncols=True)
+
+    def update(self, step: int, losses: list[float], tokens_per_s: float, hidden: float | None) -> None:
+        if self.rank != 0:
+            return
+        recent = losses[-10:]
+        fields = {"loss": f"{sum(recent) / len(recent):.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+        if hidden is not None:
+            fields["io hidden"] = f"{hidden:.0%}"
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        elif (step + 1) % max(1, self.steps // 10) == 0 or step + 1 == self.steps:
+            print(f"step {step + 1}/{self.steps} " + " ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def write_outputs(out_dir: str, mean_losses: list[float], rank0_losses: list[float], step_seconds: list[float],
+                  io_shares: list[float | None], tokens_per_step: int, language: MarkovLanguage) -> None:
+    with open(os.path.join(out_dir, "losses.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "rank0_loss", "seconds", "tokens_per_s", "io_hidden_share"])
+        for i, (loss, loss0, s, share) in enumerate(zip(mean_losses, rank0_losses, step_seconds, io_shares)):
+            w.writerow([i + 1, f"{loss:.6f}", f"{loss0:.6f}", f"{s:.4f}", f"{tokens_per_step / s:.1f}",
+                        "" if share is None else f"{share:.4f}"])
+    line_plot(os.path.join(out_dir, "loss.png"), mean_losses,
+              hlines=[(language.chance, "chance", RED), (language.floor, "floor", GREEN)])
+
+
+def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_per_step: int, train_s: float,
+            save_s: float, per_rank: list[tuple[dict[str, dict[str, int]], int]], hidden: float | None,
+            out_dir: str, ckpt_dir: str, nvme_paths: list[str], temporary: str | None) -> str:
+    tail = losses[-min(10, len(losses)):]
+    start, end = losses[0], sum(tail) / len(tail)
+    learned = (f"{language.chance - end:.2f} below chance" if end < min(start, language.chance)
+               else "not below chance yet (try more train.steps or a higher train.lr)")
+    by_tier: dict[str, dict[str, int]] = {}
+    for rank_bytes, _ in per_rank:
+        for tier, kinds in rank_bytes.items():
+            for kind, n in kinds.items():
+                by_tier.setdefault(tier, {})[kind] = by_tier.get(tier, {}).get(kind, 0) + n
+    tiers = []
+    for tier in ("device", "cpu", "nvme"):
+        kinds = by_tier.get(tier, {})
+        parts = ", ".join(f"{kind} {mib(n)}" for kind, n in sorted(kinds.items()) if n)
+        tiers.append(f"{tier} {mib(sum(kinds.values()))}" + (f" ({parts})" if parts else ""))
+    lines = [
+        "",
+        f"loss   {start:.3f} at step 1 -> {end:.3f} over the last {len(tail)} steps: {learned} "
+        f"(chance ln({language.vocab}) = {language.chance:.3f}, best possible {language.floor:.3f})",
+        f"time   {train_s:.1f} s for {steps} steps, {steps * tokens_per_step / train_s:,.0f} tokens/s; checkpoint "
+        f"saved in {save_s:.1f} s",
+        "bytes  resident at the end, all ranks: " + "; ".join(tiers),
+    ]
+    on_nvme = sum(by_tier.get("nvme", {}).values())
+    if on_nvme:
+        where = f"temporary {temporary}, removed at exit" if temporary else ", ".join(nvme_paths)
+        share = f"; {hidden:.0%} of the I/O wait hidden behind compute" if hidden is not None else ""
+        lines.append(f"NVMe   {mib(on_nvme)} lived on NVMe (rank 0's swap files in {where}); "
+                     f"{sum(io for _, io in per_rank) / 2**30:.2f} GiB read and written{share}")
+    lines += [f"curve  {os.path.join(out_dir, 'loss.png')} (per-step losses: {os.path.join(out_dir, 'losses.csv')})",
+              f"ckpt   {ckpt_dir} (zinf consolidate {ckpt_dir} model.pt makes a state_dict)"]
+    return "\n".join(lines)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 if __name__ == "__main__":

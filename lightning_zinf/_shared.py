@@ -8,8 +8,11 @@ the user's module inside ``engine.forward``, so inputs are cast to the compute d
 used outside their own module (tied weights, a LightningModule's own parameters read in
 ``training_step``) are detected. The user's module is never called re-entrantly by the adapter,
 which matters for the common ``training_step`` that calls ``self(x)``. The price is a ``module.``
-prefix on every name the engine records (sharded checkpoint layouts, ``full_state_dict``);
-``strip_prefix`` removes it wherever names leave the adapter.
+prefix on every name the engine records (sharded checkpoint layouts, ``full_state_dict``). The
+layouts keep it (they are what a resume checks, so checkpoints of every zinf version resume), and
+every part of a checkpoint records it as ``name_prefix`` (``AdapterEngine``): ``zinf consolidate``
+removes it, so its state dict loads into the user's module (see [Note: name prefix] in
+zinf/checkpoint/sharded.py). ``strip_prefix`` removes it wherever else names leave the adapter.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from torch import nn
 import zinf
 
 __all__ = [
-    "StepRoot", "PREFIX", "resolve_config", "zinf_precision", "with_precision", "build_engine", "strip_prefix",
-    "OFFLOAD_PRESETS", "offload_preset", "NAME", "register_names",
+    "StepRoot", "AdapterEngine", "PREFIX", "resolve_config", "zinf_precision", "with_precision", "build_engine",
+    "strip_prefix", "module_names", "OFFLOAD_PRESETS", "offload_preset", "NAME", "register_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,14 @@ class StepRoot(nn.Module):
 
     def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.module, method)(*args, **kwargs)
+
+
+class AdapterEngine(zinf.ZeroInfinityEngine):
+    """The engine over a ``StepRoot``: each checkpoint part records the root's prefix (``name_prefix``), which
+    ``zinf.checkpoint.consolidate`` removes; see [Note: the step root]."""
+
+    def shard_state(self) -> dict[str, Any]:
+        return {**super().shard_state(), "name_prefix": PREFIX}
 
 
 def resolve_config(config: zinf.ZeroConfig | Mapping[str, Any] | None) -> zinf.ZeroConfig:
@@ -114,12 +125,24 @@ def build_engine(module: nn.Module, optimizers: list[torch.optim.Optimizer], con
             "from configure_optimizers (use parameter groups for different hyper-parameters)."
         )
     optimizer = optimizers[0] if optimizers else None
-    return zinf.ZeroInfinityEngine(StepRoot(module), optimizer, config, device=device)
+    return AdapterEngine(StepRoot(module), optimizer, config, device=device)
 
 
 def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     """Names recorded under the step root, as the user's module names them."""
     return {(k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in state.items()}
+
+
+def module_names(state: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """``state`` under the names ``module`` gives its parameters and buffers: as it is when it already uses
+    them (a Lightning checkpoint, ``convert_to_lightning_checkpoint`` output), else with the step root's prefix
+    removed (names taken from the engine, e.g. ``engine.full_state_dict()``). A module with a child named
+    ``module`` keeps the names it gave."""
+    own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    own |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    if own & set(state) or not all(k.startswith(PREFIX) for k in state):
+        return dict(state)
+    return strip_prefix(state)
 
 
 def offload_preset(name: str, config: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from zinf.checkpoint import consolidate, read_client_state
 
-from lightning_zinf._shared import strip_prefix
+from lightning_zinf._shared import PREFIX
 
 __all__ = ["convert_to_lightning_checkpoint", "consolidate_state_dict"]
 
@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full fp32 ``state_dict`` of the LightningModule (or Fabric module) saved in ``checkpoint_dir``."""
-    return strip_prefix(consolidate(checkpoint_dir))
+    """The full fp32 ``state_dict`` of the LightningModule (or Fabric module) saved in ``checkpoint_dir``, under
+    its own names (checkpoints of an earlier zinf record no prefix; every one made here has the step root's)."""
+    return consolidate(checkpoint_dir, prefix=PREFIX)
 
 
 def convert_to_lightning_checkpoint(checkpoint_dir: str | os.PathLike,

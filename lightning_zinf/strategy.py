@@ -28,7 +28,7 @@ from typing_extensions import override
 
 import zinf
 from lightning_zinf._shared import (
-    build_engine, lightning_precision_name, offload_preset, register_names, resolve_config, strip_prefix,
+    build_engine, lightning_precision_name, module_names, offload_preset, register_names, resolve_config,
     with_precision,
 )
 from lightning_zinf.precision import ZeroInfinityPrecision
@@ -51,6 +51,9 @@ class ZeroInfinityStrategy(DDPStrategy):
         config: the engine's settings: a ``zinf.ZeroConfig``, a dict or an OmegaConf ``DictConfig``
             (``None``: defaults). ``precision`` may come from here or from ``Trainer(precision=...)``.
         start_method: how the ranks are started, as for ``strategy="ddp"`` ("popen", "spawn", ...).
+        report_every_n_steps: how often rank 0 sends the engine's step report (``zinf.StepReport.metrics()``:
+            ``zinf/compute``, ``zinf/all_gather``, ``zinf/bytes_cpu``, ``zinf/io_hidden_share``, ...) to the
+            Trainer's loggers; ``None`` (default): the Trainer's ``log_every_n_steps``; 0: never.
 
     The remaining arguments are the usual plumbing Lightning fills in (devices, cluster environment,
     checkpoint IO, process group backend and timeout).
@@ -63,6 +66,7 @@ class ZeroInfinityStrategy(DDPStrategy):
         config: zinf.ZeroConfig | Mapping[str, Any] | None = None,
         *,
         start_method: str = "popen",
+        report_every_n_steps: int | None = None,
         accelerator: "pl.accelerators.Accelerator | None" = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -71,6 +75,10 @@ class ZeroInfinityStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        if report_every_n_steps is not None and report_every_n_steps < 0:
+            raise ValueError(f"zero_infinity: report_every_n_steps={report_every_n_steps} must be >= 0 (0 turns the "
+                             "step report off; None follows Trainer(log_every_n_steps=...)).")
+        self.report_every_n_steps = report_every_n_steps
         self.zero_config = resolve_config(config)  # read by the precision setter during super().__init__
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -177,6 +185,29 @@ class ZeroInfinityStrategy(DDPStrategy):
             return self._run("predict_step", *args, **kwargs)
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_report()
+        return output
+
+    def _log_report(self) -> None:
+        """Send the step report to the Trainer's loggers on rank 0, every ``report_every_n_steps`` optimizer
+        steps, on the row Lightning uses for this step's ``self.log`` values."""
+        assert self.lightning_module is not None and self.engine is not None
+        trainer = self.lightning_module.trainer
+        if not trainer.loggers or not self.is_global_zero:
+            return
+        every = trainer.log_every_n_steps if self.report_every_n_steps is None else self.report_every_n_steps
+        report = self.engine.report()
+        # global_step counts this step only once the step returns: (global_step + 1) is this step's number,
+        # as in Lightning's own should_update_logs
+        if not every or report is None or (trainer.global_step + 1) % every:
+            return
+        metrics = report.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
     def block_backward_sync(self) -> AbstractContextManager:  # type: ignore[override]
         """Gradients accumulate in the engine's shards; there is no DDP sync to skip."""
         return nullcontext()
@@ -227,7 +258,7 @@ class ZeroInfinityStrategy(DDPStrategy):
             return  # a sharded checkpoint: the engine already loaded the weights in load_checkpoint
         assert self.lightning_module is not None
         with zinf.GatheredParameters(self.lightning_module, modifier_rank=0):
-            self.lightning_module.load_state_dict(strip_prefix(state), strict=strict)
+            self.lightning_module.load_state_dict(module_names(state, self.lightning_module), strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -1,5 +1,6 @@
-"""``zinf`` command line: inspect the native build, consolidate sharded checkpoints, launch an Accelerate
-script on zinf (``zinf launch``, from the accelerate_zinf package)."""
+"""``zinf`` command line: inspect the installation and measure drives (``zinf info``), summarise a run's log
+(``zinf report``; both in zinf.inspect_cli), consolidate sharded checkpoints, launch an Accelerate script on
+zinf (``zinf launch``, from the accelerate_zinf package)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,30 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv[1:])
     parser = argparse.ArgumentParser(prog="zinf", description="ZeRO-Infinity for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="what the native extension was built with")
+    info = sub.add_parser("info", help="versions, the native build, and (--nvme) each drive's O_DIRECT speed")
+    info.add_argument("--nvme", nargs="+", metavar="PATH", default=[],
+                      help="directories to measure (sequential write and read through zinf's AsyncIO)")
+    info.add_argument("--size-mib", type=int, default=256, help="test file size per path (default 256)")
+    rep = sub.add_parser("report", help="summarise the 'zinf: step ...' lines of a training log")
+    rep.add_argument("logfile")
     cons = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one state_dict file")
     cons.add_argument("checkpoint_dir")
     cons.add_argument("output")
     sub.add_parser("launch", help="run an Accelerate script on zinf: zinf launch --config run.yaml train.py [args]")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        from zinf import native
+    from zinf.plan.cli import add_arguments as plan_arguments, run as run_plan
 
-        sys.stdout.write(f"{native.info()}\n")
-        return 0
+    plan_arguments(sub.add_parser("plan", help="bytes per tier and step time of each placement on this machine; recommends one"))
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return run_plan(args)
+    if args.command == "info":
+        from zinf.inspect_cli import info as run_info
+
+        return run_info(sys.stdout, args.nvme, args.size_mib * 2**20)
+    if args.command == "report":
+        from zinf.inspect_cli import report
+
+        return report(args.logfile, sys.stdout, sys.stderr)
     import torch
 
     from zinf.checkpoint import consolidate

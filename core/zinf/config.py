@@ -298,9 +298,16 @@ def load_config_file(path: str, section: str = "zinf") -> ZeroConfig:
 def _to_plain_dict(values: Any) -> dict[str, Any]:
     try:  # OmegaConf is a dependency, but keep this module importable without it
         from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import MissingMandatoryValue
 
         if isinstance(values, DictConfig):
-            return dict(OmegaConf.to_container(values, resolve=True))  # type: ignore[arg-type]
+            try:
+                return dict(OmegaConf.to_container(values, resolve=True, throw_on_missing=True))  # type: ignore[arg-type]
+            except MissingMandatoryValue as exc:  # a ??? left unset, e.g. the nvme preset's nvme_paths
+                key = exc.full_key or "?"
+                raise ConfigError(
+                    f"zinf config: '{key}' has no value (??? in the config: the config or preset leaves it to you). "
+                    f"Set it, e.g. {key}=... on the Hydra command line or in your config file.") from None
     except ImportError:  # pragma: no cover
         pass
     if dataclasses.is_dataclass(values) and not isinstance(values, type):

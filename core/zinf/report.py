@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["StepTimers", "StepReport", "tier_of"]
+__all__ = ["StepTimers", "StepReport", "io_hidden_share", "tier_of"]
 
 
 def tier_of(t: torch.Tensor) -> str:
@@ -45,6 +45,40 @@ class StepTimers:
         return seconds, counts
 
 
+# the categories summary() prints, in order; the optional ones only when the step timed them
+SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "nvme_read", "nvme_write",
+                      "background_nvme_read", "background_nvme_write", "optimizer_wait")
+OPTIONAL_CATEGORIES = frozenset(SUMMARY_CATEGORIES[4:])
+NVME_CATEGORIES = ("nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
+
+
+# [Note: I/O hidden share]
+# The report holds wait times, not I/O durations. A wait on the training thread (``nvme_read``,
+# ``nvme_write``) is I/O the step could not hide: the training thread stood still. A wait on the background
+# optimizer thread (``background_nvme_read`` / ``_write``) ran while training went on -- unless the training
+# thread in turn waited for that background step (``optimizer_wait``). Counting all of ``optimizer_wait`` as
+# stalled I/O (the conservative reading; part of it may be the step's CPU-Adam math), with
+#     foreground = nvme_read + nvme_write
+#     background = background_nvme_read + background_nvme_write
+#     stalled    = foreground + min(optimizer_wait, background)
+#     io_hidden_share = (background - min(optimizer_wait, background)) / (foreground + background)
+# It is None when the step did no NVMe I/O (no NVMe timings and no NVMe bytes), and 1.0 when it moved NVMe
+# bytes without any measurable wait. A prefetched read that finished before the training thread needed it
+# waits ~0 s and so weighs ~nothing on either side: the share says how much of the *waiting* for I/O was
+# off the training thread, not how much of the bytes were moved in the shadow of compute.
+def io_hidden_share(seconds: dict[str, float], counts: dict[str, int]) -> float | None:
+    """See [Note: I/O hidden share]."""
+    foreground = seconds.get("nvme_read", 0.0) + seconds.get("nvme_write", 0.0)
+    background = seconds.get("background_nvme_read", 0.0) + seconds.get("background_nvme_write", 0.0)
+    total = foreground + background
+    if total <= 0.0:
+        moved = counts.get("nvme_read_bytes", 0) + counts.get("nvme_written_bytes", 0)
+        timed = any(key in seconds for key in NVME_CATEGORIES)
+        return 1.0 if (moved or timed) else None
+    hidden = background - min(seconds.get("optimizer_wait", 0.0), background)
+    return hidden / total
+
+
 @dataclass
 class StepReport:
     """One optimizer step. ``seconds``: forward, backward and step wall time, and inside them the
@@ -66,14 +100,51 @@ class StepReport:
     grad_norm: float | None = None
     loss_scale: float | None = None
 
+    @property
+    def io_hidden_share(self) -> float | None:
+        """The share of this step's NVMe I/O wait time that did not stall the training thread, in [0, 1];
+        None when the step did no NVMe I/O. See [Note: I/O hidden share]."""
+        return io_hidden_share(self.seconds, self.counts)
+
+    def metrics(self) -> dict[str, float]:
+        """A flat ``{"zinf/<name>": value}`` dict for experiment loggers (Lightning, Accelerate trackers):
+        ``zinf/<category>`` seconds for every timed category (compute, all_gather, reduce_scatter,
+        optimizer, forward, backward, and nvme_read / nvme_write / background_nvme_read /
+        background_nvme_write / optimizer_wait where present); ``zinf/bytes_<tier>`` resident bytes per
+        tier (device, cpu, nvme) and ``zinf/peak_gathered_bytes``; ``zinf/nvme_read_bytes`` /
+        ``zinf/nvme_written_bytes``, ``zinf/prefetched_gathers`` / ``zinf/demand_gathers``;
+        ``zinf/grad_norm`` and ``zinf/loss_scale`` when set; ``zinf/io_hidden_share`` with NVMe I/O;
+        ``zinf/skipped`` (1.0 when the step was skipped on overflow)."""
+        out: dict[str, float] = {f"zinf/{key}": float(value) for key, value in sorted(self.seconds.items())}
+        for tier, kinds in sorted(self.bytes.items()):
+            out[f"zinf/bytes_{tier}"] = float(sum(kinds.values()))
+        out["zinf/peak_gathered_bytes"] = float(self.peak_gathered_bytes)
+        for key in ("nvme_read_bytes", "nvme_written_bytes", "prefetched_gathers", "demand_gathers"):
+            if key in self.counts:
+                out[f"zinf/{key}"] = float(self.counts[key])
+        if self.grad_norm is not None:
+            out["zinf/grad_norm"] = float(self.grad_norm)
+        if self.loss_scale is not None:
+            out["zinf/loss_scale"] = float(self.loss_scale)
+        share = self.io_hidden_share
+        if share is not None:
+            out["zinf/io_hidden_share"] = share
+        out["zinf/skipped"] = 1.0 if self.skipped else 0.0
+        return out
+
     def summary(self) -> str:
+        """One line: ``step N | <category> X ms | ... | <tier> Y MiB | io_hidden Z% | skipped (overflow)``
+        (``zinf report`` parses it back; keep the ``name value unit`` parts)."""
         s = self.seconds
         parts = [f"step {self.step}"]
-        for key in ("compute", "all_gather", "reduce_scatter", "optimizer", "nvme_read", "nvme_write"):
-            if key in s or not key.startswith("nvme"):
+        for key in SUMMARY_CATEGORIES:
+            if key in s or key not in OPTIONAL_CATEGORIES:
                 parts.append(f"{key} {s.get(key, 0.0) * 1e3:.1f} ms")
         for tier, kinds in sorted(self.bytes.items()):
             parts.append(f"{tier} {sum(kinds.values()) / 2**20:.1f} MiB")
+        share = self.io_hidden_share
+        if share is not None:
+            parts.append(f"io_hidden {share * 100:.0f}%")
         if self.skipped:
             parts.append("skipped (overflow)")
         return " | ".join(parts)

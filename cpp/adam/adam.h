@@ -18,6 +18,7 @@ struct AdamArgs {
   float* exp_avg_sq = nullptr;
   void* param_out = nullptr;
   DType out_dtype = DType::kNone;
+  float* grad_zero = nullptr;   // the fp32 gradient itself when the pass also zeroes it (else null)
   float grad_mul = 1.0f;        // clip_coef / grad_scale
   float one_minus_beta1 = 0.1f; // lerp weight of exp_avg
   float beta2 = 0.999f;

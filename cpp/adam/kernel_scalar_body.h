@@ -41,6 +41,7 @@ inline void adam_scalar_range(const AdamArgs& a, size_t begin, size_t end) {
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;
     store_out_scalar<O>(a.param_out, i, p);
+    if (a.grad_zero) a.grad_zero[i] = 0.0f;
   }
 }
 

@@ -52,6 +52,7 @@ struct Avx2Range {
     const __m256 bc2 = _mm256_set1_ps(a.bc2_sqrt);
     const bool decoupled = a.decoupled;
     size_t i = b;
+    float* const zero = a.grad_zero;
     for (; i + kW <= e; i += kW) {
       __m256 p = _mm256_loadu_ps(a.param + i);
       __m256 g = _mm256_mul_ps(load_grad<G>(a.grad, i), grad_mul);
@@ -67,6 +68,7 @@ struct Avx2Range {
       _mm256_storeu_ps(a.exp_avg + i, m);
       _mm256_storeu_ps(a.exp_avg_sq + i, v);
       store_out<O>(a.param_out, i, p);
+      if (zero) _mm256_storeu_ps(zero + i, _mm256_setzero_ps());
     }
     adam_scalar_range<G, O>(a, i, e);
   }

@@ -50,6 +50,7 @@ struct Avx512Range {
     const __m512 neg_step = _mm512_set1_ps(-a.step_size);
     const __m512 bc2 = _mm512_set1_ps(a.bc2_sqrt);
     const bool decoupled = a.decoupled;
+    float* const zero = a.grad_zero;
     size_t i = b;
     for (; i + kW <= e; i += kW) {
       __m512 p = _mm512_loadu_ps(a.param + i);
@@ -66,6 +67,7 @@ struct Avx512Range {
       _mm512_storeu_ps(a.exp_avg + i, m);
       _mm512_storeu_ps(a.exp_avg_sq + i, v);
       store_out<O>(a.param_out, i, p);
+      if (zero) _mm512_storeu_ps(zero + i, _mm512_setzero_ps());  // the line is already in cache: no extra read
     }
     adam_scalar_range<G, O>(a, i, e);
   }

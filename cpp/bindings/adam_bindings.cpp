@@ -31,7 +31,7 @@ void bind_adam(py::module_& m) {
       "adam_step",
       [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
          uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, size_t numel,
-         const AdamHyper& hyper, int64_t step, double grad_scale, double clip_coef) {
+         const AdamHyper& hyper, int64_t step, double grad_scale, double clip_coef, bool zero_grad) {
         AdamArgs a = make_args(StepConfig{hyper, step, grad_scale, clip_coef});
         a.param = reinterpret_cast<float*>(param);
         a.grad = reinterpret_cast<const void*>(grad);
@@ -40,12 +40,14 @@ void bind_adam(py::module_& m) {
         a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
         a.param_out = reinterpret_cast<void*>(param_out);
         a.out_dtype = param_out ? parse_dtype(out_dtype) : DType::kNone;
+        if (zero_grad && a.grad_dtype != DType::kFloat32) throw std::invalid_argument("zero_grad needs a float32 gradient");
+        a.grad_zero = zero_grad ? reinterpret_cast<float*>(grad) : nullptr;
         py::gil_scoped_release release;
         adam_step(a, numel);
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("numel"), py::arg("hyper"), py::kw_only(),
-      py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0);
+      py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0, py::arg("zero_grad") = false);
   m.def(
       "grad_norm_sq",
       [](uintptr_t data, const std::string& dtype, size_t numel) {

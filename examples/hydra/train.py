@@ -1,8 +1,13 @@
 """Train the example GPT with Lightning, zinf and a Hydra experiment config (config.yaml beside this file).
 
     python examples/hydra/train.py
-    python examples/hydra/train.py strategy.config.precision=bf16 trainer.max_steps=50 model.n_layer=6
-    python examples/hydra/train.py strategy.config.offload.optimizer=cpu
+    python examples/hydra/train.py zinf=cpu_offload zinf.precision=bf16 trainer.max_steps=50 model.n_layer=6
+    python examples/hydra/train.py zinf=nvme zinf.offload.nvme_paths=[/mnt/nvme0,/mnt/nvme1]
+    python examples/hydra/train.py --cfg job          # print the composed config
+    python examples/hydra/train.py --info defaults    # which presets were picked
+
+The engine config is the ``zinf`` node, one of the presets that ``zinf.hydra_configs.register_configs()``
+stores in Hydra's ConfigStore, typed by ``zinf.ZeroConfig``.
 """
 
 from __future__ import annotations
@@ -16,13 +21,19 @@ from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from zinf import ZeroConfig
+from zinf.hydra_configs import register_configs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt import GPTConfig  # noqa: E402
 from lightning_gpt import CopyTask, LitGPT  # noqa: E402
 
+register_configs()  # zinf/{schema,default,cpu_offload,...}, strategy/zero_infinity, accelerator/zinf
+
 
 @hydra.main(version_base=None, config_path=".", config_name="config")
 def main(cfg: DictConfig) -> None:
+    ZeroConfig.from_dict(cfg.zinf)  # the engine's own checks (allowed values, a ??? left unset), before any process starts
     seed_everything(cfg.seed)
     gpt = GPTConfig(**cfg.model)
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))

@@ -1,17 +1,23 @@
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import zinf
+from zinf import native
 from zinf.cli import main
+from zinf.inspect_cli import parse_summary
+from zinf.report import StepReport
 
 
 def test_info_and_consolidate(tmp_path: Path, capsys) -> None:
     assert main(["info"]) == 0
-    assert "NativeInfo(" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"zinf {zinf.__version__}" in out and "native build" in out and "NativeInfo(" not in out
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -23,3 +29,86 @@ def test_info_and_consolidate(tmp_path: Path, capsys) -> None:
     assert "wrote 4 tensors" in result.stdout
     state = torch.load(out)
     assert set(state) == set(expected) and all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+def test_info_prints_readable_lines(capsys) -> None:
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"zinf {zinf.__version__}"
+    assert lines[1].startswith(f"torch {torch.__version__}") and lines[2].startswith("Python 3.")
+    if native.info().available:
+        text = "\n".join(lines)
+        for label in ("SIMD level:", "OpenMP threads:", "async I/O backend:", "checksum backend:"):
+            assert label in text, label
+
+
+@pytest.mark.skipif(not native.info().available, reason="needs the native build (AsyncIO)")
+def test_info_measures_nvme_paths_and_removes_its_file(tmp_path: Path, capsys) -> None:
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    assert main(["info", "--nvme", str(drive), str(tmp_path / "missing"), "--size-mib", "8"]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith(f"nvme {drive}:"))
+    assert "write " in line and "read " in line and line.count("GB/s") == 2 and "8 MiB sequential" in line
+    assert f"nvme {tmp_path / 'missing'}: not measured" in out and "not a directory" in out
+    assert list(drive.iterdir()) == []
+
+
+def _log_line(report: StepReport) -> str:
+    return f"2026-01-01 00:00:00,000 INFO zinf: zinf: {report.summary()}\n"
+
+
+def test_report_summarises_step_lines(tmp_path: Path, capsys) -> None:
+    log = tmp_path / "train.log"
+    lines = ["epoch 0 starting\n"]
+    for step in range(4):
+        seconds = {"compute": 0.010 * (step + 1), "all_gather": 0.002, "reduce_scatter": 0.001, "optimizer": 0.004,
+                   "nvme_read": 0.001, "background_nvme_read": 0.003, "optimizer_wait": 0.001}
+        lines.append(_log_line(StepReport(step=step, seconds=seconds, counts={"nvme_read_bytes": 4096},
+                                          bytes={"cpu": {"master": 2**20}, "nvme": {"optimizer_state": 3 * 2**20}},
+                                          skipped=step == 2)))
+    log.write_text("".join(lines))
+    parsed = parse_summary(lines[1])
+    assert parsed is not None and parsed.step == 0 and parsed.ms["compute"] == 10.0 and parsed.mib["nvme"] == 3.0
+    assert parsed.io_hidden_share == 0.5  # (3 - 1) ms hidden of (1 + 3) ms
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "4 step reports, steps 0 .. 3, 1 skipped" in out
+    compute = next(x for x in out.splitlines() if x.startswith("compute"))
+    assert compute.split()[1:3] == ["25.0", "25.0"]  # mean and median of 10, 20, 30, 40 ms
+    assert "background_nvme_read" in out and "optimizer_wait" in out and "nvme_write" not in out
+    assert "resident at step 3: cpu 1.0 MiB, nvme 3.0 MiB" in out
+    assert "NVMe I/O hidden share: 50%" in out
+
+
+def test_report_of_a_real_run(tmp_path: Path, capsys) -> None:
+    log = tmp_path / "run.log"
+    handler = logging.FileHandler(log)
+    logger = logging.getLogger("zinf")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        engine = zinf.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config={"log_every_n_steps": 2})
+        for _ in range(5):
+            engine.backward(engine(torch.randn(4, 8)).sum())
+            engine.step()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "3 step reports, steps 0 .. 4" in out and "resident at step 4: cpu" in out
+    assert "no NVMe I/O in this run" in out
+
+
+def test_report_refuses_a_log_without_step_lines(tmp_path: Path, capsys) -> None:
+    log = tmp_path / "other.log"
+    log.write_text("INFO something else\nloss 1.0\n")
+    assert main(["report", str(log)]) == 1
+    err = capsys.readouterr().err
+    assert "no zinf step lines" in err and "log_every_n_steps" in err
+    assert main(["report", str(tmp_path / "absent.log")]) == 2

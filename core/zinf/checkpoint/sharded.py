@@ -10,7 +10,8 @@ the format, world size, rank, the group layout (names, sizes, parameter names an
 shapes) and the commit it belongs to, so loading into a different model or world size, or from a directory
 that mixes saves, fails with a message naming what differs instead of training on mismatched values.
 ``consolidate`` rebuilds an ordinary, unsharded ``state_dict`` from the files alone (no process group
-needed), with tiled layers under their untiled names (see [Note: untiled names] in zinf/tiling.py).
+needed), with tiled layers under their untiled names (see [Note: untiled names] in zinf/tiling.py) and
+without the prefix of a front end's wrapper (see [Note: name prefix]).
 """
 
 from __future__ import annotations
@@ -185,8 +186,33 @@ def read_client_state(path: str | os.PathLike) -> dict:
     return _read_part(path, require_commit(path), 0)["client_state"]
 
 
-def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``."""
+# [Note: name prefix]
+# A front end that wraps the user's model in a root module of its own (the Lightning and Fabric strategies hold
+# it as the root's child ``module``) has every name the engine records prefixed by that root. It records the
+# prefix in each part as ``name_prefix`` (an optional payload field, not part of the layout or its checksum, so
+# resuming is unchanged), and ``consolidate`` removes it: the state dict has the names of the model the user
+# built and loads into it with ``load_state_dict``. Lightning Trainer checkpoints of an earlier zinf, which
+# carry no ``name_prefix``, are recognised by the Trainer state in their client state.
+_LIGHTNING_ROOT = "module."
+_LIGHTNING_STATE = "pytorch-lightning_version"  # in every Trainer checkpoint's client state
+
+
+def _name_prefix(payload: dict[str, Any], names: list[str]) -> str:
+    recorded = payload.get("name_prefix")
+    if isinstance(recorded, str):
+        return recorded
+    client = payload.get("client_state")
+    if isinstance(client, dict) and _LIGHTNING_STATE in client and names and all(
+            n.startswith(_LIGHTNING_ROOT) for n in names):
+        return _LIGHTNING_ROOT
+    return ""
+
+
+def consolidate(path: str | os.PathLike, *, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``, under
+    the names of the model the user built (see [Note: name prefix]): ``model.load_state_dict(state)`` takes it.
+    ``prefix``: remove this prefix from the names instead of the one the checkpoint records (``""``: keep the
+    names as the engine recorded them)."""
     path = Path(path)
     commit = require_commit(path)
     payloads = [_read_part(path, commit, r) for r in range(commit.world)]
@@ -201,4 +227,8 @@ def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 out[name] = value
     out.update(first["buffers"])
     merge_tiles(out, first.get("tiling", {}))
+    if prefix is None:
+        prefix = _name_prefix(first, list(out))
+    if prefix:
+        out = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in out.items()}
     return out

@@ -236,6 +236,7 @@ def adam_step_torch(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     param_out: torch.Tensor | None = None,
+    zero_grad: bool = False,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -262,6 +263,8 @@ def adam_step_torch(
         param.addcdiv_(exp_avg, denom, value=-(lr_ / bias_correction1))
         if param_out is not None:
             param_out.copy_(param)
+        if zero_grad:
+            grad.zero_()
 
 
 def adam_step(
@@ -275,6 +278,7 @@ def adam_step(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     param_out: torch.Tensor | None = None,
+    zero_grad: bool = False,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -288,7 +292,7 @@ def adam_step(
     the compute-dtype copy of the parameter all happen in the same pass.
 
     - ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous CPU float32, updated in place.
-    - ``grad``: contiguous CPU float32/bfloat16/float16 of the same numel; never modified.
+    - ``grad``: contiguous CPU float32/bfloat16/float16 of the same numel; modified only with ``zero_grad``.
     - ``hyper``: an :class:`AdamHyper` (e.g. ``AdamHyper.from_param_group(pg, decoupled=...)``);
       any object with its six fields is accepted (converted to the native struct per call).
       The legacy keyword form ``lr=, beta1=, beta2=, eps=, weight_decay=, decoupled=`` (all six,
@@ -305,6 +309,8 @@ def adam_step(
       factor as ``clip_coef`` and the loss scale as ``grad_scale``.
     - ``param_out``: optional contiguous bf16/fp16 tensor of the same numel; receives the updated
       float32 parameter rounded to nearest even (exactly ``param.to(param_out.dtype)``).
+    - ``zero_grad``: the same pass also zeroes ``grad`` (float32 only) once it has read each element,
+      so the gradient is ready for the next backward without a pass of its own.
 
     Weight decay is applied after the gradient factor: AdamW multiplies ``param`` by
     ``float32(1 - lr * weight_decay)``, Adam adds ``weight_decay * param`` to the scaled gradient.
@@ -313,14 +319,17 @@ def adam_step(
     h = _hyper_of("adam_step", hyper, lr, beta1, beta2, eps, weight_decay, decoupled)
     if _native is None:
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, h, step=step, grad_scale=grad_scale, clip_coef=clip_coef,
-                        param_out=param_out)
+                        param_out=param_out, zero_grad=zero_grad)
         return
     _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step)
+    if zero_grad and grad.dtype != torch.float32:
+        raise ValueError(f"adam_step: zero_grad needs a float32 gradient, found {grad.dtype}")
     _native.adam.adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         "none" if param_out is None else _DTYPE_NAMES[param_out.dtype], param.numel(),
         _native_hyper(h), step=int(step), grad_scale=float(grad_scale), clip_coef=float(clip_coef),
+        zero_grad=bool(zero_grad),
     )
 
 

@@ -190,9 +190,9 @@ class FlatParamGroup:
         """A background optimizer step has not yet produced this group's new shard."""
         return self._fence.pending(self)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, memory_zeroed: bool = False) -> None:
         self.grad_used.zero_()
-        self.grad.zero()
+        self.grad.zero(memory_zeroed)
 
     # -- the fp32 master ------------------------------------------------------------------------
     def read_master(self) -> torch.Tensor:

@@ -103,10 +103,10 @@ class GradShard:
             self._tensor = None
             self.state = GradState.ON_NVME
 
-    def zero(self) -> None:
-        """After a step (or a skipped one): no gradient. Resident memory is zeroed and kept (a torch optimizer
-        holds views of it)."""
-        if self._tensor is not None and self.state is not GradState.EMPTY:
+    def zero(self, memory_zeroed: bool = False) -> None:
+        """After a step (or a skipped one): no gradient. Resident memory is zeroed (unless the consumer already
+        did, ``memory_zeroed``: the fused Adam pass) and kept (a torch optimizer holds views of it)."""
+        if self._tensor is not None and self.state is not GradState.EMPTY and not memory_zeroed:
             self._tensor.zero_()
         self.state, self._norms, self._finite, self.pending = GradState.EMPTY, None, None, []
 

@@ -171,3 +171,24 @@ def test_info_and_forced_level() -> None:
     assert i.simd_level in LEVELS
     with pytest.raises(ValueError, match="unknown SIMD level"):
         native.set_simd_level("sse9")
+
+
+def test_zero_grad_in_the_same_pass_changes_no_number(simd: str) -> None:
+    n = 1037  # a SIMD body and a scalar tail
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    ref = [t.clone() for t in (p, g, m, v)]
+    out, ref_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    h = native.AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=True)
+    native.adam_step(p, g, m, v, h, step=1, clip_coef=0.5, param_out=out, zero_grad=True)
+    native.adam_step(*ref, h, step=1, clip_coef=0.5, param_out=ref_out)
+    assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3]) and torch.equal(out, ref_out)
+    assert not g.any() and ref[1].any()
+
+
+def test_zero_grad_needs_a_float32_gradient() -> None:
+    n = 64
+    with pytest.raises(ValueError, match="zero_grad needs a float32 gradient"):
+        native.adam_step(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
+                         native.AdamHyper(), step=1, zero_grad=True)

@@ -1,0 +1,219 @@
+"""``zinf info`` and ``zinf report``: what this installation can do, and where a run's time went.
+
+``zinf info [--nvme PATH ...]`` prints the versions and the native build, and measures each path's
+sequential O_DIRECT write and read speed through zinf's own :class:`zinf.native.AsyncIO` (the
+settings the offload engine uses: ``offload.aio_block_bytes``, ``aio_queue_depth``, ``aio_threads``).
+
+``zinf report LOGFILE`` reads the per-step lines the engine logs (``zinf: step N | compute X ms | ...``,
+:meth:`zinf.StepReport.summary`, every ``log_every_n_steps`` optimizer steps) and prints their summary.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from zinf.report import OPTIONAL_CATEGORIES, SUMMARY_CATEGORIES
+
+__all__ = ["ParsedStep", "info", "measure_path", "parse_log", "parse_summary", "report"]
+
+_GB = 1e9
+
+
+# -- zinf info ------------------------------------------------------------------------------------------
+def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256 * 2**20) -> int:
+    import torch
+
+    import zinf
+    from zinf import native
+
+    built = native.info()
+    lines = [
+        f"zinf {zinf.__version__}",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, "
+        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} device(s) visible)",
+        f"Python {platform.python_version()} ({platform.system()} {platform.machine()})",
+    ]
+    if built.available:
+        lines += [
+            "native build: loaded",
+            f"  CPU-Adam SIMD level: {built.simd_level}",
+            f"  OpenMP threads:      {built.num_threads}",
+            f"  async I/O backend:   {built.io_backend}",
+            f"  checksum backend:    {native.checksum_backend()}",
+        ]
+    else:
+        lines += [
+            "native build: MISSING (pure-Python fallbacks: slower CPU-Adam, no NVMe offload)",
+            f"  why: {built.error}",
+            f"  fix: {native._BUILD_HINT}",
+        ]
+    out.write("\n".join(lines) + "\n")
+    status = 0
+    for path in nvme_paths or []:
+        try:
+            write_gbs, read_gbs, direct = measure_path(path, size_bytes)
+        except (OSError, ImportError, ValueError) as exc:
+            out.write(f"nvme {path}: not measured: {exc}\n")
+            status = 1
+            continue
+        mode = "O_DIRECT" if direct else "buffered: the file system refused O_DIRECT, so reads may come from the page cache"
+        out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s "
+                  f"({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
+    return status
+
+
+def measure_path(path: str, size_bytes: int) -> tuple[float, float, bool]:
+    """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
+    offload engine's settings; returns (write GB/s, read GB/s, whether O_DIRECT was in effect). The file is
+    removed afterwards."""
+    from zinf import native
+    from zinf.config import OffloadConfig
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{path!r} is not a directory (give the directory offload.nvme_paths would name)")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"{path!r} is not writable by this process")
+    size_bytes = max(4096, size_bytes // 4096 * 4096)
+    free = shutil.disk_usage(directory).free
+    if free < size_bytes:
+        raise ValueError(f"{path!r} has {free / 2**20:.0f} MiB free, the test needs {size_bytes / 2**20:.0f} MiB "
+                         "(lower --size-mib)")
+    native.require()
+    cfg = OffloadConfig()
+    pool = native.PinnedBufferPool(size_bytes)
+    buf = pool.acquire(size_bytes)
+    buf.random_(0, 256)
+    target = directory / f"zinf-info-{os.getpid()}.tmp"
+    try:
+        with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
+                            num_threads=cfg.aio_threads, direct=True) as aio:
+            start = time.perf_counter()
+            aio.wait(aio.submit_write(buf, target))
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # what is written is on the drive, not in a cache
+            finally:
+                os.close(fd)
+            write_s = time.perf_counter() - start
+            direct = aio.direct
+            start = time.perf_counter()
+            aio.wait(aio.submit_read(buf, target))
+            read_s = time.perf_counter() - start
+    finally:
+        target.unlink(missing_ok=True)
+        pool.release(buf)
+    return size_bytes / write_s / _GB, size_bytes / read_s / _GB, direct
+
+
+# -- zinf report ----------------------------------------------------------------------------------------
+_LINE = re.compile(r"zinf: step (\d+)((?: \| [^|\n]+)*)")
+_TIME = re.compile(r"^([a-z_]+) ([0-9.]+) ms$")
+_BYTES = re.compile(r"^([a-z]+) ([0-9.]+) MiB$")
+_HIDDEN = re.compile(r"^io_hidden ([0-9.]+)%$")
+
+
+@dataclass
+class ParsedStep:
+    """One ``StepReport.summary()`` line read back: milliseconds per category, MiB per tier."""
+
+    step: int
+    ms: dict[str, float] = field(default_factory=dict)
+    mib: dict[str, float] = field(default_factory=dict)
+    io_hidden_share: float | None = None
+    skipped: bool = False
+
+    @property
+    def step_ms(self) -> float:
+        """The training thread's time: compute + the waits outside it + the optimizer step (the other categories
+        are parts of these or ran on the background thread)."""
+        return sum(self.ms.get(k, 0.0) for k in ("compute", "all_gather", "reduce_scatter", "optimizer"))
+
+
+def parse_summary(line: str) -> ParsedStep | None:
+    match = _LINE.search(line)
+    if match is None:
+        return None
+    step = ParsedStep(int(match.group(1)))
+    for part in match.group(2).split(" | ")[1:]:
+        part = part.strip()
+        if m := _TIME.match(part):
+            step.ms[m.group(1)] = float(m.group(2))
+        elif m := _BYTES.match(part):
+            step.mib[m.group(1)] = float(m.group(2))
+        elif m := _HIDDEN.match(part):
+            step.io_hidden_share = float(m.group(1)) / 100
+        elif part.startswith("skipped"):
+            step.skipped = True
+    return step
+
+
+def parse_log(path: str) -> list[ParsedStep]:
+    with open(path, errors="replace") as f:
+        return [s for s in map(parse_summary, f) if s is not None]
+
+
+_WHERE = {"nvme_read": "inside all_gather / optimizer", "nvme_write": "inside all_gather / optimizer",
+          "optimizer_wait": "inside all_gather", "background_nvme_read": "background thread",
+          "background_nvme_write": "background thread"}
+
+
+def report(path: str, out: TextIO, err: TextIO) -> int:
+    if not os.path.isfile(path):
+        err.write(f"zinf report: {path} is not a file\n")
+        return 2
+    steps = parse_log(path)
+    if not steps:
+        err.write(f"zinf report: {path} has no zinf step lines (lines like 'zinf: step 10 | compute 12.3 ms | ...').\n"
+                  "The engine logs one every `log_every_n_steps` optimizer steps (zinf config; 0, the default, logs "
+                  "none) at INFO level on rank 0: set it, and let INFO records of the 'zinf' logger through "
+                  "(e.g. logging.basicConfig(level=logging.INFO)).\n")
+        return 1
+    num_skipped = sum(s.skipped for s in steps)
+    out.write(f"{path}: {len(steps)} step reports, steps {steps[0].step} .. {steps[-1].step}"
+              + (f", {num_skipped} skipped (fp16 overflow)" if num_skipped else "") + "\n")
+    totals = [s.step_ms for s in steps]
+    mean_total = statistics.fmean(totals)
+    out.write(f"\n{'step time':<24}{'mean ms':>10}{'median ms':>11}{'share':>8}\n")
+    out.write(f"{'total':<24}{mean_total:>10.1f}{statistics.median(totals):>11.1f}{'100%':>8}\n")
+    for key in SUMMARY_CATEGORIES:
+        values = [s.ms.get(key, 0.0) for s in steps]
+        if key in OPTIONAL_CATEGORIES and not any(key in s.ms for s in steps):
+            continue
+        mean = statistics.fmean(values)
+        share = f"{mean / mean_total * 100:.0f}%" if mean_total > 0 else "-"
+        note = f"  ({_WHERE[key]})" if key in _WHERE else ""
+        name = f"  {key}" if key in _WHERE else key
+        out.write(f"{name:<24}{mean:>10.1f}{statistics.median(values):>11.1f}{share:>8}{note}\n")
+    out.write(f"\nresident at step {steps[-1].step}: "
+              + (", ".join(f"{tier} {mib:.1f} MiB" for tier, mib in sorted(steps[-1].mib.items())) or "none") + "\n")
+    out.write(_hidden_line(steps) + "\n")
+    return 0
+
+
+def _hidden_line(steps: list[ParsedStep]) -> str:
+    """The run's I/O hidden share: each step's share weighted by its NVMe wait time (see [Note: I/O hidden
+    share] in zinf/report.py)."""
+    with_io = [s for s in steps if s.io_hidden_share is not None]
+    if not with_io:
+        if any(k in s.ms for s in steps for k in ("nvme_read", "nvme_write")):
+            return "NVMe I/O hidden share: not in this log (its lines predate the io_hidden field)"
+        return "NVMe I/O hidden share: no NVMe I/O in this run"
+    io_ms = [sum(s.ms.get(k, 0.0) for k in ("nvme_read", "nvme_write", "background_nvme_read",
+                                              "background_nvme_write")) for s in with_io]
+    weight = sum(io_ms)
+    if weight > 0:
+        share = sum(s.io_hidden_share * ms for s, ms in zip(with_io, io_ms)) / weight  # type: ignore[operator]
+    else:
+        share = statistics.fmean(s.io_hidden_share for s in with_io)  # type: ignore[misc]
+    low = min(s.io_hidden_share for s in with_io)  # type: ignore[type-var]
+    return (f"NVMe I/O hidden share: {share * 100:.0f}% of the I/O wait time was off the training thread "
+            f"(lowest step {low * 100:.0f}%, {len(with_io)} steps with NVMe I/O)")

@@ -1,0 +1,261 @@
+"""``zinf plan``: for a model, a world size and this machine, the bytes per rank on device, CPU and NVMe of
+every placement, which placements fit, a predicted step time from bandwidths measured here, and the
+recommended placement with its config.
+
+    import zinf.plan
+    p = zinf.plan.plan(params=1.3e9, layers=24, hidden=2048, nvme_paths=["/mnt/nvme"])
+    print(p.table()); print(p.yaml())
+
+[Note: the planner's model]
+Bytes per parameter of this rank's shard (``Ps`` parameters: each group padded to a multiple of the world size
+and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_bytes()`` counts them:
+
+    placement (params/optimizer)   where the bytes are                                         bytes/param
+    device/device, fp32            device: shard = master 4, grad 4, Adam moments 8              16
+    device/device, bf16            device: shard 2, master 4, grad 4, moments 8                  18
+    device/cpu                     device: shard pb (fp32: 4) | cpu: master+moments 12, grad 4   pb | 16
+    cpu/cpu                        cpu: shard pb, master+moments 12, grad 4                      pb + 16
+    nvme/nvme (grads nvme)         nvme: shard pb (in 4 KiB-aligned records), states 12, grad 4  pb + 16
+                                   + cpu: the pinned pool (offload.pinned_pool_bytes)
+    nvme/nvme/cpu                  nvme: shard pb, states 12 | cpu: grad 4 + pool
+    x/device with x = cpu or nvme  device: master 4, grad 4, moments 8 | x: shard pb (with fp32 on a CPU-only
+                                   machine the CPU store keeps the master's own tensor: no second copy)
+
+Not model state, reported apart and not checked: the full parameters gathered at once (with several ranks, or
+offloaded shards: about ``overlap.prefetch_bytes`` + 2 x the largest group) and an activation estimate (17
+compute-dtype values per hidden unit per token per layer, fp32 logits three times; with checkpointing the
+block inputs only).
+
+Data moved per step and rank:
+
+- compute: ``6 x params x tokens`` matmul FLOPs (``8 x`` with activation checkpointing: one more forward), plus
+  ``6 x layers x seq x hidden x tokens`` for causal attention, at the FLOP/s of a matrix product of the model's
+  shape measured here; plus the element-wise work (norms, activations, softmax, the fp32 loss) as bytes at the
+  device's memory bandwidth (constants in :class:`zinf.plan.cost.Calibration`).
+- optimizer: torch AdamW over device shards moves ~80 bytes/param at device memory bandwidth; zinf's CPU-Adam
+  34 bytes/param at host memory bandwidth (reads gradient, master, moments; writes master, moments, shard;
+  zeroes the gradient; docs/offload.md).
+- NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
+  pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next
+  forward while there is room), and written once (``pb``); optimizer states read and written once (12 + 12);
+  gradients on NVMe written in backward and read by the step (4 + 4). At the disk's measured read and write
+  bandwidths, one after the other (one drive serves both); plus the CRC32C of every record.
+- with CUDA: offloaded parameter shards cross PCIe twice (``2 x pb``), offloaded gradients once (4).
+- with several ranks: all-gather ``2 x (world - 1) x pb`` received, reduce-scatter ``(world - 1) x 4`` sent.
+
+Overlap, as the engine achieves it: streams that run side by side cost ``max(streams) + (1 - h) x (the
+rest)``, with ``h`` = 0.8 hidden (docs/offload.md measured 75-93% of the NVMe I/O hidden behind compute). NVMe
+reads are prefetched and writes trail, so the disk is its own stream. On a CPU-only machine compute, CPU-Adam,
+checksums and gloo collectives share the cores and add up; with CUDA the background CPU-Adam overlaps the next
+forward (a third of the compute) and PCIe and NCCL run beside compute. Ranks on one machine share its host
+memory bandwidth and disks (and, on CPU, its cores).
+
+Recommendation: the fastest placement that fits (device memory, host RAM available now, free space at the NVMe
+paths); among those within 5% of it, the one with the fewest offloads (CPU counts 1, NVMe 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from torch import nn
+
+from zinf.plan.cost import (ALL_PLACEMENTS, Calibration, Estimate, PlanPlacement, Workload, estimate,
+                            parse_placement)
+from zinf.plan.machine import Machine, measure_machine
+from zinf.plan.model import (ModelSpec, PlanError, spec_from_factory, spec_from_hf, spec_from_module,
+                             spec_from_params)
+
+__all__ = ["plan", "Plan", "Machine", "measure_machine", "ModelSpec", "PlanError", "PlanPlacement", "Estimate",
+           "Workload", "Calibration", "ALL_PLACEMENTS", "parse_placement", "model_spec", "TIE_TOLERANCE"]
+
+TIE_TOLERANCE = 0.05  # placements within 5% of the fastest count as a tie
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    machine: Machine
+    workload: Workload
+    nvme_paths: list[str]
+    estimates: list[Estimate]
+    recommended: Estimate | None
+    notes: list[str] = field(default_factory=list)
+
+    def config(self, est: Estimate | None = None) -> dict[str, Any]:
+        """The ``zinf:`` section (a ZeroConfig dict) for ``est`` (default: the recommended placement)."""
+        est = est or self.recommended
+        if est is None:
+            raise PlanError("zinf plan: no placement fits this machine; see the table for what each one lacks.")
+        cfg: dict[str, Any] = {"precision": est.precision, "offload": est.placement.offload_config()}
+        if "nvme" in (est.placement.params, est.placement.optimizer):
+            cfg["offload"].update(nvme_paths=list(self.nvme_paths), pinned_pool_bytes=est.pinned_pool_bytes,
+                                  sub_group_numel=est.sub_group_numel)
+        if self.workload.checkpointing:
+            cfg["activation_checkpointing"] = {"modules": ["<your block class, e.g. Block>"]}
+        return cfg
+
+    def yaml(self, est: Estimate | None = None) -> str:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml({"zinf": self.config(est)})
+
+    def to_dict(self) -> dict[str, Any]:
+        def row(e: Estimate) -> dict[str, Any]:
+            return {"placement": e.placement.name, "params": e.placement.params, "optimizer": e.placement.optimizer,
+                    "grads": e.placement.grads, "precision": e.precision,
+                    "bytes": {t: dict(k) for t, k in e.bytes.items()},
+                    "bytes_per_tier": {t: e.tier_bytes(t) for t in e.bytes},
+                    "disk_bytes": e.disk_bytes, "io_bytes": dict(e.io_bytes),
+                    "seconds": {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in e.seconds.items()},
+                    "pinned_pool_bytes": e.pinned_pool_bytes, "fits": e.fits, "why_not": list(e.why_not)}
+
+        rec = self.recommended
+        return {
+            "model": {"source": self.model.source, "params": self.model.numel, "groups": len(self.model.groups),
+                      "layers": self.model.num_layers, "hidden": self.model.hidden, "seq_len": self.model.seq_len,
+                      "vocab": self.model.vocab},
+            "workload": vars(self.workload).copy(),
+            "machine": self.machine.to_dict(),
+            "placements": [row(e) for e in self.estimates],
+            "recommended": None if rec is None else {**row(rec), "config": {"zinf": self.config(rec)}},
+            "notes": list(self.notes),
+        }
+
+    def json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def table(self) -> str:
+        m, wl = self.machine, self.workload
+        gib = 2**30
+        lines = [f"model: {self.model.describe()}",
+                 f"workload: world {wl.world} ({wl.ranks_per_node} per machine), {wl.batch_tokens} tokens per rank per "
+                 f"step, seq {wl.seq_len}{', activation checkpointing' if wl.checkpointing else ''}",
+                 f"machine: {m.device_name}; device {m.device_bytes / gib:.1f} GiB, host RAM available "
+                 f"{m.host_bytes / gib:.1f} GiB" + "".join(f", {p}: {f / gib:.0f} GiB free" for p, f in m.nvme_free_bytes.items()),
+                 "measured: " + ", ".join([f"{k} matmul {v / 1e9:.0f} GFLOP/s" for k, v in m.flops.items()]
+                                          + [f"host copy {m.host_bw / 1e9:.1f} GB/s"]
+                                          + [f"disk {p} read {m.disk_read_bw[p] / 1e9:.2f} / write "
+                                             f"{m.disk_write_bw[p] / 1e9:.2f} GB/s" for p in m.disk_read_bw]
+                                          + ([f"H2D {m.h2d_bw / 1e9:.1f} GB/s"] if m.h2d_bw else [])),
+                 f"all-gather: {m.allgather_source}" + (f" ({m.allgather_bw / 1e9:.2f} GB/s)" if m.allgather_bw else "")]
+        lines += [f"note: {n}" for n in list(self.model.notes) + m.notes + self.notes]
+        lines.append("")
+        head = (f"{'placement':<15}{'prec':<6}{'device GiB':>11}{'cpu GiB':>9}{'nvme GiB':>10}{'compute s':>10}"
+                f"{'optim s':>9}{'nvme s':>8}{'step s':>8}  fits")
+        lines += [head, "-" * len(head)]
+        for e in self.estimates:
+            s = e.seconds
+            mark = "  <- recommended" if e is self.recommended else ""
+            fits = "yes" if e.fits else "no: " + "; ".join(e.why_not)
+            lines.append(f"{e.placement.name:<15}{e.precision:<6}{e.tier_bytes('device') / gib:>11.2f}"
+                         f"{e.tier_bytes('cpu') / gib:>9.2f}{e.tier_bytes('nvme') / gib:>10.2f}{s['compute']:>10.3f}"
+                         f"{s['optimizer']:>9.3f}{s.get('nvme', 0.0):>8.3f}{s['step']:>8.3f}  {fits}{mark}")
+        lines.append("")
+        lines.append("device GiB includes the gathered parameters' peak and an activation estimate; "
+                     "nvme GiB counts the states' bytes (swap files add 4 KiB alignment per record).")
+        if self.recommended is None:
+            lines.append("no placement fits: use more ranks, a larger NVMe path, or a smaller batch.")
+        else:
+            lines += ["", f"recommended: {self.recommended.placement.name} ({self.recommended.precision}), "
+                          f"predicted step {self.recommended.seconds['step']:.3f} s", "", self.yaml().rstrip()]
+        return "\n".join(lines)
+
+
+def model_spec(model: Any = None, *, params: float | None = None, layers: int | None = None, hidden: int | None = None,
+               vocab: int | None = None, hf_config: Any = None, hf_kwargs: dict | None = None, module: str | None = None,
+               module_kwargs: dict | str | None = None, seq_len: int | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` from exactly one of: ``model`` (an nn.Module, a ModelSpec or a transformers config),
+    ``params`` (with optional ``layers``/``hidden``), ``hf_config`` (a model type or config), ``module``
+    (``"package.module:factory"``)."""
+    given = [name for name, v in (("model", model), ("params", params), ("hf_config", hf_config), ("module", module))
+             if v is not None]
+    if len(given) != 1:
+        raise PlanError("zinf plan: give exactly one model: --params N [--layers L --hidden H], --hf-config TYPE "
+                        f"[--hf-kwargs JSON], or --module pkg.mod:factory (found {given or 'none'}).")
+    if params is not None:
+        return spec_from_params(params, layers, hidden, vocab, seq_len)
+    if hf_config is not None:
+        spec = spec_from_hf(hf_config, hf_kwargs, seq_len)
+    elif module is not None:
+        spec = spec_from_factory(module, module_kwargs, seq_len)
+    elif isinstance(model, ModelSpec):
+        spec = model
+    elif isinstance(model, nn.Module):
+        spec = spec_from_module(model, seq_len=seq_len)
+    else:
+        spec = spec_from_hf(model, None, seq_len)
+    if layers or hidden or vocab:  # shapes the caller knows better than the heuristics
+        spec = ModelSpec(spec.groups, spec.source, layers or spec.num_layers, hidden or spec.hidden, spec.seq_len,
+                         vocab or spec.vocab, spec.notes)
+    return spec
+
+
+def plan(model: Any = None, *, params: float | None = None, layers: int | None = None, hidden: int | None = None,
+         vocab: int | None = None, hf_config: Any = None, hf_kwargs: dict | None = None, module: str | None = None,
+         module_kwargs: dict | str | None = None, world: int = 1, precision: str | Sequence[str] = "fp32",
+         nvme_paths: Sequence[str] = (), batch_tokens: int = 2048, seq_len: int | None = None,
+         checkpointing: bool = False, placements: Sequence[str | PlanPlacement] | None = None,
+         machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
+         pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
+         allgather_gbps: float | None = None, calibration: Calibration = Calibration()) -> Plan:
+    """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
+    ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
+    (tests inject one); otherwise this machine is measured (a few seconds, disks cached)."""
+    if world < 1:
+        raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
+    if batch_tokens < 1:
+        raise PlanError(f"zinf plan: --batch-tokens = {batch_tokens} is not allowed; expected tokens per rank per step >= 1.")
+    precisions = [precision] if isinstance(precision, str) else list(precision)
+    from zinf.config import PRECISIONS
+
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise PlanError(f"zinf plan: --precision {p!r} is not allowed; expected one of {sorted(PRECISIONS)}.")
+    chosen = [p if isinstance(p, PlanPlacement) else parse_placement(p) for p in placements] if placements else list(ALL_PLACEMENTS)
+    paths = list(nvme_paths)
+    spec = model_spec(model, params=params, layers=layers, hidden=hidden, vocab=vocab, hf_config=hf_config,
+                      hf_kwargs=hf_kwargs, module=module, module_kwargs=module_kwargs, seq_len=seq_len)
+    seq = min(seq_len or spec.seq_len or 1024, batch_tokens)
+    if machine is None:
+        h = spec.hidden or 2048
+        machine = measure_machine(paths, precisions, world, matmul_shape=(min(batch_tokens, 4096), h, 4 * h),
+                                  remeasure=remeasure, allgather_gbps=allgather_gbps)
+    else:
+        import dataclasses
+
+        from zinf.plan.machine import nvme_free_bytes
+
+        free = nvme_free_bytes(paths)  # the paths must exist, also with a given machine
+        machine = dataclasses.replace(machine, nvme_free_bytes={**free, **machine.nvme_free_bytes})
+    if ranks_per_node is None:
+        ranks_per_node = world if machine.device == "cpu" else min(world, _cuda_count())
+    wl = Workload(world=world, batch_tokens=batch_tokens, seq_len=seq, checkpointing=checkpointing,
+                  ranks_per_node=ranks_per_node, pinned_pool_bytes=pinned_pool_bytes, sub_group_numel=sub_group_numel,
+                  max_cpu_bytes=max_cpu_bytes)
+    notes = []
+    if not paths:
+        notes.append("no --nvme path: NVMe placements are shown but cannot fit")
+    if not spec.hidden or not spec.num_layers:
+        notes.append("layers / hidden size unknown: attention and element-wise time left out of the compute estimate")
+    estimates = [estimate(spec, machine, wl, pl, prec, paths, calibration) for prec in precisions for pl in chosen]
+    return Plan(spec, machine, wl, paths, estimates, recommend(estimates), notes)
+
+
+def recommend(estimates: Sequence[Estimate]) -> Estimate | None:
+    """The fastest placement that fits; among those within TIE_TOLERANCE of it, the fewest offloads."""
+    fitting = [e for e in estimates if e.fits and not math.isnan(e.seconds["step"])]
+    if not fitting:
+        return None
+    best = min(e.seconds["step"] for e in fitting)
+    close = [e for e in fitting if e.seconds["step"] <= best * (1 + TIE_TOLERANCE)]
+    return min(close, key=lambda e: (e.placement.num_offloads, e.seconds["step"]))
+
+
+def _cuda_count() -> int:  # pragma: no cover - CUDA only
+    import torch
+
+    return max(1, torch.cuda.device_count())

@@ -1,0 +1,361 @@
+"""Bytes per tier and step time of one placement: the planner's model of the engine (see zinf/plan/__init__.py
+for the model in words and the bytes per parameter).
+
+Everything is per rank. ``Ps`` is this rank's shard numel summed over the groups (each group padded to a
+multiple of the world size), ``pb`` the compute dtype's bytes (4 for fp32, 2 for bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from zinf.config import PRECISIONS, TIERS
+from zinf.offload.pool_room import block_bytes
+from zinf.offload.state_store import READ_AHEAD_BYTES
+from zinf.offload.subgroups import ALIGN_NUMEL
+from zinf.offload.swap import TRAILER_BYTES, align_up
+from zinf.plan.machine import Machine
+from zinf.plan.model import ModelSpec, PlanError
+
+__all__ = ["PlanPlacement", "Estimate", "ALL_PLACEMENTS", "parse_placement", "estimate", "Workload", "Calibration"]
+
+
+@dataclass(frozen=True)
+class PlanPlacement:
+    """Where parameter shards, optimizer states (fp32 master + two Adam moments) and gradient shards live."""
+
+    params: str
+    optimizer: str
+    grads: str
+
+    @property
+    def name(self) -> str:
+        auto = {"device": "device", "cpu": "cpu", "nvme": "nvme"}[self.optimizer]
+        return f"{self.params}/{self.optimizer}" + ("" if self.grads == auto else f"/{self.grads}")
+
+    @property
+    def num_offloads(self) -> int:
+        """How far state moves off the device: 1 per kind on CPU, 2 on NVMe (ties prefer the smaller)."""
+        return sum({"device": 0, "cpu": 1, "nvme": 2}[t] for t in (self.params, self.optimizer, self.grads))
+
+    def offload_config(self) -> dict[str, str]:
+        auto = self.grads == self.optimizer
+        return {"params": self.params, "optimizer": self.optimizer, "grads": "auto" if auto else self.grads}
+
+
+def _all() -> tuple[PlanPlacement, ...]:
+    out = []
+    for p in TIERS:
+        for o in TIERS:
+            out.append(PlanPlacement(p, o, o))
+            if o == "nvme":
+                out.append(PlanPlacement(p, o, "cpu"))
+    return tuple(out)
+
+
+ALL_PLACEMENTS = _all()
+
+
+def parse_placement(text: str) -> PlanPlacement:
+    """``"params/optimizer[/grads]"``, e.g. ``"device/cpu"``, ``"nvme/nvme"``, ``"nvme/nvme/cpu"``."""
+    parts = text.strip().split("/")
+    if len(parts) == 2:
+        parts.append(parts[1])
+    names = [p.name for p in ALL_PLACEMENTS]
+    if len(parts) == 3:
+        for p in ALL_PLACEMENTS:
+            if (p.params, p.optimizer, p.grads) == tuple(parts):
+                return p
+    raise PlanError(f"zinf plan: unknown placement {text!r}; expected params/optimizer[/grads] with tiers "
+                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe), one of {names}.")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's constants, each with where it comes from (see the module docstring of zinf/plan)."""
+
+    # bytes moved per parameter by a torch AdamW step over the shards plus the gradient zeroing (and for bf16 the
+    # copy of the master into the shard): single-tensor AdamW on CPU makes ~8 passes (lerp, mul+addcmul, sqrt,
+    # div, add, addcdiv, weight decay) over 4-byte tensors
+    torch_adam_bytes: float = 80.0
+    # zinf's CPU-Adam: reads gradient, master, moments (16), writes master, moments, shard (12 + pb), zeroes the
+    # gradient (4), plus the norm read at completion (4): docs/offload.md
+    cpu_adam_bytes: float = 34.0
+    # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
+    # residuals, attention softmax, copies), forward + backward
+    elementwise_per_layer: float = 60.0
+    # per token per vocabulary entry (logits, fp32 cross-entropy forward and backward)
+    elementwise_per_vocab: float = 8.0
+    # share of a stream's time hidden behind the longest one (docs/offload.md measured 75-93% of NVMe I/O hidden)
+    hidden_fraction: float = 0.8
+    # CRC32C of every offloaded record, read and written (bytes per second per core)
+    crc_bw_per_core: float = 8e9
+
+
+@dataclass(kw_only=True)
+class Workload:
+    world: int = 1
+    batch_tokens: int = 2048  # tokens per rank per optimizer step
+    seq_len: int = 1024
+    checkpointing: bool = False
+    ranks_per_node: int = 1
+    pinned_pool_bytes: int | None = None  # None: the planner picks
+    sub_group_numel: int = 8 << 20
+    prefetch_bytes: int = 64 << 20
+    max_cpu_bytes: int = 0
+
+
+@dataclass
+class Estimate:
+    placement: PlanPlacement
+    precision: str
+    bytes: dict[str, dict[str, int]]  # tier -> kind -> bytes per rank (model states, pinned pool, estimates)
+    disk_bytes: int  # swap files on NVMe per rank
+    io_bytes: dict[str, int]  # per step per rank: nvme_read, nvme_write, h2d, d2h, allgather
+    seconds: dict[str, float]  # compute, optimizer, nvme, pcie, allgather, step
+    pinned_pool_bytes: int
+    sub_group_numel: int
+    fits: bool = True
+    why_not: list[str] = field(default_factory=list)
+
+    def tier_bytes(self, tier: str, states_only: bool = False) -> int:
+        kinds = self.bytes.get(tier, {})
+        return sum(v for k, v in kinds.items() if not states_only or k in _STATE_KINDS)
+
+
+_STATE_KINDS = ("param_shards", "master", "grad_shards", "optimizer_state", "pinned_pool")
+
+
+def _span(nbytes: int) -> int:
+    return align_up(nbytes + TRAILER_BYTES)
+
+
+def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
+    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)  # as plan_subgroups
+    out = []
+    for n in shards:
+        out += [min(size, n - lo) for lo in range(0, n, size)]
+    return out
+
+
+def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
+    """What Placement._check_pool requires of offload.pinned_pool_bytes."""
+    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    pipeline = largest = 0
+    if pl.optimizer == "nvme":
+        per = 4 if pl.grads == "nvme" else 3
+        pipeline = 3 * per * block_bytes(max(_span(n * 4) for n in _subgroup_numels(shards, sub_group_numel)))
+    if pl.params == "nvme":
+        largest = block_bytes(max(_span(n * pb) for n in shards))
+    return pipeline + 4 * largest
+
+
+def choose_pool(need: int, param_span_bytes: int) -> int:
+    """The pool the planner recommends: what the checks need, half again for read-ahead, and room to keep the
+    parameter shards cached (up to 1 GiB), in 64 MiB steps, at least the engine's 256 MiB."""
+    want = int(need * 1.5) + min(param_span_bytes, 1 << 30)
+    return max(256 << 20, align_up(want, 64 << 20))
+
+
+def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, machine_device: str,
+                pool_bytes: int) -> dict[str, dict[str, int]]:
+    """Bytes per tier and kind as ``engine.resident_bytes()`` reports them at their peak (gradient shards on
+    NVMe counted while they are there)."""
+    shards = spec.shard_numels(world)
+    ps, pb = sum(shards), PRECISIONS[precision].itemsize
+    trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
+    out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+
+    def add(tier: str, kind: str, n: int) -> None:
+        if n:
+            out[tier][kind] = out[tier].get(kind, 0) + n
+
+    shared = pb == 4 and pl.optimizer == "device"  # fp32 with a device optimizer: the shard is the master
+    if pl.params == "nvme":
+        add("nvme", "param_shards", sum(_span(n * pb) for n in shards))
+    elif pl.params == "cpu" and shared and machine_device == "cpu":
+        pass  # the CPU store keeps the master's own tensor (no copy without CUDA); counted as the master below
+    else:
+        add(pl.params, "param_shards", 0 if (shared and pl.params == "device") else ps * pb)
+    if pl.optimizer == "device":
+        add("device", "param_shards" if shared and pl.params == "device" else "master", ps * 4)
+        add("device", "optimizer_state", trainable * 8)
+        add("device", "grad_shards", trainable * 4)
+    else:
+        add(pl.optimizer, "optimizer_state", ps * 12)
+        add(pl.grads, "grad_shards", ps * 4)
+    if "nvme" in (pl.params, pl.optimizer):
+        add("cpu", "pinned_pool", pool_bytes)
+    return out
+
+
+def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
+    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    total = sum(_span(n * pb) for n in shards) if pl.params == "nvme" else 0
+    if pl.optimizer == "nvme":
+        per = 4 if pl.grads == "nvme" else 3
+        total += per * sum(_span(n * 4) for n in _subgroup_numels(shards, sub_group_numel))
+    return total
+
+
+def _activation_bytes(spec: ModelSpec, wl: Workload, pb: int) -> int:
+    """A rough activation estimate (not checked against runs): 17 compute-dtype values per hidden unit per token
+    per layer with fused attention, the logits in fp32 three times; with checkpointing the block inputs only,
+    plus one block recomputed."""
+    h, layers, vocab = spec.hidden or 0, spec.num_layers or 0, spec.vocab or 0
+    per_layer = wl.batch_tokens * h * 17 * pb
+    blocks = layers * wl.batch_tokens * h * pb + per_layer if wl.checkpointing else layers * per_layer
+    return blocks + wl.batch_tokens * vocab * 4 * 3
+
+
+def _gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement) -> int:
+    """Full parameters gathered at once (0 with one rank and device shards: gathered in place)."""
+    if wl.world == 1 and pl.params == "device":
+        return 0
+    fulls = [n * wl.world * pb for n in spec.shard_numels(wl.world)]
+    return min(sum(fulls), wl.prefetch_bytes + 2 * max(fulls))
+
+
+def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement, precision: str,
+             nvme_paths: Sequence[str] = (), cal: Calibration = Calibration()) -> Estimate:
+    if precision not in PRECISIONS:
+        raise PlanError(f"zinf plan: precision {precision!r} is not one of {sorted(PRECISIONS)}.")
+    pb = PRECISIONS[precision].itemsize
+    world, ranks = wl.world, max(1, wl.ranks_per_node)
+    shards = spec.shard_numels(world)
+    ps = sum(shards)
+    uses_nvme = "nvme" in (pl.params, pl.optimizer)
+    need = pool_need(spec, world, precision, pl, wl.sub_group_numel) if uses_nvme else 0
+    param_spans = sum(_span(n * pb) for n in shards)
+    pool = (wl.pinned_pool_bytes or choose_pool(need, param_spans if pl.params == "nvme" else 0)) if uses_nvme else 0
+    nbytes = state_bytes(spec, world, precision, pl, machine.device, pool)
+    acts = _activation_bytes(spec, wl, pb)
+    gathered = _gathered_peak(spec, wl, pb, pl)
+    if gathered:
+        nbytes["device"]["gathered_peak"] = gathered
+    if acts:
+        nbytes["device"]["activations_estimate"] = acts
+    disk = disk_bytes(spec, world, precision, pl, wl.sub_group_numel) if uses_nvme else 0
+
+    # -- data moved per step -------------------------------------------------------------------------
+    io = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0, "allgather": 0, "reduce_scatter": 0}
+    if pl.params == "nvme":
+        # the pool keeps shards for the backward and updated shards for the next forward (NvmeShardStore);
+        # what it cannot keep is read in the forward and again in the backward
+        pipeline = need - 4 * block_bytes(max(_span(n * pb) for n in shards))
+        cache = max(0, pool - pipeline - 3 * block_bytes(max(_span(n * pb) for n in shards))
+                    - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
+        io["nvme_read"] += 2 * max(0, param_spans - cache)
+        io["nvme_write"] += param_spans
+    if pl.optimizer == "nvme":
+        io["nvme_read"] += ps * 12
+        io["nvme_write"] += ps * 12
+        if pl.grads == "nvme":
+            io["nvme_read"] += ps * 4
+            io["nvme_write"] += ps * 4
+    if machine.device == "cuda":  # pragma: no cover - CUDA only
+        if pl.params != "device":
+            io["h2d"] += 2 * ps * pb
+        if pl.optimizer != "device":
+            io["d2h"] += ps * 4
+    if world > 1:
+        io["allgather"] = 2 * (world - 1) * ps * pb  # received per rank: the forward's gathers and the backward's
+        io["reduce_scatter"] = (world - 1) * ps * 4
+
+    # -- time per step ---------------------------------------------------------------------------------
+    cpu = machine.device == "cpu"
+    share = ranks if cpu else 1  # ranks on one CPU machine share its cores
+    flops = machine.flops_for(precision) / share
+    tokens = wl.batch_tokens
+    recompute = 4 / 3 if wl.checkpointing else 1.0  # one more forward: 8 instead of 6 flops per parameter
+    matmul_flops = (6 * spec.matmul_numel * tokens + 6 * (spec.num_layers or 0) * wl.seq_len * (spec.hidden or 0) * tokens) * recompute
+    mem_bw = machine.device_bw / share
+    host_bw = machine.host_bw / ranks
+    elementwise = tokens * ((spec.num_layers or 0) * (spec.hidden or 0) * cal.elementwise_per_layer * recompute
+                            + (spec.vocab or 0) * cal.elementwise_per_vocab) * 4
+    sec: dict[str, float] = {}
+    sec["compute"] = matmul_flops / flops + elementwise / mem_bw
+    trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
+    if pl.optimizer == "device":
+        sec["optimizer"] = trainable * cal.torch_adam_bytes / mem_bw
+    else:
+        sec["optimizer"] = ps * cal.cpu_adam_bytes / host_bw
+    nvme_bytes = io["nvme_read"] + io["nvme_write"]
+    if nvme_bytes:
+        read_bw, write_bw = _disk_bw(machine, nvme_paths)
+        sec["nvme"] = (io["nvme_read"] / read_bw + io["nvme_write"] / write_bw) * ranks
+        sec["checksum"] = nvme_bytes / (cal.crc_bw_per_core * max(1, machine.cores // share))
+    if io["h2d"] or io["d2h"]:  # pragma: no cover - CUDA only
+        sec["pcie"] = (io["h2d"] + io["d2h"]) / (machine.h2d_bw or 12e9)
+    if world > 1:
+        bw = machine.allgather_bw or 0.0
+        sec["allgather"] = (io["allgather"] + io["reduce_scatter"]) / bw if bw else float("nan")
+    # streams: on CPU the compute, the CPU-Adam, the checksums and gloo share the cores (they add up); the disk
+    # is a stream of its own. With CUDA the CPU-Adam runs beside the next forward (a third of the compute).
+    if cpu:
+        streams = [sec["compute"] + sec["optimizer"] + sec.get("checksum", 0.0) + _finite(sec.get("allgather", 0.0)),
+                   sec.get("nvme", 0.0)]
+    else:  # pragma: no cover - CUDA only
+        opt_visible = sec["optimizer"] if pl.optimizer == "device" else max(0.0, sec["optimizer"] - sec["compute"] / (3 * recompute))
+        streams = [sec["compute"] + opt_visible, sec.get("nvme", 0.0) + sec.get("checksum", 0.0),
+                   sec.get("pcie", 0.0), _finite(sec.get("allgather", 0.0))]
+    longest = max(streams)
+    sec["step"] = longest + (1 - cal.hidden_fraction) * (sum(streams) - longest)
+    if world > 1 and not machine.allgather_bw:
+        sec["step"] = float("nan")
+    est = Estimate(pl, precision, nbytes, disk, io, sec, pool, wl.sub_group_numel)
+    _check_fit(est, spec, machine, wl, nvme_paths)
+    return est
+
+
+def _finite(x: float) -> float:
+    return 0.0 if x != x else x
+
+
+def _disk_bw(machine: Machine, paths: Sequence[str]) -> tuple[float, float]:
+    """Offload files are striped over the paths: their bandwidths add up, one per file system."""
+    read = write = 0.0
+    for dev, group in _by_filesystem(paths).items():
+        read += min(machine.disk_read_bw.get(p, 0.0) for p in group) or 0.0
+        write += min(machine.disk_write_bw.get(p, 0.0) for p in group) or 0.0
+    if not read or not write:
+        raise PlanError("zinf plan: no disk bandwidth for the --nvme paths; measure them (drop the Machine given) or "
+                        "fill Machine.disk_read_bw / disk_write_bw.")
+    return read, write
+
+
+def _by_filesystem(paths: Sequence[str]) -> dict[object, list[str]]:
+    out: dict[object, list[str]] = {}
+    for p in paths:
+        key: object = os.stat(p).st_dev if os.path.exists(p) else p
+        out.setdefault(key, []).append(p)
+    return out
+
+
+def _check_fit(est: Estimate, spec: ModelSpec, machine: Machine, wl: Workload, paths: Sequence[str]) -> None:
+    ranks = max(1, wl.ranks_per_node)
+    gib = 2**30
+    dev = est.tier_bytes("device")
+    cpu = est.tier_bytes("cpu")
+    if machine.device == "cuda":  # pragma: no cover - CUDA only
+        cap = int(machine.device_bytes * 0.9)  # the caching allocator's fragmentation and the CUDA context
+        if dev > cap:
+            est.why_not.append(f"device: needs {dev / gib:.2f} GiB per GPU, has {cap / gib:.2f} GiB (90% of it)")
+        host_need = cpu * ranks
+    else:
+        host_need = (cpu + dev) * ranks
+    host_cap = wl.max_cpu_bytes or machine.host_bytes
+    if host_need > host_cap:
+        est.why_not.append(f"host memory: needs {host_need / gib:.2f} GiB for {ranks} rank(s), "
+                           f"{'max_cpu_bytes allows' if wl.max_cpu_bytes else 'available'} {host_cap / gib:.2f} GiB")
+    if est.disk_bytes:
+        if not paths:
+            est.why_not.append("nvme: no --nvme path given")
+        else:
+            free = sum(machine.nvme_free_bytes.get(g[0], 0) for g in _by_filesystem(paths).values())
+            need = est.disk_bytes * ranks
+            if need > free:
+                est.why_not.append(f"nvme: needs {need / gib:.2f} GiB of swap files, {free / gib:.2f} GiB free")
+    est.fits = not est.why_not

@@ -1,0 +1,291 @@
+"""What the planner knows about the machine: capacities per tier and bandwidths measured on the spot.
+
+:class:`Machine` holds the figures; :func:`measure_machine` measures them (tests and callers may build a
+``Machine`` by hand instead). The measurements are short:
+
+- disk read and write through zinf's own AsyncIO (O_DIRECT, 1 MiB blocks, 32 in flight, the engine's
+  defaults), 256 MiB per path, cached in ``~/.cache/zinf/disk_bandwidth.json`` by path and device
+  (``remeasure=True`` measures again);
+- host memory bandwidth: a copy of 256 MiB between two host tensors (bytes read + written per second);
+- compute: a matrix product in each precision on the compute device, at the model's shape when known;
+- with CUDA, host-to-device copies from pinned memory;
+- all-gather bandwidth: measured when a process group is up, otherwise estimated (and said so): on one
+  machine with gloo, from host memory bandwidth; with NCCL, not measured (give ``allgather_gbps``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = ["Machine", "measure_machine", "available_ram", "nvme_free_bytes", "GLOO_FRACTION_OF_HOST_BW"]
+
+# gloo on one machine moves a gathered byte through the loopback/shared-memory transport: copies into and out of
+# socket buffers, about a quarter of a plain memcpy's rate (bytes read + written) on the machines we measured
+GLOO_FRACTION_OF_HOST_BW = 0.25
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zinf" / "disk_bandwidth.json"
+
+
+@dataclass(kw_only=True)
+class Machine:
+    """Capacities (bytes) and bandwidths (bytes per second) of one machine, as the planner uses them.
+
+    ``device``: "cuda" or "cpu" (CPU compute: the "device" tier is host memory). ``device_bytes``: CUDA
+    memory of one GPU, or the host's available RAM on CPU. ``flops``: matrix-product FLOP/s per precision on the
+    compute device. ``host_bw``: bytes read + written per second by a big host copy. ``disk_read_bw`` /
+    ``disk_write_bw``: per NVMe path; paths on one file system share it. ``device_bw``: device memory copy
+    rate (host_bw on CPU). ``h2d_bw``: pinned host-to-device copies (None on CPU). ``allgather_bw``: bytes a rank
+    receives per second in an all-gather (None: world 1, or unknown), ``allgather_source`` says how it was found.
+    ``cores``: CPU cores the ranks on this machine share.
+    """
+
+    device: str
+    device_name: str
+    device_bytes: int
+    host_bytes: int
+    cores: int
+    flops: dict[str, float]
+    host_bw: float
+    device_bw: float
+    nvme_free_bytes: dict[str, int] = field(default_factory=dict)
+    disk_read_bw: dict[str, float] = field(default_factory=dict)
+    disk_write_bw: dict[str, float] = field(default_factory=dict)
+    h2d_bw: float | None = None
+    allgather_bw: float | None = None
+    allgather_source: str = "not needed (world 1)"
+    notes: list[str] = field(default_factory=list)
+
+    def flops_for(self, precision: str) -> float:
+        if precision in self.flops:
+            return self.flops[precision]
+        low = [v for k, v in self.flops.items() if k in ("bf16", "fp16")]
+        return low[0] if precision in ("bf16", "fp16") and low else self.flops["fp32"]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Machine":
+        """A machine as ``to_dict`` (or the "machine" entry of ``zinf plan --json``) wrote it."""
+        from dataclasses import fields
+
+        from zinf.plan.model import PlanError
+
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"zinf plan: machine description has unknown keys {unknown}; expected {sorted(known)}.")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise PlanError(f"zinf plan: machine description is incomplete ({exc}).") from None
+
+    @classmethod
+    def load(cls, path: str) -> "Machine":
+        """A JSON file holding a machine, or a whole ``zinf plan --json`` output (its "machine" entry)."""
+        from zinf.plan.model import PlanError
+
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanError(f"zinf plan: --machine {path!r} does not exist; give a JSON file written by "
+                            "'zinf plan --json' (its \"machine\" entry).") from None
+        except ValueError as exc:
+            raise PlanError(f"zinf plan: --machine {path!r} is not JSON ({exc}).") from None
+        return cls.from_dict(data.get("machine", data) if isinstance(data, dict) else data)
+
+
+def available_ram() -> int:
+    from zinf.offload.placement import _available_ram
+
+    return _available_ram()
+
+
+def _device_key(path: str) -> str:
+    return f"{os.path.realpath(path)}@{os.stat(path).st_dev}"
+
+
+def nvme_free_bytes(paths: Sequence[str]) -> dict[str, int]:
+    """Free bytes at each path; a path that does not exist is a clear error (create it first)."""
+    from zinf.plan.model import PlanError
+
+    out = {}
+    for p in paths:
+        if not os.path.isdir(p):
+            raise PlanError(f"zinf plan: --nvme {p!r} does not exist or is not a directory; create it (mkdir -p {p}) "
+                            "or give the directory on the NVMe drive where offload files should go.")
+        out[p] = shutil.disk_usage(p).free
+    return out
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(data: dict) -> None:
+    try:
+        _CACHE.parent.mkdir(parents=True, exist_ok=True)
+        _CACHE.write_text(json.dumps(data, indent=1, sort_keys=True))
+    except OSError:  # a read-only home: measure again next time
+        pass
+
+
+def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float]:
+    """Sequential write then read (bytes/s) of one file at ``path`` through zinf's AsyncIO with the engine's
+    settings; the write is timed to ``fsync``, the read bypasses the page cache (O_DIRECT)."""
+    from zinf import native
+
+    native.require()
+    pool = native.PinnedBufferPool(nbytes)
+    buf = pool.acquire(nbytes)
+    buf.fill_(1)
+    f = os.path.join(path, f".zinf_plan_bw_{os.getpid()}.bin")
+    try:
+        with native.AsyncIO(block_size=1 << 20, queue_depth=32, num_threads=2, direct=True) as aio:
+            t = time.perf_counter()
+            aio.wait(aio.submit_write(buf, f, 0))
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            write = nbytes / (time.perf_counter() - t)
+            t = time.perf_counter()
+            aio.wait(aio.submit_read(buf, f, 0))
+            read = nbytes / (time.perf_counter() - t)
+    finally:
+        if os.path.exists(f):
+            os.unlink(f)
+        pool.release(buf)
+        pool.close()
+    return read, write
+
+
+def measure_host_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * nbytes / best
+
+
+def measure_flops(device: torch.device, precision: str, shape: tuple[int, int, int], min_seconds: float = 0.25) -> float:
+    """FLOP/s of ``(m, k) @ (k, n)`` in ``precision`` on ``device``, repeated for at least ``min_seconds``."""
+    from zinf.config import PRECISIONS
+
+    m, k, n = shape
+    if device.type == "cpu":  # keep one product under ~8 GFLOP, so that this takes a second, not a minute
+        m = max(64, min(m, int(8e9 // (2 * k * n))))
+    a = torch.randn(m, k, device=device).to(PRECISIONS[precision])
+    b = torch.randn(k, n, device=device).to(PRECISIONS[precision])
+    torch.mm(a, b)
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    every = 1 if device.type == "cpu" else 8
+    while True:
+        torch.mm(a, b)
+        count += 1
+        if count % every == 0:
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                return 2 * m * k * n * count / elapsed
+
+
+def _measure_cuda_copy(nbytes: int = 256 << 20) -> tuple[float, float]:  # pragma: no cover - CUDA only
+    dev = torch.device("cuda")
+    host = torch.ones(nbytes // 4, pin_memory=True)
+    d = torch.empty(nbytes // 4, device=dev)
+    d2 = torch.empty_like(d)
+    d.copy_(host)
+    _sync(dev)
+    h2d = nbytes / min(_timed(lambda: (d.copy_(host, non_blocking=True), _sync(dev))) for _ in range(3))
+    dev_bw = 2 * nbytes / min(_timed(lambda: (d2.copy_(d), _sync(dev))) for _ in range(3))
+    return h2d, dev_bw
+
+
+def _measure_allgather() -> float:
+    """Bytes received per second by this rank in an all-gather of 64 MiB over the process group that is up."""
+    import torch.distributed as dist
+
+    from zinf.fetch.comm import default_device
+
+    dev = default_device()
+    world = dist.get_world_size()
+    shard = torch.ones((64 << 20) // 4 // world, device=dev)
+    full = torch.empty(shard.numel() * world, device=dev)
+    dist.all_gather_into_tensor(full, shard)
+    _sync(dev)
+    t = min(_timed(lambda: (dist.all_gather_into_tensor(full, shard), _sync(dev))) for _ in range(3))
+    return shard.numel() * 4 * (world - 1) / t
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        torch.cuda.synchronize(device)
+
+
+def measure_machine(nvme_paths: Sequence[str] = (), precisions: Sequence[str] = ("fp32",), world: int = 1,
+                    matmul_shape: tuple[int, int, int] = (2048, 2048, 2048), remeasure: bool = False,
+                    disk_bytes: int = 256 << 20, allgather_gbps: float | None = None) -> Machine:
+    """Measure this machine (a few seconds; the disk figures come from the cache unless ``remeasure``)."""
+    import torch.distributed as dist
+
+    notes: list[str] = []
+    free = nvme_free_bytes(nvme_paths)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    host_bytes = available_ram()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    host_bw = measure_host_bw()
+    flops = {p: measure_flops(device, p, matmul_shape) for p in dict.fromkeys(precisions)}
+    notes.append(f"compute: torch.mm {matmul_shape[0]}x{matmul_shape[1]} @ {matmul_shape[1]}x{matmul_shape[2]} on {device.type}")
+    h2d = None
+    if cuda:  # pragma: no cover - CUDA only
+        free_dev, total_dev = torch.cuda.mem_get_info()
+        device_bytes, name = int(total_dev), torch.cuda.get_device_name()
+        h2d, device_bw = _measure_cuda_copy()
+    else:
+        device_bytes, name, device_bw = host_bytes, f"CPU ({cores} cores; the device tier is host memory)", host_bw
+    read_bw: dict[str, float] = {}
+    write_bw: dict[str, float] = {}
+    cache = _load_cache()
+    for p in nvme_paths:
+        key = _device_key(p)
+        if key in cache and not remeasure:
+            read_bw[p], write_bw[p] = cache[key]["read"], cache[key]["write"]
+            notes.append(f"disk {p}: cached in {_CACHE} (measured {cache[key].get('when', '?')}; --remeasure to redo)")
+            continue
+        read_bw[p], write_bw[p] = measure_disk(p, disk_bytes)
+        cache[key] = {"read": read_bw[p], "write": write_bw[p], "when": time.strftime("%Y-%m-%d %H:%M")}
+        notes.append(f"disk {p}: measured now ({disk_bytes >> 20} MiB through zinf AsyncIO)")
+    if nvme_paths:
+        _save_cache(cache)
+    allgather_bw, source = None, "not needed (world 1)"
+    if allgather_gbps is not None:
+        allgather_bw, source = allgather_gbps * 1e9, "given (--allgather-gbps)"
+    elif world > 1 and dist.is_available() and dist.is_initialized():
+        allgather_bw, source = _measure_allgather(), f"measured on the {dist.get_backend()} process group that is up"
+    elif world > 1 and not cuda:
+        allgather_bw = host_bw * GLOO_FRACTION_OF_HOST_BW
+        source = (f"estimated: gloo on one machine at {GLOO_FRACTION_OF_HOST_BW:g} x host memory bandwidth "
+                  "(no process group up to measure)")
+    elif world > 1:  # pragma: no cover - CUDA only
+        source = "unknown: no process group up to measure; give --allgather-gbps"
+    return Machine(device=device.type, device_name=name, device_bytes=device_bytes, host_bytes=host_bytes, cores=cores,
+                   flops=flops, host_bw=host_bw, device_bw=device_bw, nvme_free_bytes=free, disk_read_bw=read_bw,
+                   disk_write_bw=write_bw, h2d_bw=h2d, allgather_bw=allgather_bw, allgather_source=source, notes=notes)

@@ -1,0 +1,85 @@
+"""A short Lightning run on ``zero_infinity`` that leaves checkpoints for test_consolidate_keys.py.
+
+    python consolidate_driver.py --steps 6 --out DIR
+
+The LightningModule holds the model as a child named ``module`` (the name the strategy's step root
+gives the LightningModule, so a prefix removed twice or not at all shows), a parameter of its own and a
+buffer. Written under ``DIR``: ``ckpt`` (``trainer.save_checkpoint``), ``legacy`` (the same state saved
+the way an earlier zinf did, without ``name_prefix``) and, on rank 0, ``trained.pt``: the engine's full
+state dict after training, under the LightningModule's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models.py, tests/dist_utils.py
+
+import lightning.pytorch as pl  # noqa: E402
+from models import batches, build, make_optimizer  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import zinf  # noqa: E402
+from lightning_zinf._shared import strip_prefix  # noqa: E402
+
+GLOBAL_BATCH = 8
+
+
+class Wrapped(pl.LightningModule):
+    """The model under ``self.module``, a scale parameter and a step counter buffer of the LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module: nn.Module | None = None
+        self.scale = nn.Parameter(torch.ones(()))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def configure_model(self) -> None:
+        if self.module is None:
+            torch.manual_seed(0)
+            self.module = build("gpt")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += 1
+        return self.module(x, y) * self.scale
+
+    def configure_optimizers(self):
+        return make_optimizer(self, "adamw")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    xs, ys = zip(*batches("gpt", args.steps, GLOBAL_BATCH))
+    loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=GLOBAL_BATCH // 2, shuffle=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="zero_infinity", max_steps=args.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Wrapped(), loader)
+    trainer.save_checkpoint(out / "ckpt")
+    engine = trainer.strategy.engine
+    # what an earlier zinf wrote: the engine's own shard state, without the step root's name_prefix
+    engine.shard_state = types.MethodType(zinf.ZeroInfinityEngine.shard_state, engine)
+    trainer.save_checkpoint(out / "legacy")
+    del engine.shard_state
+    full = engine.full_state_dict()  # collective; rank 0 gets the values
+    if trainer.global_rank == 0:
+        torch.save(strip_prefix(full), out / "trained.pt")
+
+
+if __name__ == "__main__":
+    main()
+    from dist_utils import exit_cleanly
+
+    exit_cleanly()

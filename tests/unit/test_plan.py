@@ -1,0 +1,271 @@
+"""``zinf plan``: byte accounting, fit decisions, the recommendation, the inputs and the CLI. No test measures the
+machine: each passes a :class:`zinf.plan.Machine` (or a JSON file of one to the CLI)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+import zinf.plan
+from zinf.cli import main
+from zinf.plan import Machine, PlanError, parse_placement, plan
+from zinf.plan.cost import ALL_PLACEMENTS, state_bytes
+
+GiB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+
+def machine(host_gib: float = 16.0, nvme: dict[str, float] | None = None, **kw) -> Machine:
+    """A CPU machine with round figures: 100 GFLOP/s, 10 GB/s host copies, 1 GB/s disks."""
+    nvme = nvme or {}
+    return Machine(device="cpu", device_name="test CPU", device_bytes=int(host_gib * GiB), host_bytes=int(host_gib * GiB),
+                   cores=2, flops={"fp32": 100e9, "bf16": 50e9}, host_bw=10e9, device_bw=10e9,
+                   nvme_free_bytes={p: int(g * GiB) for p, g in nvme.items()},
+                   disk_read_bw={p: 1e9 for p in nvme}, disk_write_bw={p: 1e9 for p in nvme}, **kw)
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # groups of 15 and 8 parameters
+
+
+def by_name(p: zinf.plan.Plan) -> dict[str, zinf.plan.Estimate]:
+    return {f"{e.placement.name} {e.precision}": e for e in p.estimates}
+
+
+# -- byte accounting ----------------------------------------------------------------------------------
+def test_bytes_per_placement_by_hand(tmp_path: Path) -> None:
+    nv = str(tmp_path)
+    p = plan(tiny(), precision=["fp32", "bf16"], nvme_paths=[nv], machine=machine(nvme={nv: 10}), batch_tokens=8)
+    est = by_name(p)
+    states = lambda e, t: {k: v for k, v in e.bytes[t].items() if k not in ("gathered_peak", "activations_estimate")}  # noqa: E731
+    # fp32, everything on the device: the shard is the master (4), gradient 4, Adam moments 8 = 16 x 23
+    assert states(est["device/device fp32"], "device") == {"param_shards": 92, "optimizer_state": 184, "grad_shards": 92}
+    # bf16: shard 2 + master 4 + gradient 4 + moments 8 = 18 x 23
+    assert states(est["device/device bf16"], "device") == {"param_shards": 46, "master": 92, "optimizer_state": 184,
+                                                           "grad_shards": 92}
+    # CPU optimizer: the shard stays (4), master + moments (12) and gradients (4) on the CPU
+    e = est["device/cpu fp32"]
+    assert states(e, "device") == {"param_shards": 92} and e.bytes["cpu"] == {"optimizer_state": 276, "grad_shards": 92}
+    # NVMe: one 4 KiB-aligned record per group (data + 64-byte trailer), states 12, gradients 4; the pool on the CPU
+    e = est["nvme/nvme fp32"]
+    assert e.bytes["nvme"] == {"param_shards": 2 * 4096, "optimizer_state": 276, "grad_shards": 92}
+    assert e.bytes["cpu"] == {"pinned_pool": e.pinned_pool_bytes} and e.pinned_pool_bytes >= 256 << 20
+    assert e.disk_bytes == 2 * 4096 + 2 * 4 * 4096  # two parameter records, four records per optimizer sub-group
+    e = est["nvme/nvme/cpu bf16"]
+    assert e.bytes["nvme"] == {"param_shards": 2 * 4096, "optimizer_state": 276} and e.bytes["cpu"]["grad_shards"] == 92
+    # per step: parameters written once, states read and written once, gradients written and read
+    e = est["nvme/nvme fp32"]
+    assert e.io_bytes["nvme_write"] == 2 * 4096 + 23 * 12 + 23 * 4
+    assert e.io_bytes["nvme_read"] == 23 * 12 + 23 * 4  # the pool keeps both parameter shards: no reads
+
+
+def test_bytes_two_ranks_pad_each_group() -> None:
+    p = plan(tiny(), world=2, machine=machine(), placements=["device/device", "cpu/cpu"], batch_tokens=8)
+    dd, cc = p.estimates
+    assert dd.tier_bytes("device", states_only=True) == (8 + 4) * 16  # ceil(15/2) + ceil(8/2) per rank
+    assert cc.bytes["cpu"] == {"param_shards": 48, "optimizer_state": 144, "grad_shards": 48}
+    assert dd.io_bytes["allgather"] == 2 * 12 * 4 and dd.io_bytes["reduce_scatter"] == 12 * 4
+    assert dd.seconds["step"] != dd.seconds["step"] and p.recommended is None  # no all-gather bandwidth given: unknown
+
+
+def test_cpu_only_machine_keeps_one_fp32_copy_for_cpu_params() -> None:
+    e = plan(tiny(), machine=machine(), placements=["cpu/device"], batch_tokens=8).estimates[0]
+    assert state_bytes_total(e) == 23 * 16
+
+
+def state_bytes_total(e: zinf.plan.Estimate) -> int:
+    return sum(e.tier_bytes(t, states_only=True) for t in ("device", "cpu", "nvme"))
+
+
+@pytest.mark.parametrize("placement", ["device/device", "device/cpu", "nvme/nvme", "cpu/cpu"])
+def test_bytes_match_the_engine(tmp_path: Path, placement: str) -> None:
+    """The planner's bytes per tier equal what a real engine reports (peak over a backward and a step)."""
+    nv = str(tmp_path)
+    p = plan(tiny(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement], batch_tokens=8)
+    est = p.estimates[0]
+    cfg = zinf.ZeroConfig.from_dict(p.config())
+    torch.manual_seed(0)
+    with zinf.Init(cfg):
+        model = tiny()
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    peak: dict[str, int] = {}
+    for _ in range(2):
+        engine.backward(engine(torch.randn(5, 4)).square().mean())
+        for t, kinds in engine.resident_bytes().items():
+            peak[t] = max(peak.get(t, 0), sum(kinds.values()))
+        engine.step()
+    engine.close()
+    # without CUDA the device tier is host memory: resident_bytes reports it as "cpu"
+    assert peak.get("cpu", 0) == est.tier_bytes("device", True) + est.tier_bytes("cpu", True)
+    assert peak.get("nvme", 0) == est.tier_bytes("nvme", True)
+
+
+# -- fitting and the recommendation -------------------------------------------------------------------
+def test_fits_with_given_budgets(tmp_path: Path) -> None:
+    nv = str(tmp_path)
+    # 1e9 parameters: 16 GB of fp32 model states, 17+ GB with the shards offloaded
+    p = plan(params=1e9, layers=16, hidden=2048, nvme_paths=[nv], machine=machine(host_gib=12, nvme={nv: 100}),
+             batch_tokens=256)
+    est = by_name(p)
+    assert not est["device/device fp32"].fits and "host memory" in est["device/device fp32"].why_not[0]
+    assert not est["device/cpu fp32"].fits
+    assert est["nvme/nvme fp32"].fits
+    assert p.recommended is not None and p.recommended.placement.optimizer == "nvme"
+    # the same run with a full disk: nothing fits
+    p = plan(params=1e9, layers=16, hidden=2048, nvme_paths=[nv], machine=machine(host_gib=12, nvme={nv: 1}),
+             batch_tokens=256)
+    assert p.recommended is None and all(not e.fits for e in p.estimates)
+    assert any("nvme: needs" in w for e in p.estimates for w in e.why_not)
+    # an explicit host budget is honoured
+    p = plan(tiny(), machine=machine(), max_cpu_bytes=100, placements=["device/device"], batch_tokens=8)
+    assert not p.estimates[0].fits and "max_cpu_bytes" in p.estimates[0].why_not[0]
+
+
+def test_no_nvme_path_means_nvme_does_not_fit() -> None:
+    p = plan(tiny(), machine=machine(), batch_tokens=8)
+    nvme = [e for e in p.estimates if "nvme" in (e.placement.params, e.placement.optimizer)]
+    assert nvme and all(not e.fits and "no --nvme path" in e.why_not[0] for e in nvme)
+
+
+def test_recommends_fewest_offloads_on_a_tie(tmp_path: Path) -> None:
+    nv = str(tmp_path)
+    p = plan(tiny(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), batch_tokens=8)
+    assert p.recommended is not None and p.recommended.placement.name == "device/device"
+    cfg = p.config()
+    assert cfg == {"precision": "fp32", "offload": {"params": "device", "optimizer": "device", "grads": "auto"}}
+    assert "zinf:" in p.yaml() and "optimizer: device" in p.yaml()
+    # a slower device/device (an expensive optimizer) loses to the CPU optimizer only beyond the tie tolerance
+    slow = zinf.plan.Calibration(torch_adam_bytes=1e9)
+    p = plan(tiny(), machine=machine(), calibration=slow, batch_tokens=8, placements=["device/device", "device/cpu"])
+    assert p.recommended is not None and p.recommended.placement.name == "device/cpu"
+
+
+def test_recommended_nvme_config_is_valid(tmp_path: Path) -> None:
+    nv = str(tmp_path)
+    p = plan(tiny(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=["nvme/nvme"], batch_tokens=8)
+    cfg = zinf.ZeroConfig.from_dict(p.config())
+    assert cfg.offload.nvme_paths == [nv] and cfg.offload.params == "nvme"
+    assert cfg.offload.pinned_pool_bytes == p.recommended.pinned_pool_bytes
+
+
+# -- inputs -------------------------------------------------------------------------------------------
+def test_meta_device_module() -> None:
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=512, block=32, n_embd=64, n_head=4, n_layer=3)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    real = GPT(cfg)
+    spec = zinf.plan.model_spec(meta)
+    assert spec.numel == sum(p.numel() for p in real.parameters())  # tied head counted once
+    assert (spec.num_layers, spec.hidden, spec.vocab) == (3, 64, 512)
+    assert len(spec.groups) == 2 + 3 * 6 + 1  # wte, wpe; six modules per block; ln_f; the tied head owns nothing new
+    assert spec.matmul_numel == spec.numel - 32 * 64 - sum(g.numel for g in spec.groups if "ln" in g.name)
+
+
+def test_transformers_config() -> None:
+    transformers = pytest.importorskip("transformers")
+    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 100, "n_positions": 64}
+    spec = zinf.plan.model_spec(hf_config="gpt2", hf_kwargs=kwargs)
+    real = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kwargs))
+    assert spec.numel == sum(p.numel() for p in real.parameters())
+    assert (spec.num_layers, spec.hidden, spec.seq_len, spec.vocab) == (2, 32, 64, 100)
+    llama = zinf.plan.model_spec(transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    assert llama.numel == 2 * 64 * 32 + 32 * 32 * 4 + 3 * 32 * 64 + 3 * 32  # embed + head, attention, MLP, 3 norms
+
+
+def test_params_with_layer_shapes() -> None:
+    spec = zinf.plan.model_spec(params=1.3e9, layers=24, hidden=2048)
+    assert spec.numel == 1_300_000_000 and spec.num_layers == 24 and spec.hidden == 2048
+    assert spec.largest_group_numel == spec.groups[0].numel  # the embedding takes the rest
+    guessed = zinf.plan.model_spec(params=1.3e9)
+    assert guessed.numel == 1_300_000_000 and guessed.notes
+
+
+# -- errors -------------------------------------------------------------------------------------------
+def test_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="unknown placement 'gpu/cpu'"):
+        parse_placement("gpu/cpu")
+    with pytest.raises(PlanError, match="unknown placement 'device/device/nvme'"):
+        plan(tiny(), machine=machine(), placements=["device/device/nvme"])
+    with pytest.raises(PlanError, match="exactly one model"):
+        plan(machine=machine())
+    with pytest.raises(PlanError, match="exactly one model"):
+        plan(tiny(), params=10, machine=machine())
+    missing = str(tmp_path / "nope")
+    with pytest.raises(PlanError, match="does not exist"):
+        plan(tiny(), nvme_paths=[missing], machine=machine())
+    with pytest.raises(PlanError, match="precision 'fp8'"):
+        plan(tiny(), precision="fp8", machine=machine())
+    with pytest.raises(PlanError, match="not a transformers model type"):
+        zinf.plan.model_spec(hf_config="no-such-model")
+    with pytest.raises(PlanError, match="package.module:factory"):
+        zinf.plan.model_spec(module="no_colon")
+    with pytest.raises(PlanError, match="cannot import"):
+        zinf.plan.model_spec(module="no_such_pkg_zinf.mod:f")
+    with pytest.raises(PlanError, match="hold .* more than --params"):
+        zinf.plan.model_spec(params=1000, layers=2, hidden=64)
+    assert len(ALL_PLACEMENTS) == 12
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def _machine_file(tmp_path: Path, nvme: dict[str, float] | None = None) -> str:
+    f = tmp_path / "machine.json"
+    f.write_text(json.dumps(machine(nvme=nvme).to_dict()))
+    return str(f)
+
+
+def test_cli_json(tmp_path: Path, capsys) -> None:
+    nv = tmp_path / "nvme"
+    nv.mkdir()
+    mf = _machine_file(tmp_path, {str(nv): 100})
+    assert main(["plan", "--params", "1.3e9", "--layers", "24", "--hidden", "2048", "--nvme", str(nv),
+                 "--machine", mf, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"model", "workload", "machine", "placements", "recommended", "notes"}
+    assert out["model"]["params"] == 1_300_000_000 and len(out["placements"]) == 12
+    row = out["placements"][0]
+    assert {"placement", "precision", "bytes", "bytes_per_tier", "seconds", "fits", "why_not", "io_bytes"} <= set(row)
+    assert {"compute", "optimizer", "step"} <= set(row["seconds"])
+    rec = out["recommended"]
+    assert rec["fits"] and rec["config"]["zinf"]["offload"]["params"] == rec["params"]
+    zinf.ZeroConfig.from_dict(rec["config"]["zinf"])  # a valid config
+    # the text form: the table and the YAML of the recommended placement
+    assert main(["plan", "--params", "1.3e9", "--machine", mf, "--placement", "device/device", "device/cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended:" in text and "zinf:" in text and "device/cpu" in text
+
+
+def test_cli_hf_config_and_errors(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    mf = _machine_file(tmp_path)
+    assert main(["plan", "--hf-config", "gpt2", "--hf-kwargs", '{"n_layer": 2, "n_embd": 32, "n_head": 2}',
+                 "--machine", mf, "--json", "--batch-tokens", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["layers"] == 2 and out["model"]["hidden"] == 32
+    assert main(["plan", "--machine", mf]) == 2
+    assert "exactly one model" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e6", "--machine", mf, "--placement", "nvme/gpu"]) == 2
+    assert "unknown placement" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e6", "--machine", mf, "--nvme", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e6", "--machine", str(tmp_path / "none.json")]) == 2
+    assert "--machine" in capsys.readouterr().err
+    assert main(["plan", "--hf-config", "gpt2", "--hf-kwargs", "{bad", "--machine", mf]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_module_factory(tmp_path: Path, capsys, monkeypatch) -> None:
+    pkg = tmp_path / "plan_factory_mod.py"
+    pkg.write_text("from torch import nn\n\ndef build(width=8):\n    return nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mf = _machine_file(tmp_path)
+    assert main(["plan", "--module", "plan_factory_mod:build", "--module-kwargs", '{"width": 16}', "--machine", mf,
+                 "--json", "--batch-tokens", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["params"] == 16 * 16 + 16 + 16 * 2 + 2
