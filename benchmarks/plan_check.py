@@ -17,6 +17,7 @@ Bounds: bytes per tier within 10%, step time within 30% (ratio measured / predic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import zinf  # noqa: E402
 import zinf.plan  # noqa: E402
+from zinf.plan.machine import measure_flops, measure_host_bw  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
@@ -45,25 +47,25 @@ class Case:
 
 
 CASES = [
-    Case("S dev/dev", 4, 256, 4096, 8, "device/device"),
-    Case("M dev/dev", 6, 512, 8192, 4, "device/device"),
-    Case("M dev/cpu", 6, 512, 8192, 4, "device/cpu"),
-    Case("M nvme/nvme", 6, 512, 8192, 4, "nvme/nvme"),
-    Case("L dev/cpu bf16", 8, 768, 8192, 4, "device/cpu", "bf16"),
-    Case("L nvme/nvme/cpu", 8, 768, 8192, 4, "nvme/nvme/cpu"),
+    Case("S dev/dev", 4, 256, 4096, 4, "device/device"),
+    Case("M dev/dev", 6, 384, 8192, 4, "device/device"),
+    Case("M dev/cpu", 6, 384, 8192, 4, "device/cpu"),
+    Case("M nvme/nvme", 6, 384, 8192, 4, "nvme/nvme"),
+    Case("L dev/cpu bf16", 8, 512, 8192, 4, "device/cpu", "bf16"),
+    Case("L nvme/nvme/cpu", 8, 512, 8192, 4, "nvme/nvme/cpu"),
 ]
-WORLD2 = [Case("S dev/dev w2", 4, 256, 4096, 8, "device/device", world=2)]
+WORLD2 = [Case("S dev/dev w2", 4, 256, 4096, 4, "device/device", world=2)]
 
 
 def gpt_config(c: Case) -> GPTConfig:
     return GPTConfig(vocab=c.vocab, block=128, n_embd=c.embd, n_head=8, n_layer=c.layers)
 
 
-def predict(c: Case, nvme: str) -> zinf.plan.Plan:
+def predict(c: Case, nvme: str, machine: zinf.plan.Machine | None = None) -> zinf.plan.Plan:
     with torch.device("meta"):
         model = GPT(gpt_config(c))
     return zinf.plan.plan(model, world=c.world, precision=c.precision, nvme_paths=[nvme], seq_len=128,
-                          batch_tokens=c.batch * 128, placements=[c.placement])
+                          batch_tokens=c.batch * 128, placements=[c.placement], machine=machine)
 
 
 def _merge_max(a: dict, b: dict) -> dict:
@@ -80,15 +82,22 @@ def train(c: Case, est: zinf.plan.Estimate, plan: zinf.plan.Plan, steps: int, ra
     with zinf.Init(config):
         model = GPT(gpt_config(c))
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
-    times, peak, reports = [], {}, []
+    times, peak, reports, flops, host_bw = [], {}, [], [], []
+    shape = (c.batch * 128, c.embd, 4 * c.embd)
     for step in range(steps):
         idx, tgt = synthetic_batch(gpt_config(c), c.batch, step, rank)
         t = time.perf_counter()
         loss = engine(idx, tgt)
         engine.backward(loss)
+        t_bwd = time.perf_counter()
         peak = _merge_max(peak, engine.resident_bytes())
+        # probes of the machine's speed now, between backward and step: no background optimizer step is running
+        # (the backward waited for it), and their time is left out of the step's
+        flops.append(measure_flops(torch.device("cpu"), c.precision, shape, windows=1, min_seconds=0.05))
+        host_bw.append(measure_host_bw(64 << 20, reps=3))
+        t_probe = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t)
+        times.append(t_bwd - t + time.perf_counter() - t_probe)
         peak = _merge_max(peak, engine.resident_bytes())
         reports.append(engine.report())
     keep = reports[2:]
@@ -98,7 +107,7 @@ def train(c: Case, est: zinf.plan.Estimate, plan: zinf.plan.Plan, steps: int, ra
            "gathered": max(r.peak_gathered_bytes for r in reports),
            "compute": statistics.median(r.seconds.get("compute", 0.0) for r in keep),
            "optimizer": statistics.median(r.seconds.get("optimizer", 0.0) for r in keep),
-           "loss": float(loss)}
+           "loss": float(loss.detach()), "flops": statistics.median(flops[2:]), "host_bw": statistics.median(host_bw[2:])}
     engine.close()
     return out
 
@@ -108,7 +117,7 @@ def _world2_worker(rank: int, c: Case, est: zinf.plan.Estimate, plan: zinf.plan.
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         out = train(c, est, plan, steps, rank)
@@ -143,6 +152,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", nargs="*", help="names of the cases to run (default: all)")
     ap.add_argument("--world2", action="store_true", help="also a two-rank gloo run on this machine")
+    ap.add_argument("--threads", type=int, default=0, help="torch and CPU-Adam threads (default: torch's default)")
     args = ap.parse_args()
     os.makedirs(args.nvme, exist_ok=True)
     cases = [c for c in CASES + (WORLD2 if args.world2 else []) if not args.only or c.name in args.only]
@@ -150,13 +160,24 @@ def main() -> None:
     tiers = (("device", "cpu", "nvme") if cuda else ("host", "nvme"))
     rows = []
     start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        zinf.native.set_num_threads(args.threads)
     for c in cases:
         plan = predict(c, args.nvme)
         est = plan.estimates[0]
         real = train_world2(c, est, plan, args.steps) if c.world > 1 else train(c, est, plan, args.steps)
+        # a shared machine's speed moves from minute to minute: the prediction compared uses the compute and host
+        # memory figures probed between the steps of the run (the disks' and the rest as measured before it)
+        during = dataclasses.replace(plan.machine, flops={c.precision: real["flops"]}, host_bw=real["host_bw"],
+                                     device_bw=real["host_bw"])
+        real["pred_before"] = est.seconds["step"]
+        est = predict(c, args.nvme, during).estimates[0]
         rows.append((c, plan, est, real))
-        print(f"[{time.perf_counter() - start:6.1f} s] {c.name}: predicted {est.seconds['step']:.3f} s, "
-              f"measured {real['step']:.3f} s, loss {real['loss']:.4f}", flush=True)
+        print(f"[{time.perf_counter() - start:6.1f} s] {c.name}: predicted {real['pred_before']:.3f} s with the machine "
+              f"measured before the run ({plan.machine.flops[c.precision] / 1e9:.0f} GFLOP/s, {plan.machine.host_bw / 1e9:.1f} "
+              f"GB/s), {est.seconds['step']:.3f} s with it probed during the run ({real['flops'] / 1e9:.0f} GFLOP/s, "
+              f"{real['host_bw'] / 1e9:.1f} GB/s); measured {real['step']:.3f} s, loss {real['loss']:.4f}", flush=True)
     m = rows[0][1].machine
     print()
     print(f"machine: {m.device_name}; host RAM available {m.host_bytes / 2**30:.1f} GiB; measured: "
@@ -167,7 +188,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps, median after 2 warm-up")
     print()
     head = "| case | params | placement | tokens/step |" + "".join(
-        f" {t} MiB pred / meas (ratio) |" for t in tiers) + " step s pred / meas (ratio) | NVMe GB/step pred / meas |"
+        f" {t} MiB pred / meas (ratio) |" for t in tiers) + " step s pred before / pred during / meas (ratio to during) | NVMe GB/step pred / meas |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     worst_bytes, worst_time = 0.0, 0.0
@@ -189,7 +210,8 @@ def main() -> None:
         io_meas = (real["nvme_read"] + real["nvme_write"]) / 1e9
         print(f"| {c.name} | {plan.model.numel / 1e6:.1f}M | {c.placement} {c.precision}"
               f"{' w' + str(c.world) if c.world > 1 else ''} | {c.batch * 128} |" + "".join(cells)
-              + f" {est.seconds['step']:.3f} / {real['step']:.3f} ({r:.2f}) | {io_pred:.2f} / {io_meas:.2f} |")
+              + f" {real['pred_before']:.3f} / {est.seconds['step']:.3f} / {real['step']:.3f} ({r:.2f}) |"
+              f" {io_pred:.2f} / {io_meas:.2f} |")
     print()
     print("predicted parts (s): " + "; ".join(
         f"{c.name}: compute {e.seconds['compute']:.3f}, optimizer {e.seconds['optimizer']:.3f}"

@@ -78,6 +78,12 @@ class Canvas:
         i = (y * self.width + x) * 3
         return tuple(self.pixels[i:i + 3])  # type: ignore[return-value]
 
+    def fill(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
+        """The rectangle from (x0, y0) to (x1, y1), both included."""
+        for y in range(max(0, y0), min(self.height, y1 + 1)):
+            for x in range(max(0, x0), min(self.width, x1 + 1)):
+                self.set(x, y, color)
+
     def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, width: int = 1, dash: int = 0) -> None:
         """Bresenham, ``width`` pixels thick; ``dash`` > 0 draws dashes and gaps of that many pixels."""
         dx, dy = abs(x1 - x0), -abs(y1 - y0)
@@ -188,6 +194,7 @@ def line_plot(path: str, ys: Sequence[float], *, xs: Sequence[float] | None = No
 
     entries = [(label, color, 0)] + [(name, col, 6) for _, name, col in hlines]
     lx = left + pw - 8 - max(Canvas.text_width(name) for name, _, _ in entries) - 30
+    c.fill(lx - 6, top + 2, left + pw - 2, top + 10 + 16 * len(entries) - 4, WHITE)  # the legend over the lines
     for i, (name, col, dash) in enumerate(entries):
         ly = top + 10 + 16 * i
         c.line(lx, ly, lx + 22, ly, col, width=2, dash=dash and 4)

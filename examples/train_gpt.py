@@ -65,6 +65,7 @@ def main() -> None:
     # zinf's messages carry their own "zinf:" prefix; other ranks only warn, and say which rank they are
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
+    logging.getLogger("zinf.offload.placement").addFilter(quick_progress_lines)
 
     model_cfg = GPTConfig(**OmegaConf.to_container(cfg.model))
     language = MarkovLanguage(model_cfg.vocab, branching=cfg.data.branching, seed=cfg.data.seed)
@@ -136,7 +137,8 @@ def main() -> None:
         os.makedirs(out_dir, exist_ok=True)
         write_outputs(out_dir, mean_losses.tolist(), losses, step_seconds, io_shares, tokens_per_step, language)
         say(rank, summary(mean_losses.tolist(), language, steps, tokens_per_step, train_s, save_s, per_rank,
-                          io_hidden_share(totals_s, totals_n), out_dir, ckpt_dir, zcfg.offload.nvme_paths, nvme_dir))
+                          io_hidden_share(totals_s, totals_n), out_dir, ckpt_dir, zcfg.offload.nvme_paths, nvme_dir,
+                          engine.device))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -166,6 +168,15 @@ def memory_per_rank_bytes() -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def quick_progress_lines(record: logging.LogRecord) -> bool:
+    """Drop zinf's "initial state of i/n groups written to NVMe" lines of a start-up that takes under 2 s,
+    all but the last; a slow start-up (a large model) keeps its progress lines."""
+    if record.msg.startswith("zinf offload: initial state of") and len(record.args) == 4:
+        done, total, _, seconds = record.args
+        return done == total or seconds >= 2.0
+    return True
 
 
 def add_up(seconds: dict[str, float], counts: dict[str, int], reports: list[zinf.StepReport]) -> tuple[dict, dict]:
@@ -225,7 +236,7 @@ def write_outputs(out_dir: str, mean_losses: list[float], rank0_losses: list[flo
 
 def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_per_step: int, train_s: float,
             save_s: float, per_rank: list[tuple[dict[str, dict[str, int]], int]], hidden: float | None,
-            out_dir: str, ckpt_dir: str, nvme_paths: list[str], temporary: str | None) -> str:
+            out_dir: str, ckpt_dir: str, nvme_paths: list[str], temporary: str | None, device: torch.device) -> str:
     tail = losses[-min(10, len(losses)):]
     start, end = losses[0], sum(tail) / len(tail)
     learned = (f"{language.chance - end:.2f} below chance" if end < min(start, language.chance)
@@ -239,6 +250,8 @@ def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_pe
     for tier in ("device", "cpu", "nvme"):
         kinds = by_tier.get(tier, {})
         parts = ", ".join(f"{kind} {mib(n)}" for kind, n in sorted(kinds.items()) if n)
+        if tier == "device" and not kinds and device.type == "cpu":
+            parts = "the device is the CPU here: see cpu"
         tiers.append(f"{tier} {mib(sum(kinds.values()))}" + (f" ({parts})" if parts else ""))
     lines = [
         "",

@@ -79,7 +79,18 @@ def preset_node(name: str) -> DictConfig:
     """The preset ``name`` as a ``ZeroConfig``-typed OmegaConf node (the schema with the preset on top)."""
     if name not in PRESETS:
         raise KeyError(f"zinf: no Hydra preset {name!r}; the presets are {sorted(PRESETS)}.")
-    return OmegaConf.merge(OmegaConf.structured(ZeroConfig), PRESETS[name])  # type: ignore[return-value]
+    node = OmegaConf.structured(ZeroConfig)
+    _assign(node, PRESETS[name])
+    return node
+
+
+def _assign(node: DictConfig, settings: Mapping[str, Any]) -> None:
+    # key by key rather than OmegaConf.merge, which keeps the schema's value where the preset says ???
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            _assign(node[key], value)
+        else:
+            node[key] = value
 
 
 def register_configs() -> None:

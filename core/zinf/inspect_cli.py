@@ -115,7 +115,7 @@ def measure_path(path: str, size_bytes: int) -> tuple[float, float, bool]:
 
 
 # -- zinf report ----------------------------------------------------------------------------------------
-_LINE = re.compile(r"zinf: step (\d+)((?: \| [^|\n]+)*)")
+_LINE = re.compile(r"zinf: step (\d+)( \|.*)$")
 _TIME = re.compile(r"^([a-z_]+) ([0-9.]+) ms$")
 _BYTES = re.compile(r"^([a-z]+) ([0-9.]+) MiB$")
 _HIDDEN = re.compile(r"^io_hidden ([0-9.]+)%$")
@@ -143,7 +143,7 @@ def parse_summary(line: str) -> ParsedStep | None:
     if match is None:
         return None
     step = ParsedStep(int(match.group(1)))
-    for part in match.group(2).split(" | ")[1:]:
+    for part in match.group(2).split("|")[1:]:
         part = part.strip()
         if m := _TIME.match(part):
             step.ms[m.group(1)] = float(m.group(2))
@@ -189,7 +189,8 @@ def report(path: str, out: TextIO, err: TextIO) -> int:
         if key in OPTIONAL_CATEGORIES and not any(key in s.ms for s in steps):
             continue
         mean = statistics.fmean(values)
-        share = f"{mean / mean_total * 100:.0f}%" if mean_total > 0 else "-"
+        on_training_thread = not key.startswith("background_")
+        share = f"{mean / mean_total * 100:.0f}%" if mean_total > 0 and on_training_thread else "-"
         note = f"  ({_WHERE[key]})" if key in _WHERE else ""
         name = f"  {key}" if key in _WHERE else key
         out.write(f"{name:<24}{mean:>10.1f}{statistics.median(values):>11.1f}{share:>8}{note}\n")

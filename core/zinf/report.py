@@ -108,14 +108,15 @@ class StepReport:
 
     def metrics(self) -> dict[str, float]:
         """A flat ``{"zinf/<name>": value}`` dict for experiment loggers (Lightning, Accelerate trackers):
-        ``zinf/<category>`` seconds for every timed category (compute, all_gather, reduce_scatter,
-        optimizer, forward, backward, and nvme_read / nvme_write / background_nvme_read /
+        ``zinf/<category>`` seconds for every timed category (always compute, all_gather, reduce_scatter and
+        optimizer, 0.0 when not timed; forward, backward, and nvme_read / nvme_write / background_nvme_read /
         background_nvme_write / optimizer_wait where present); ``zinf/bytes_<tier>`` resident bytes per
         tier (device, cpu, nvme) and ``zinf/peak_gathered_bytes``; ``zinf/nvme_read_bytes`` /
         ``zinf/nvme_written_bytes``, ``zinf/prefetched_gathers`` / ``zinf/demand_gathers``;
         ``zinf/grad_norm`` and ``zinf/loss_scale`` when set; ``zinf/io_hidden_share`` with NVMe I/O;
         ``zinf/skipped`` (1.0 when the step was skipped on overflow)."""
-        out: dict[str, float] = {f"zinf/{key}": float(value) for key, value in sorted(self.seconds.items())}
+        seconds = {**{key: 0.0 for key in SUMMARY_CATEGORIES if key not in OPTIONAL_CATEGORIES}, **self.seconds}
+        out: dict[str, float] = {f"zinf/{key}": float(value) for key, value in sorted(seconds.items())}
         for tier, kinds in sorted(self.bytes.items()):
             out[f"zinf/bytes_{tier}"] = float(sum(kinds.values()))
         out["zinf/peak_gathered_bytes"] = float(self.peak_gathered_bytes)

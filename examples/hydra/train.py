@@ -33,7 +33,9 @@ register_configs()  # zinf/{schema,default,cpu_offload,...}, strategy/zero_infin
 
 @hydra.main(version_base=None, config_path=".", config_name="config")
 def main(cfg: DictConfig) -> None:
-    ZeroConfig.from_dict(cfg.zinf)  # the engine's own checks (allowed values, a ??? left unset), before any process starts
+    # Hydra checked keys and types when it composed cfg; the engine checks the values (and a ??? left unset)
+    # here, naming the key, before any process starts. The strategy node builds its own from ${zinf}.
+    ZeroConfig.from_dict(cfg.zinf)
     seed_everything(cfg.seed)
     gpt = GPTConfig(**cfg.model)
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))

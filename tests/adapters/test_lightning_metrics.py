@@ -44,9 +44,10 @@ def _zinf_rows(rows: list[dict[str, str]]) -> dict[int, dict[str, float]]:
     return out
 
 
-def _check_sane(values: dict[str, float]) -> None:
+def _check_sane(values: dict[str, float], world: int) -> None:
     assert values["zinf/compute"] > 0 and values["zinf/optimizer"] > 0 and values["zinf/all_gather"] >= 0
-    assert values["zinf/bytes_cpu"] > 0 and values["zinf/peak_gathered_bytes"] > 0
+    assert values["zinf/bytes_cpu"] > 0
+    assert (values["zinf/peak_gathered_bytes"] > 0) == (world > 1)  # one rank holds every parameter whole
     assert values["zinf/skipped"] == 0.0 and "zinf/io_hidden_share" not in values  # no NVMe here
 
 
@@ -57,7 +58,7 @@ def test_reports_follow_log_every_n_steps(tmp_path: Path) -> None:
     assert sorted(reports) == [1, 3, 5]
     assert any(row.get("train_loss") and int(row["step"]) == 1 for row in rows)
     for values in reports.values():
-        _check_sane(values)
+        _check_sane(values, world=1)
 
 
 @pytest.mark.distributed
@@ -65,7 +66,7 @@ def test_report_every_n_steps_on_two_ranks(tmp_path: Path) -> None:
     reports = _zinf_rows(_run(tmp_path, devices=2, every=3, log_every=50))
     assert sorted(reports) == [2, 5]
     for values in reports.values():
-        _check_sane(values)
+        _check_sane(values, world=2)
 
 
 def main() -> None:

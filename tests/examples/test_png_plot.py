@@ -37,7 +37,7 @@ def read_png(data: bytes) -> tuple[int, int, bytes]:
 
 
 def test_encode_round_trip() -> None:
-    pixels = bytes(range(256)) * 3 * 2  # 2 rows of 128 pixels
+    pixels = bytes(range(256)) * 3  # 2 rows of 128 pixels
     assert read_png(encode_png(128, 2, pixels)) == (128, 2, pixels)
     with pytest.raises(ValueError, match="expected 4x4x3 = 48 bytes"):
         encode_png(4, 4, b"\x00" * 47)

@@ -138,3 +138,24 @@ def test_backward_that_raises_leaves_the_engine_usable() -> None:
     opt.step()
     full = engine.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("offload", [{}, {"params": "cpu", "optimizer": "cpu"}])
+def test_cpu_and_cpu0_are_one_device(offload: dict) -> None:
+    """Front ends pass "cpu:0" (Accelerate) or "cpu": the same training either way, and no host copy is taken
+    for a "transfer" between them."""
+    losses = {}
+    for device in ("cpu", "cpu:0"):
+        torch.manual_seed(0)
+        config = zinf.ZeroConfig.from_dict({"offload": offload})
+        model = build("gpt")
+        engine = zinf.initialize(model, make_optimizer(model, "adamw"), config, device=device)
+        out = []
+        for x, y in batches("gpt", 3, 4):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        losses[device] = out
+        engine.close()
+    assert losses["cpu"] == losses["cpu:0"]

@@ -79,6 +79,12 @@ def error_text(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
+def test_without_hydra_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "hydra.core.config_store", None)  # as if hydra-core were not installed
+    with pytest.raises(ImportError, match=r"pip install 'zinf\[hydra\]'"):
+        register_configs()
+
+
 def test_presets_are_the_documented_set() -> None:
     assert set(PRESETS) | {"schema"} == set(EXPECTED)
     with pytest.raises(KeyError, match="the presets are"):
@@ -169,8 +175,9 @@ def test_allowed_values_are_the_engines_to_check(override: str, message: str) ->
 
 def test_nvme_preset_without_paths_fails_naming_the_setting() -> None:
     cfg = compose_bare("+zinf=nvme")  # composes: ??? is only an error when it is read
+    assert OmegaConf.is_missing(cfg.zinf.offload, "nvme_paths")
     with pytest.raises(MissingMandatoryValue, match="zinf.offload.nvme_paths"):
-        cfg.zinf.offload.nvme_paths
+        OmegaConf.to_object(cfg.zinf)
     with pytest.raises(ConfigError, match=r"'zinf.offload.nvme_paths' has no value \(\?\?\? in the config"):
         ZeroConfig.from_dict(cfg.zinf)
     with pytest.raises(ConfigError, match=r"'offload.nvme_paths' has no value"):
@@ -181,13 +188,17 @@ def test_strategy_node_builds_the_lightning_strategy(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     from hydra.utils import instantiate
 
-    from lightning_zinf import ZeroInfinityStrategy
+    from lightning_zinf import ZeroInfinityFabricStrategy, ZeroInfinityStrategy
 
     cfg = compose_app(tmp_path, "zinf=cpu_offload", "zinf.precision=bf16")
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, ZeroInfinityStrategy)
     assert strategy.zero_config == ZeroConfig.from_dict(cfg.zinf)
     assert strategy.zero_config.offload.optimizer == "cpu" and strategy.zero_config.overlap.prefetch_modules == 2
+    fabric_cfg = compose_app(tmp_path, "zinf=bf16", "strategy=zero_infinity_fabric")
+    fabric_strategy = instantiate(fabric_cfg.strategy)
+    assert isinstance(fabric_strategy, ZeroInfinityFabricStrategy)
+    assert fabric_strategy.zero_config == ZeroConfig.from_dict({"precision": "bf16", "overlap": {"prefetch_modules": 2}})
 
 
 def test_accelerator_node_hands_the_zinf_node_to_accelerate_zinf() -> None:

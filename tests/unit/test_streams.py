@@ -208,3 +208,12 @@ def test_install_rank_filter_covers_child_loggers_once(rank: list[int], caplog: 
         for lg in (parent, child):
             for f in [f for f in lg.filters if isinstance(f, RankFilter)]:
                 lg.removeFilter(f)
+
+
+def test_same_device() -> None:
+    from zinf.fetch.streams import same_device
+
+    assert same_device(torch.device("cpu"), torch.device("cpu:0"))
+    assert not same_device(torch.device("cpu"), torch.device("meta"))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert same_device(torch.device("cuda", 1), torch.device("cuda", 1))

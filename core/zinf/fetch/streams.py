@@ -253,6 +253,11 @@ _by_device: dict[torch.device, Streams] = {}
 _by_device_lock = threading.Lock()
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cpu`` and ``cpu:0`` are one device (front ends pass either); CUDA devices compare by index."""
+    return a.type == b.type and (a.type == "cpu" or a.index == b.index)
+
+
 def streams_for(device: torch.device | str) -> Streams:
     """The :class:`Streams` of ``device``: made on first use and shared by everything that runs there (groups,
     stores, the reducer), so a copy-in, the all-gather that waits for it and the compute that waits for

@@ -26,7 +26,9 @@ class ShardStore(Protocol):
         ...
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        """``group``'s shard on the compute device, the source of its all-gather."""
+        """``group``'s shard on the compute device, the source of its all-gather. A store that copies it there (host
+        or NVMe tiers, on CUDA) does so on the copy-in stream and makes the all-gather stream wait for that copy;
+        the host buffer it copied from is reused only after the copy's fence (see zinf/fetch/streams.py)."""
         ...
 
     def done(self, group: "FlatParamGroup") -> None:

@@ -144,14 +144,14 @@ class Plan:
                  f"all-gather: {m.allgather_source}" + (f" ({m.allgather_bw / 1e9:.2f} GB/s)" if m.allgather_bw else "")]
         lines += [f"note: {n}" for n in list(self.model.notes) + m.notes + self.notes]
         lines.append("")
-        head = (f"{'placement':<15}{'prec':<6}{'device GiB':>11}{'cpu GiB':>9}{'nvme GiB':>10}{'compute s':>10}"
+        head = (f"{'placement':<16}{'prec':<6}{'device GiB':>11}{'cpu GiB':>9}{'nvme GiB':>10}{'compute s':>10}"
                 f"{'optim s':>9}{'nvme s':>8}{'step s':>8}  fits")
         lines += [head, "-" * len(head)]
         for e in self.estimates:
             s = e.seconds
             mark = "  <- recommended" if e is self.recommended else ""
             fits = "yes" if e.fits else "no: " + "; ".join(e.why_not)
-            lines.append(f"{e.placement.name:<15}{e.precision:<6}{e.tier_bytes('device') / gib:>11.2f}"
+            lines.append(f"{e.placement.name:<16}{e.precision:<6}{e.tier_bytes('device') / gib:>11.2f}"
                          f"{e.tier_bytes('cpu') / gib:>9.2f}{e.tier_bytes('nvme') / gib:>10.2f}{s['compute']:>10.3f}"
                          f"{s['optimizer']:>9.3f}{s.get('nvme', 0.0):>8.3f}{s['step']:>8.3f}  {fits}{mark}")
         lines.append("")

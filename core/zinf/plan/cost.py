@@ -84,10 +84,15 @@ class Calibration:
     # gradient (4), plus the norm read at completion (4): docs/offload.md
     cpu_adam_bytes: float = 34.0
     # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
-    # residuals, attention softmax, copies), forward + backward
-    elementwise_per_layer: float = 60.0
-    # per token per vocabulary entry (logits, fp32 cross-entropy forward and backward)
-    elementwise_per_vocab: float = 8.0
+    # residuals, attention softmax, copies), forward + backward; fitted to GPT runs on the 2-core machine of
+    # docs/planner.md (noisy: a shared machine), not derived
+    elementwise_per_layer: float = 100.0
+    # per token per vocabulary entry (the fp32 logits, cross-entropy forward and backward, the tied head's
+    # gradient), fitted the same way
+    elementwise_per_vocab: float = 32.0
+    # the engine's own work per group per step (module hooks, gather and reduce bookkeeping in Python), seconds:
+    # engine fwd+bwd minus plain PyTorch fwd+bwd of the same GPT, per group, on the same machine
+    per_group_seconds: float = 1e-3
     # share of a stream's time hidden behind the longest one (docs/offload.md measured 75-93% of NVMe I/O hidden)
     hidden_fraction: float = 0.8
     # CRC32C of every offloaded record, read and written (bytes per second per core)
@@ -103,7 +108,8 @@ class Workload:
     ranks_per_node: int = 1
     pinned_pool_bytes: int | None = None  # None: the planner picks
     sub_group_numel: int = 8 << 20
-    prefetch_bytes: int = 64 << 20
+    prefetch_bytes: int = 64 << 20  # overlap.prefetch_bytes
+    prefetch_modules: int = 4  # overlap.prefetch_modules
     max_cpu_bytes: int = 0
 
 
@@ -211,11 +217,14 @@ def _activation_bytes(spec: ModelSpec, wl: Workload, pb: int) -> int:
 
 
 def _gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement) -> int:
-    """Full parameters gathered at once (0 with one rank and device shards: gathered in place)."""
+    """Full parameters gathered at once (0 with one rank and device shards: gathered in place): the largest group
+    (an embedding, often used again by a tied head) while the next ``prefetch_modules`` groups are gathered ahead,
+    within ``prefetch_bytes``."""
     if wl.world == 1 and pl.params == "device":
         return 0
-    fulls = [n * wl.world * pb for n in spec.shard_numels(wl.world)]
-    return min(sum(fulls), wl.prefetch_bytes + 2 * max(fulls))
+    fulls = sorted((n * wl.world * pb for n in spec.shard_numels(wl.world)), reverse=True)
+    ahead = min(wl.prefetch_bytes, sum(fulls[1 : 1 + wl.prefetch_modules]))
+    return fulls[0] + ahead
 
 
 def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement, precision: str,
@@ -276,7 +285,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     elementwise = tokens * ((spec.num_layers or 0) * (spec.hidden or 0) * cal.elementwise_per_layer * recompute
                             + (spec.vocab or 0) * cal.elementwise_per_vocab) * 4
     sec: dict[str, float] = {}
-    sec["compute"] = matmul_flops / flops + elementwise / mem_bw
+    sec["compute"] = matmul_flops / flops + elementwise / mem_bw + len(spec.groups) * cal.per_group_seconds
     trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
     if pl.optimizer == "device":
         sec["optimizer"] = trainable * cal.torch_adam_bytes / mem_bw
@@ -301,10 +310,11 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         opt_visible = sec["optimizer"] if pl.optimizer == "device" else max(0.0, sec["optimizer"] - sec["compute"] / (3 * recompute))
         streams = [sec["compute"] + opt_visible, sec.get("nvme", 0.0) + sec.get("checksum", 0.0),
                    sec.get("pcie", 0.0), _finite(sec.get("allgather", 0.0))]
+    streams = [_finite(x) for x in streams]
     longest = max(streams)
     sec["step"] = longest + (1 - cal.hidden_fraction) * (sum(streams) - longest)
-    if world > 1 and not machine.allgather_bw:
-        sec["step"] = float("nan")
+    if (world > 1 and not machine.allgather_bw) or sec.get("nvme", 0.0) != sec.get("nvme", 0.0):
+        sec["step"] = float("nan")  # a bandwidth it needs is unknown
     est = Estimate(pl, precision, nbytes, disk, io, sec, pool, wl.sub_group_numel)
     _check_fit(est, spec, machine, wl, nvme_paths)
     return est
@@ -316,6 +326,8 @@ def _finite(x: float) -> float:
 
 def _disk_bw(machine: Machine, paths: Sequence[str]) -> tuple[float, float]:
     """Offload files are striped over the paths: their bandwidths add up, one per file system."""
+    if not paths:
+        return float("nan"), float("nan")  # no drive: the time is unknown (and the placement does not fit)
     read = write = 0.0
     for dev, group in _by_filesystem(paths).items():
         read += min(machine.disk_read_bw.get(p, 0.0) for p in group) or 0.0

@@ -169,21 +169,33 @@ def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float]:
     return read, write
 
 
-def measure_host_bw(nbytes: int = 256 << 20, reps: int = 3) -> float:
+def measure_host_bw(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes read + written per second by a host copy of ``nbytes``: the median of ``reps``."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
-    return 2 * nbytes / best
+    times = sorted(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * nbytes / times[reps // 2]
 
 
-def measure_flops(device: torch.device, precision: str, shape: tuple[int, int, int], min_seconds: float = 0.25) -> float:
-    """FLOP/s of ``(m, k) @ (k, n)`` in ``precision`` on ``device``, repeated for at least ``min_seconds``."""
-    from zinf.config import PRECISIONS
+def measure_flops(device: torch.device, precision: str, shape: tuple[int, int, int], windows: int = 5,
+                  min_seconds: float = 0.1) -> float:
+    """FLOP/s of ``(m, k) @ (k, n)`` in ``precision`` on ``device``: the median of ``windows`` runs of at least
+    ``min_seconds`` each (a shared machine's load moves)."""
+    return sorted(_flops_window(device, precision, shape, min_seconds) for _ in range(windows))[windows // 2]
 
+
+def matmul_shape_used(device: torch.device, shape: tuple[int, int, int]) -> tuple[int, int, int]:
     m, k, n = shape
     if device.type == "cpu":  # keep one product under ~8 GFLOP, so that this takes a second, not a minute
         m = max(64, min(m, int(8e9 // (2 * k * n))))
+    return m, k, n
+
+
+def _flops_window(device: torch.device, precision: str, shape: tuple[int, int, int], min_seconds: float) -> float:
+    from zinf.config import PRECISIONS
+
+    m, k, n = matmul_shape_used(device, shape)
     a = torch.randn(m, k, device=device).to(PRECISIONS[precision])
     b = torch.randn(k, n, device=device).to(PRECISIONS[precision])
     torch.mm(a, b)
@@ -253,7 +265,8 @@ def measure_machine(nvme_paths: Sequence[str] = (), precisions: Sequence[str] = 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     host_bw = measure_host_bw()
     flops = {p: measure_flops(device, p, matmul_shape) for p in dict.fromkeys(precisions)}
-    notes.append(f"compute: torch.mm {matmul_shape[0]}x{matmul_shape[1]} @ {matmul_shape[1]}x{matmul_shape[2]} on {device.type}")
+    m, k, n = matmul_shape_used(device, matmul_shape)
+    notes.append(f"compute: torch.mm {m}x{k} @ {k}x{n} on {device.type}, {torch.get_num_threads()} threads")
     h2d = None
     if cuda:  # pragma: no cover - CUDA only
         free_dev, total_dev = torch.cuda.mem_get_info()
