@@ -44,6 +44,7 @@ class Case:
     placement: str  # params/optimizer[/grads]
     precision: str = "fp32"
     world: int = 1
+    pool_bytes: int | None = None  # offload.pinned_pool_bytes (None: what the planner recommends)
 
 
 CASES = [
@@ -51,6 +52,7 @@ CASES = [
     Case("M dev/dev", 6, 384, 8192, 4, "device/device"),
     Case("M dev/cpu", 6, 384, 8192, 4, "device/cpu"),
     Case("M nvme/nvme", 6, 384, 8192, 4, "nvme/nvme"),
+    Case("M nvme/nvme pool 256M", 6, 384, 8192, 4, "nvme/nvme", pool_bytes=256 << 20),
     Case("L dev/cpu bf16", 8, 512, 8192, 4, "device/cpu", "bf16"),
     Case("L nvme/nvme/cpu", 8, 512, 8192, 4, "nvme/nvme/cpu"),
 ]
@@ -65,7 +67,8 @@ def predict(c: Case, nvme: str, machine: zinf.plan.Machine | None = None) -> zin
     with torch.device("meta"):
         model = GPT(gpt_config(c))
     return zinf.plan.plan(model, world=c.world, precision=c.precision, nvme_paths=[nvme], seq_len=128,
-                          batch_tokens=c.batch * 128, placements=[c.placement], machine=machine)
+                          batch_tokens=c.batch * 128, placements=[c.placement], machine=machine,
+                          pinned_pool_bytes=c.pool_bytes)
 
 
 def _merge_max(a: dict, b: dict) -> dict:
@@ -107,7 +110,9 @@ def train(c: Case, est: zinf.plan.Estimate, plan: zinf.plan.Plan, steps: int, ra
            "gathered": max(r.peak_gathered_bytes for r in reports),
            "compute": statistics.median(r.seconds.get("compute", 0.0) for r in keep),
            "optimizer": statistics.median(r.seconds.get("optimizer", 0.0) for r in keep),
-           "loss": float(loss.detach()), "flops": statistics.median(flops[2:]), "host_bw": statistics.median(host_bw[2:])}
+           "comm": statistics.median(r.seconds.get("all_gather", 0.0) + r.seconds.get("reduce_scatter", 0.0) for r in keep),
+           "loss": float(loss.detach()), "flops": statistics.median(flops[2:]), "host_bw": statistics.median(host_bw[2:]),
+           "threads": torch.get_num_threads()}
     engine.close()
     return out
 
@@ -169,8 +174,12 @@ def main() -> None:
         real = train_world2(c, est, plan, args.steps) if c.world > 1 else train(c, est, plan, args.steps)
         # a shared machine's speed moves from minute to minute: the prediction compared uses the compute and host
         # memory figures probed between the steps of the run (the disks' and the rest as measured before it)
-        during = dataclasses.replace(plan.machine, flops={c.precision: real["flops"]}, host_bw=real["host_bw"],
-                                     device_bw=real["host_bw"])
+        # (with two ranks every rank probes at once: its figures are one rank's share, so the host bandwidth, which
+        # the planner divides among the ranks, is scaled back up; the compute probe ran on one rank's threads)
+        bw = real["host_bw"] * c.world
+        during = dataclasses.replace(plan.machine, flops={c.precision: real["flops"]}, host_bw=bw, device_bw=bw,
+                                     threads=real["threads"],
+                                     allgather_bw=plan.machine.allgather_bw and bw * zinf.plan.machine.GLOO_FRACTION_OF_HOST_BW)
         real["pred_before"] = est.seconds["step"]
         est = predict(c, args.nvme, during).estimates[0]
         rows.append((c, plan, est, real))
@@ -216,7 +225,9 @@ def main() -> None:
     print("predicted parts (s): " + "; ".join(
         f"{c.name}: compute {e.seconds['compute']:.3f}, optimizer {e.seconds['optimizer']:.3f}"
         + (f", nvme {e.seconds['nvme']:.3f}" if "nvme" in e.seconds else "")
-        + f" | measured compute {r['compute']:.3f}, step() {r['optimizer']:.3f}" for c, _, e, r in rows))
+        + (f", all-gather + reduce-scatter {e.seconds['allgather']:.3f}" if "allgather" in e.seconds else "")
+        + f" | measured compute {r['compute']:.3f}, step() {r['optimizer']:.3f}"
+        + (f", in gathers and reduce-scatters {r['comm']:.3f}" if c.world > 1 else "") for c, _, e, r in rows))
     print("gathered peak MiB pred / meas: " + "; ".join(
         f"{c.name}: {e.bytes['device'].get('gathered_peak', 0) / 2**20:.1f} / {r['gathered'] / 2**20:.1f}"
         for c, _, e, r in rows))

@@ -155,7 +155,22 @@ class NvmeStateStore(_StateStore):
         return STATES + (("grad",) if stashed else ())
 
     def _submit_reads(self, sg: SubGroup, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Reads the step cannot go on without: wait for pool room if need be."""
         bufs = {name: self.room.acquire_waiting(self._rec(sg, name).span) for name in names}
+        return bufs, {name: self.swap.submit_read(self._rec(sg, name), bufs[name]) for name in names}
+
+    def _try_submit_reads(self, sg: SubGroup, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
+        """Read-ahead: only into blocks the pool has now. Free bytes are not enough: the pool's buddy blocks can be
+        too fragmented for a block of the size, and waiting for one while the sub-groups already read ahead hold
+        the rest would wait for a buffer only this thread can give back."""
+        bufs: dict[str, torch.Tensor] = {}
+        try:
+            for name in names:
+                bufs[name] = self.room.pool.acquire(self._rec(sg, name).span)
+        except PoolExhaustedError:
+            for buf in bufs.values():
+                self.room.pool.release(buf)
+            return None
         return bufs, {name: self.swap.submit_read(self._rec(sg, name), bufs[name]) for name in names}
 
     # -- the step's pass over the sub-groups ---------------------------------------------------
@@ -181,19 +196,35 @@ class NvmeStateStore(_StateStore):
             self.stash.flush()
         with self._lock:
             reading, self._preread = self._preread, collections.deque()
-        for sg, bufs, handles in reading:  # states read ahead: the gradient is read now
+        i = 0
+        while i < len(reading):  # states read ahead: the gradient is read now
+            sg, bufs, handles = reading[i]
             if "grad" in self._read_names(sg):
-                more_bufs, more = self._submit_reads(sg, ("grad",))
-                bufs.update(more_bufs)
-                handles.update(more)
+                more = self._try_submit_reads(sg, ("grad",))
+                if more is None:  # no block for it now: the later read-ahead is given up (read again in turn)
+                    while len(reading) > max(i, 1):
+                        self._give_back(*reading.pop())
+                    if i > 0:
+                        break
+                    more = self._submit_reads(sg, ("grad",))  # the first sub-group's: the step needs it now
+                bufs.update(more[0])
+                handles.update(more[1])
+            i += 1
         upcoming = iter(self.subgroups[len(reading):])
         following = next(upcoming, None)
         for sg in self.subgroups:
             # reads run ahead of the step by up to READ_AHEAD_BYTES (always the sub-group stepped next),
             # and only into room the trailing writes and the parameter store leave
-            while following is not None and (not reading or (self._reading_bytes(reading) < READ_AHEAD_BYTES
-                                                             and self._room_for(following))):
-                reading.append((following, *self._submit_reads(following, self._read_names(following))))
+            while following is not None:
+                if not reading:  # the sub-group stepped next: wait for room if need be
+                    reading.append((following, *self._submit_reads(following, self._read_names(following))))
+                elif self._reading_bytes(reading) < READ_AHEAD_BYTES and self._room_for(following):
+                    reads = self._try_submit_reads(following, self._read_names(following))
+                    if reads is None:
+                        break
+                    reading.append((following, *reads))
+                else:
+                    break
                 following = next(upcoming, None)
             read_sg, bufs, handles = reading.popleft()
             assert read_sg is sg
@@ -289,10 +320,14 @@ class NvmeStateStore(_StateStore):
             if not self._preread:
                 return False
             sg, bufs, handles = self._preread.pop()
+        self._give_back(sg, bufs, handles)
+        return True
+
+    def _give_back(self, sg: SubGroup, bufs: dict[str, torch.Tensor], handles: dict[str, int]) -> None:
+        """Finish the reads of a sub-group read ahead and release its buffers."""
         for name, handle in handles.items():
             self.swap.wait(handle, self._rec(sg, name))
             self.room.pool.release(bufs[name])
-        return True
 
     def free_own(self) -> bool:
         """Free pool room this store holds without need: trailing writes first, then read-ahead."""

@@ -30,28 +30,34 @@ Data moved per step and rank:
 
 - compute: ``6 x params x tokens`` matmul FLOPs (``8 x`` with activation checkpointing: one more forward), plus
   ``6 x layers x seq x hidden x tokens`` for causal attention, at the FLOP/s of a matrix product of the model's
-  shape measured here; plus the element-wise work (norms, activations, softmax, the fp32 loss) as bytes at the
-  device's memory bandwidth (constants in :class:`zinf.plan.cost.Calibration`).
-- optimizer: torch AdamW over device shards moves ~80 bytes/param at device memory bandwidth; zinf's CPU-Adam
-  34 bytes/param at host memory bandwidth (reads gradient, master, moments; writes master, moments, shard;
-  zeroes the gradient; docs/offload.md).
+  shape (tokens x hidden @ hidden x 4 hidden) measured here; plus the element-wise work (norms, activations,
+  softmax, the fp32 loss) as bytes at the device's memory bandwidth, plus the engine's own work per group (hooks
+  and bookkeeping). The constants are in :class:`zinf.plan.cost.Calibration`, each with where it comes from.
+- optimizer: torch AdamW over device shards ~80 bytes/param, zinf's CPU-Adam ~20 (it moves 30-34 bytes per
+  parameter, docs/offload.md, but reads cost less than a copy), both in host-copy time at the measured bandwidth.
 - NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
-  pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next
-  forward while there is room), and written once (``pb``); optimizer states read and written once (12 + 12);
-  gradients on NVMe written in backward and read by the step (4 + 4). At the disk's measured read and write
-  bandwidths, one after the other (one drive serves both); plus the CRC32C of every record.
+  pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next forward
+  while there is room: the pool less 3 x the largest shard and the optimizer's read-ahead), and written once
+  (``pb``, in their 4 KiB records); optimizer states read and written once (12 + 12); gradients on NVMe written in
+  backward and read by the step (4 + 4). Reads and writes overlap (read-ahead, trailing writes), so the disk time
+  is the larger of reads at the read rate, writes at the write rate, and both at the rate measured for reads and
+  writes at once; plus the CRC32C of every record (CPU time).
 - with CUDA: offloaded parameter shards cross PCIe twice (``2 x pb``), offloaded gradients once (4).
-- with several ranks: all-gather ``2 x (world - 1) x pb`` received, reduce-scatter ``(world - 1) x 4`` sent.
+- with several ranks: all-gather ``2 x (world - 1) x pb`` received, reduce-scatter ``(world - 1) x 4`` sent, at the
+  all-gather bandwidth, plus a fixed cost per collective (three per group per step).
 
 Overlap, as the engine achieves it: streams that run side by side cost ``max(streams) + (1 - h) x (the
 rest)``, with ``h`` = 0.8 hidden (docs/offload.md measured 75-93% of the NVMe I/O hidden behind compute). NVMe
 reads are prefetched and writes trail, so the disk is its own stream. On a CPU-only machine compute, CPU-Adam,
 checksums and gloo collectives share the cores and add up; with CUDA the background CPU-Adam overlaps the next
 forward (a third of the compute) and PCIe and NCCL run beside compute. Ranks on one machine share its host
-memory bandwidth and disks (and, on CPU, its cores).
+memory bandwidth and disks, and on CPU its cores (each rank is assumed to run as many threads as the
+measurement did).
 
 Recommendation: the fastest placement that fits (device memory, host RAM available now, free space at the NVMe
 paths); among those within 5% of it, the one with the fewest offloads (CPU counts 1, NVMe 2).
+
+How well this predicts real runs: docs/planner.md (benchmarks/plan_check.py).
 """
 
 from __future__ import annotations

@@ -76,13 +76,15 @@ def parse_placement(text: str) -> PlanPlacement:
 class Calibration:
     """The model's constants, each with where it comes from (see the module docstring of zinf/plan)."""
 
-    # bytes moved per parameter by a torch AdamW step over the shards plus the gradient zeroing (and for bf16 the
-    # copy of the master into the shard): single-tensor AdamW on CPU makes ~8 passes (lerp, mul+addcmul, sqrt,
-    # div, add, addcdiv, weight decay) over 4-byte tensors
+    # bytes of host-copy time per parameter of a torch AdamW step over the shards plus the gradient zeroing (and
+    # for bf16 the copy of the master into the shard): single-tensor AdamW on CPU makes ~8 passes (lerp,
+    # mul+addcmul, sqrt, div, add, addcdiv, weight decay); measured here at 53-66 with one thread, so 80 with the
+    # zeroing and copy
     torch_adam_bytes: float = 80.0
-    # zinf's CPU-Adam: reads gradient, master, moments (16), writes master, moments, shard (12 + pb), zeroes the
-    # gradient (4), plus the norm read at completion (4): docs/offload.md
-    cpu_adam_bytes: float = 34.0
+    # zinf's CPU-Adam moves 30-34 bytes per parameter (reads gradient, master, moments; writes master, moments,
+    # shard; zeroes the gradient: docs/offload.md), but reads cost less than a copy's read + write: measured here
+    # at 17-19 bytes of host-copy time per parameter (1 and 2 threads), so 20
+    cpu_adam_bytes: float = 20.0
     # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
     # residuals, attention softmax, copies), forward + backward; fitted to GPT runs on the 2-core machine of
     # docs/planner.md (noisy: a shared machine), not derived
@@ -253,8 +255,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     if pl.params == "nvme":
         # the pool keeps shards for the backward and updated shards for the next forward (NvmeShardStore);
         # what it cannot keep is read in the forward and again in the backward
-        pipeline = need - 4 * block_bytes(max(_span(n * pb) for n in shards))
-        cache = max(0, pool - pipeline - 3 * block_bytes(max(_span(n * pb) for n in shards))
+        # the pool less the parameter store's reserve (3 x the largest shard) and the optimizer's reads in flight
+        cache = max(0, pool - 3 * block_bytes(max(_span(n * pb) for n in shards))
                     - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += param_spans
@@ -275,8 +277,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
 
     # -- time per step ---------------------------------------------------------------------------------
     cpu = machine.device == "cpu"
-    share = ranks if cpu else 1  # ranks on one CPU machine share its cores
-    flops = machine.flops_for(precision) / share
+    share = ranks if cpu else 1  # ranks on one CPU machine share its cores and memory bandwidth
+    flops = machine.flops_for(precision) * (machine.cpu_share(ranks) if cpu else 1.0)
     tokens = wl.batch_tokens
     recompute = 4 / 3 if wl.checkpointing else 1.0  # one more forward: 8 instead of 6 flops per parameter
     matmul_flops = (6 * spec.matmul_numel * tokens + 6 * (spec.num_layers or 0) * wl.seq_len * (spec.hidden or 0) * tokens) * recompute
@@ -293,14 +295,20 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         sec["optimizer"] = ps * cal.cpu_adam_bytes / host_bw
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
-        read_bw, write_bw = _disk_bw(machine, nvme_paths)
-        sec["nvme"] = (io["nvme_read"] / read_bw + io["nvme_write"] / write_bw) * ranks
-        sec["checksum"] = nvme_bytes / (cal.crc_bw_per_core * max(1, machine.cores // share))
+        read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)
+        # reads and writes overlap (prefetch, trailing writes): the disk's rate for both at once when it was
+        # measured, else one after the other
+        apart = io["nvme_read"] / read_bw + io["nvme_write"] / write_bw
+        together = max(io["nvme_read"] / read_bw, io["nvme_write"] / write_bw, nvme_bytes / mixed_bw) if mixed_bw else apart
+        sec["nvme"] = together * ranks
+        sec["checksum"] = nvme_bytes / (cal.crc_bw_per_core * max(1.0, machine.cores / share))
     if io["h2d"] or io["d2h"]:  # pragma: no cover - CUDA only
         sec["pcie"] = (io["h2d"] + io["d2h"]) / (machine.h2d_bw or 12e9)
     if world > 1:
         bw = machine.allgather_bw or 0.0
-        sec["allgather"] = (io["allgather"] + io["reduce_scatter"]) / bw if bw else float("nan")
+        # per group a gather in forward and in backward and its share of a reduce-scatter: three collectives
+        fixed = 3 * len(spec.groups) * machine.collective_latency
+        sec["allgather"] = (io["allgather"] + io["reduce_scatter"]) / bw + fixed if bw else float("nan")
     # streams: on CPU the compute, the CPU-Adam, the checksums and gloo share the cores (they add up); the disk
     # is a stream of its own. With CUDA the CPU-Adam runs beside the next forward (a third of the compute).
     if cpu:
@@ -324,18 +332,23 @@ def _finite(x: float) -> float:
     return 0.0 if x != x else x
 
 
-def _disk_bw(machine: Machine, paths: Sequence[str]) -> tuple[float, float]:
-    """Offload files are striped over the paths: their bandwidths add up, one per file system."""
+def _disk_bw(machine: Machine, paths: Sequence[str]) -> tuple[float, float, float]:
+    """Offload files are striped over the paths: their bandwidths add up, one per file system (mixed: 0 when
+    not measured for every path)."""
     if not paths:
-        return float("nan"), float("nan")  # no drive: the time is unknown (and the placement does not fit)
-    read = write = 0.0
+        nan = float("nan")
+        return nan, nan, nan  # no drive: the time is unknown (and the placement does not fit)
+    read = write = mixed = 0.0
     for dev, group in _by_filesystem(paths).items():
         read += min(machine.disk_read_bw.get(p, 0.0) for p in group) or 0.0
         write += min(machine.disk_write_bw.get(p, 0.0) for p in group) or 0.0
+        mixed += min(machine.disk_mixed_bw.get(p, 0.0) for p in group) or 0.0
+    if any(p not in machine.disk_mixed_bw for p in paths):
+        mixed = 0.0
     if not read or not write:
         raise PlanError("zinf plan: no disk bandwidth for the --nvme paths; measure them (drop the Machine given) or "
                         "fill Machine.disk_read_bw / disk_write_bw.")
-    return read, write
+    return read, write, mixed
 
 
 def _by_filesystem(paths: Sequence[str]) -> dict[object, list[str]]:

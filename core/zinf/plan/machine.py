@@ -28,8 +28,11 @@ import torch
 __all__ = ["Machine", "measure_machine", "available_ram", "nvme_free_bytes", "GLOO_FRACTION_OF_HOST_BW"]
 
 # gloo on one machine moves a gathered byte through the loopback/shared-memory transport: copies into and out of
-# socket buffers, about a quarter of a plain memcpy's rate (bytes read + written) on the machines we measured
+# socket buffers, about a quarter of a plain memcpy's rate (bytes read + written); an estimate, not measured
 GLOO_FRACTION_OF_HOST_BW = 0.25
+# the fixed cost of one gloo collective between processes of one machine (both ranks' Python, the engine's round
+# agreement, the transport); fitted to the two-rank GPT run of docs/planner.md
+GLOO_LATENCY_S = 1.5e-3
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zinf" / "disk_bandwidth.json"
 
 
@@ -43,7 +46,8 @@ class Machine:
     ``disk_write_bw``: per NVMe path; paths on one file system share it. ``device_bw``: device memory copy
     rate (host_bw on CPU). ``h2d_bw``: pinned host-to-device copies (None on CPU). ``allgather_bw``: bytes a rank
     receives per second in an all-gather (None: world 1, or unknown), ``allgather_source`` says how it was found.
-    ``cores``: CPU cores the ranks on this machine share.
+    ``cores``: CPU cores the ranks on this machine share; ``threads``: the threads the CPU measurements ran with
+    (each rank is assumed to run as many). ``collective_latency``: seconds of fixed cost per collective.
     """
 
     device: str
@@ -57,10 +61,17 @@ class Machine:
     nvme_free_bytes: dict[str, int] = field(default_factory=dict)
     disk_read_bw: dict[str, float] = field(default_factory=dict)
     disk_write_bw: dict[str, float] = field(default_factory=dict)
+    disk_mixed_bw: dict[str, float] = field(default_factory=dict)  # reads + writes at once, bytes/s together
     h2d_bw: float | None = None
     allgather_bw: float | None = None
     allgather_source: str = "not needed (world 1)"
+    threads: int = 1
+    collective_latency: float = GLOO_LATENCY_S
     notes: list[str] = field(default_factory=list)
+
+    def cpu_share(self, ranks: int) -> float:
+        """The share of the measured CPU compute rate each of ``ranks`` ranks on this machine gets."""
+        return min(1.0, self.cores / (max(1, ranks) * max(1, self.threads)))
 
     def flops_for(self, precision: str) -> float:
         if precision in self.flops:
@@ -140,9 +151,11 @@ def _save_cache(data: dict) -> None:
         pass
 
 
-def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float]:
-    """Sequential write then read (bytes/s) of one file at ``path`` through zinf's AsyncIO with the engine's
-    settings; the write is timed to ``fsync``, the read bypasses the page cache (O_DIRECT)."""
+def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float, float]:
+    """Read, write and mixed bytes/s at ``path`` through zinf's AsyncIO with the engine's settings: a sequential
+    write of ``nbytes`` (timed to ``fsync``), its read (O_DIRECT: not from the page cache), then half of it read
+    while another half is written (the offload engine reads and writes at once; some drives serve both faster
+    than either alone, some slower)."""
     from zinf import native
 
     native.require()
@@ -161,12 +174,22 @@ def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float]:
             t = time.perf_counter()
             aio.wait(aio.submit_read(buf, f, 0))
             read = nbytes / (time.perf_counter() - t)
+            half = nbytes // 2 // 4096 * 4096
+            t = time.perf_counter()
+            handles = [aio.submit_read(buf[:half], f, 0), aio.submit_write(buf[half : 2 * half], f + ".2", 0)]
+            for h in handles:
+                aio.wait(h)
+            fd = os.open(f + ".2", os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            mixed = 2 * half / (time.perf_counter() - t)
     finally:
-        if os.path.exists(f):
-            os.unlink(f)
+        for name in (f, f + ".2"):
+            if os.path.exists(name):
+                os.unlink(name)
         pool.release(buf)
         pool.close()
-    return read, write
+    return read, write, mixed
 
 
 def measure_host_bw(nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -240,6 +263,22 @@ def _measure_allgather() -> float:
     return shard.numel() * 4 * (world - 1) / t
 
 
+def _measure_latency() -> float:
+    """Seconds of one small all-reduce over the process group that is up (the fixed cost of a collective)."""
+    import torch.distributed as dist
+
+    from zinf.fetch.comm import default_device
+
+    x = torch.ones(1, device=default_device())
+    dist.all_reduce(x)
+    count, start = 0, time.perf_counter()
+    while count < 20:
+        dist.all_reduce(x)
+        count += 1
+    _sync(x.device)
+    return (time.perf_counter() - start) / count
+
+
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     t = time.perf_counter()
     fn()
@@ -276,29 +315,32 @@ def measure_machine(nvme_paths: Sequence[str] = (), precisions: Sequence[str] = 
         device_bytes, name, device_bw = host_bytes, f"CPU ({cores} cores; the device tier is host memory)", host_bw
     read_bw: dict[str, float] = {}
     write_bw: dict[str, float] = {}
+    mixed_bw: dict[str, float] = {}
     cache = _load_cache()
     for p in nvme_paths:
         key = _device_key(p)
-        if key in cache and not remeasure:
-            read_bw[p], write_bw[p] = cache[key]["read"], cache[key]["write"]
+        if key in cache and "mixed" in cache[key] and not remeasure:
+            read_bw[p], write_bw[p], mixed_bw[p] = cache[key]["read"], cache[key]["write"], cache[key]["mixed"]
             notes.append(f"disk {p}: cached in {_CACHE} (measured {cache[key].get('when', '?')}; --remeasure to redo)")
             continue
-        read_bw[p], write_bw[p] = measure_disk(p, disk_bytes)
-        cache[key] = {"read": read_bw[p], "write": write_bw[p], "when": time.strftime("%Y-%m-%d %H:%M")}
+        read_bw[p], write_bw[p], mixed_bw[p] = measure_disk(p, disk_bytes)
+        cache[key] = {"read": read_bw[p], "write": write_bw[p], "mixed": mixed_bw[p], "when": time.strftime("%Y-%m-%d %H:%M")}
         notes.append(f"disk {p}: measured now ({disk_bytes >> 20} MiB through zinf AsyncIO)")
     if nvme_paths:
         _save_cache(cache)
-    allgather_bw, source = None, "not needed (world 1)"
+    allgather_bw, source, latency = None, "not needed (world 1)", GLOO_LATENCY_S if not cuda else 5e-5
     if allgather_gbps is not None:
         allgather_bw, source = allgather_gbps * 1e9, "given (--allgather-gbps)"
     elif world > 1 and dist.is_available() and dist.is_initialized():
-        allgather_bw, source = _measure_allgather(), f"measured on the {dist.get_backend()} process group that is up"
+        allgather_bw, latency = _measure_allgather(), _measure_latency()
+        source = f"measured on the {dist.get_backend()} process group that is up"
     elif world > 1 and not cuda:
         allgather_bw = host_bw * GLOO_FRACTION_OF_HOST_BW
-        source = (f"estimated: gloo on one machine at {GLOO_FRACTION_OF_HOST_BW:g} x host memory bandwidth "
-                  "(no process group up to measure)")
+        source = (f"estimated: gloo on one machine at {GLOO_FRACTION_OF_HOST_BW:g} x host memory bandwidth, "
+                  f"{GLOO_LATENCY_S * 1e3:g} ms per collective (no process group up to measure)")
     elif world > 1:  # pragma: no cover - CUDA only
         source = "unknown: no process group up to measure; give --allgather-gbps"
     return Machine(device=device.type, device_name=name, device_bytes=device_bytes, host_bytes=host_bytes, cores=cores,
                    flops=flops, host_bw=host_bw, device_bw=device_bw, nvme_free_bytes=free, disk_read_bw=read_bw,
-                   disk_write_bw=write_bw, h2d_bw=h2d, allgather_bw=allgather_bw, allgather_source=source, notes=notes)
+                   disk_write_bw=write_bw, disk_mixed_bw=mixed_bw, h2d_bw=h2d, allgather_bw=allgather_bw, allgather_source=source,
+                   threads=torch.get_num_threads(), collective_latency=latency, notes=notes)
