@@ -159,3 +159,15 @@ def test_cpu_and_cpu0_are_one_device(offload: dict) -> None:
         losses[device] = out
         engine.close()
     assert losses["cpu"] == losses["cpu:0"]
+
+
+def test_resident_bytes_count_a_shared_master_once() -> None:
+    """fp32 on a CPU device with parameters on "cpu" and a device-tier optimizer: the parameter shard the host
+    store keeps is the master tensor itself; it is counted once."""
+    torch.manual_seed(0)
+    model = build("gpt")
+    engine = zinf.initialize(model, make_optimizer(model, "adamw"), zinf.ZeroConfig.from_dict({"offload": {"params": "cpu"}}))
+    shards = sum(g.shard_numel * 4 for g in engine.groups)
+    cpu = engine.resident_bytes()["cpu"]
+    assert cpu.get("param_shards", 0) + cpu.get("master", 0) == shards
+    engine.close()

@@ -52,8 +52,11 @@ class CpuShardStore:
     def __init__(self, groups: Sequence["FlatParamGroup"]) -> None:
         self._shards: dict[int, torch.Tensor] = {}
         self._fences: dict[int, BufferFence] = {}  # the last copy-in of each shard
+        self._is_master: set[int] = set()  # fp32 on a CPU device: the shard is the group's master itself
         for g in groups:
             shard = g.hand_over_shard()
+            if g.master is not None and shard.data_ptr() == g.master.data_ptr():
+                self._is_master.add(id(g))
             if shard.device.type != "cpu":  # pragma: no cover - CUDA only
                 host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
                 host.copy_(shard)
@@ -89,7 +92,8 @@ class CpuShardStore:
         return None
 
     def bytes_by_tier(self) -> dict[str, int]:
-        return {"cpu": sum(t.untyped_storage().nbytes() for t in self._shards.values())}
+        """Shards that are not the group's master itself (that memory is counted once, as the master)."""
+        return {"cpu": sum(t.untyped_storage().nbytes() for k, t in self._shards.items() if k not in self._is_master)}
 
 
 class SlotState(enum.Enum):

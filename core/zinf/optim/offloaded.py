@@ -170,25 +170,28 @@ class OffloadedAdam:
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
         stashed = "grad" in states  # read from NVMe with the states (a pool buffer: nothing to zero)
         if stashed:
-            grad = states["grad"]
-        else:  # the resident shard, zeroed as it is read, for the next backward
-            grad = g.grad.tensor()[sg.lo : sg.hi]
+            grad: torch.Tensor | None = states["grad"]
+        else:  # the resident shard, zeroed as it is read, for the next backward (frozen groups have none)
+            resident = g.grad.resident
+            grad = None if resident is None else resident[sg.lo : sg.hi]
         factor = self._factors[id(g)]
         stepped, steps = self._stepped[id(g)], self.steps[id(g)]
         for lo, hi, k, i in sg.segments:
             a, b = lo - sg.lo, hi - sg.lo
             if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
                 out[lo:hi].copy_(master[a:b])
-                if not stashed:
+                if grad is not None and not stashed:
                     grad[a:b].zero_()
                 continue
+            if grad is None:  # stepped with no gradient memory yet (zeros): only when nothing wrote one
+                grad = g.grad.tensor()[sg.lo : sg.hi]
             native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], self._hyper[k], step=steps[i],
                              clip_coef=factor, param_out=None if fp32 else out[lo:hi], zero_grad=not stashed)
             if fp32:
                 out[lo:hi].copy_(master[a:b])
         for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
             out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
-            if not stashed:
+            if grad is not None and not stashed:
                 grad[lo - sg.lo : hi - sg.lo].zero_()
         if sg.last_of_group:
             self._finish_group(g)

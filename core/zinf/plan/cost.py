@@ -92,6 +92,9 @@ class Calibration:
     # per token per vocabulary entry (the fp32 logits, cross-entropy forward and backward, the tied head's
     # gradient), fitted the same way
     elementwise_per_vocab: float = 32.0
+    # on CPU, bf16/fp16 element-wise kernels convert to fp32 and back: their time is this many times the fp32
+    # estimate (fitted to the bf16 GPT run of docs/planner.md, which the fp32 constants under-predicted by ~30%)
+    low_precision_elementwise_cpu: float = 3.0
     # the engine's own work per group per step (module hooks, gather and reduce bookkeeping in Python), seconds:
     # engine fwd+bwd minus plain PyTorch fwd+bwd of the same GPT, per group, on the same machine
     per_group_seconds: float = 1e-3
@@ -287,6 +290,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     elementwise = tokens * ((spec.num_layers or 0) * (spec.hidden or 0) * cal.elementwise_per_layer * recompute
                             + (spec.vocab or 0) * cal.elementwise_per_vocab) * 4
     sec: dict[str, float] = {}
+    if cpu and pb < 4:
+        elementwise *= cal.low_precision_elementwise_cpu
     sec["compute"] = matmul_flops / flops + elementwise / mem_bw + len(spec.groups) * cal.per_group_seconds
     trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
     if pl.optimizer == "device":
