@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     cons.add_argument("checkpoint_dir")
     cons.add_argument("output")
     sub.add_parser("launch", help="run an Accelerate script on zinf: zinf launch --config run.yaml train.py [args]")
-    from zinf.plan.cli import add_arguments as plan_arguments, run as run_plan
+    from zinf.plan.cli import PARSER_OPTIONS as plan_options, add_arguments as plan_arguments, run as run_plan
 
-    plan_arguments(sub.add_parser("plan", help="bytes per tier and step time of each placement on this machine; recommends one"))
+    plan_arguments(sub.add_parser("plan", help="bytes per tier and step time of each placement on this machine; recommends one",
+                                  **plan_options))
     args = parser.parse_args(argv)
     if args.command == "plan":
         return run_plan(args)

@@ -142,18 +142,21 @@ def parse_summary(line: str) -> ParsedStep | None:
     match = _LINE.search(line)
     if match is None:
         return None
-    step = ParsedStep(int(match.group(1)))
+    ms: dict[str, float] = {}
+    mib: dict[str, float] = {}
+    hidden: float | None = None
+    skipped = False
     for part in match.group(2).split("|")[1:]:
         part = part.strip()
         if m := _TIME.match(part):
-            step.ms[m.group(1)] = float(m.group(2))
+            ms[m.group(1)] = float(m.group(2))
         elif m := _BYTES.match(part):
-            step.mib[m.group(1)] = float(m.group(2))
+            mib[m.group(1)] = float(m.group(2))
         elif m := _HIDDEN.match(part):
-            step.io_hidden_share = float(m.group(1)) / 100
+            hidden = float(m.group(1)) / 100
         elif part.startswith("skipped"):
-            step.skipped = True
-    return step
+            skipped = True
+    return ParsedStep(int(match.group(1)), ms, mib, hidden, skipped)
 
 
 def parse_log(path: str) -> list[ParsedStep]:

@@ -183,6 +183,7 @@ def test_rank_filter_all_ranks_by_env_function_or_argument(rank: list[int], monk
 
 
 def test_current_rank_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # another test may have left one up
     monkeypatch.delenv("RANK", raising=False)
     assert streams_mod.current_rank() == 0
     monkeypatch.setenv("RANK", "5")  # set by torchrun before the process group exists

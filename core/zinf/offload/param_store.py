@@ -52,11 +52,9 @@ class CpuShardStore:
     def __init__(self, groups: Sequence["FlatParamGroup"]) -> None:
         self._shards: dict[int, torch.Tensor] = {}
         self._fences: dict[int, BufferFence] = {}  # the last copy-in of each shard
-        self._is_master: set[int] = set()  # fp32 on a CPU device: the shard is the group's master itself
+        self._groups = list(groups)
         for g in groups:
             shard = g.hand_over_shard()
-            if g.master is not None and shard.data_ptr() == g.master.data_ptr():
-                self._is_master.add(id(g))
             if shard.device.type != "cpu":  # pragma: no cover - CUDA only
                 host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
                 host.copy_(shard)
@@ -92,8 +90,14 @@ class CpuShardStore:
         return None
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Shards that are not the group's master itself (that memory is counted once, as the master)."""
-        return {"cpu": sum(t.untyped_storage().nbytes() for k, t in self._shards.items() if k not in self._is_master)}
+        """Shards that are not their group's master as well (fp32 on a CPU device with a device-tier optimizer: one
+        tensor, counted once, as the master)."""
+        total = 0
+        for g in self._groups:
+            shard = self._shards[id(g)]
+            if g.master is None or g.master.data_ptr() != shard.data_ptr():
+                total += shard.untyped_storage().nbytes()
+        return {"cpu": total}
 
 
 class SlotState(enum.Enum):

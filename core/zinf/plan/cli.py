@@ -21,9 +21,11 @@ def _count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number such as 1.3e9, found {text!r}") from None
 
 
+PARSER_OPTIONS = {"formatter_class": argparse.RawDescriptionHelpFormatter, "epilog": EXAMPLES}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = EXAMPLES
+    """The ``plan`` subcommand's arguments (build its parser with ``**PARSER_OPTIONS``)."""
     model = p.add_argument_group("the model (exactly one)")
     model.add_argument("--params", type=_count, help="parameter count, e.g. 1.3e9 (a GPT-like stack is assumed)")
     model.add_argument("--layers", type=int, help="layers (with --params, or to override what a module shows)")

@@ -128,8 +128,11 @@ class Estimate:
     seconds: dict[str, float]  # compute, optimizer, nvme, pcie, allgather, step
     pinned_pool_bytes: int
     sub_group_numel: int
-    fits: bool = True
-    why_not: list[str] = field(default_factory=list)
+    why_not: list[str] = field(default_factory=list)  # what this placement lacks on this machine; empty: it fits
+
+    @property
+    def fits(self) -> bool:
+        return not self.why_not
 
     def tier_bytes(self, tier: str, states_only: bool = False) -> int:
         kinds = self.bytes.get(tier, {})
@@ -388,4 +391,3 @@ def _check_fit(est: Estimate, spec: ModelSpec, machine: Machine, wl: Workload, p
             need = est.disk_bytes * ranks
             if need > free:
                 est.why_not.append(f"nvme: needs {need / gib:.2f} GiB of swap files, {free / gib:.2f} GiB free")
-    est.fits = not est.why_not
