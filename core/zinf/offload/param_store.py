@@ -18,6 +18,7 @@ from zinf.fetch.streams import BufferFence, region, same_device, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.swap import Record, SwapSpace
+from zinf.param.store import DeviceShardStore
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -43,9 +44,10 @@ def _copy_in(group: "FlatParamGroup", host: torch.Tensor) -> tuple[torch.Tensor,
     return shard, fence
 
 
-class CpuShardStore:
+class CpuShardStore(DeviceShardStore):
     """Shards in (pinned, with CUDA) host memory, copied to the device for each gather (on the copy_in
-    stream; a shard is rewritten by the optimizer only once its last copy has read it)."""
+    stream; a shard is rewritten by the optimizer only once its last copy has read it). No I/O: prefetch,
+    done, commit, keep_for_backward, flush and close are the device tier's no-ops."""
 
     tier = "cpu"
 
@@ -61,33 +63,15 @@ class CpuShardStore:
                 shard = host
             self._shards[id(g)] = shard
 
-    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
-        return True
-
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         shard, self._fences[id(group)] = _copy_in(group, self._shards[id(group)])
         return shard
-
-    def done(self, group: "FlatParamGroup") -> None:
-        return None
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         fence = self._fences.pop(id(group), None)
         if fence is not None:
             fence.wait()  # the host overwrites the shard: its copy to the device must have read it
         return self._shards[id(group)]
-
-    def commit(self, group: "FlatParamGroup") -> None:
-        return None
-
-    def keep_for_backward(self, keep: bool) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Shards that are not their group's master as well (fp32 on a CPU device with a device-tier optimizer: one
