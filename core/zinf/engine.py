@@ -22,7 +22,7 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.checkpointing import ActivationCheckpointing
-from zinf.fetch.comm import Comm, default_device
+from zinf.fetch.comm import Comm, compute_device
 from zinf.fetch.gather import ParamFetcher
 from zinf.fetch.streams import install_rank_filter
 from zinf.fetch.watchdog import CollectiveWatchdog
@@ -52,7 +52,7 @@ class ZeroInfinityEngine:
                  device: torch.device | str | None = None) -> None:
         install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
         self.config = config or ZeroConfig()
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = compute_device(device)
         self.comm = comm or Comm.current(device=self.device)
         self.module = model
         _check_model(model)

@@ -211,10 +211,10 @@ def test_install_rank_filter_covers_child_loggers_once(rank: list[int], caplog: 
                 lg.removeFilter(f)
 
 
-def test_same_device() -> None:
-    from zinf.fetch.streams import same_device
+def test_one_spelling_per_device() -> None:
+    from zinf.fetch.comm import compute_device
 
-    assert same_device(torch.device("cpu"), torch.device("cpu:0"))
-    assert not same_device(torch.device("cpu"), torch.device("meta"))
-    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
-    assert same_device(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert compute_device("cpu:0") == compute_device(torch.device("cpu")) == torch.device("cpu")
+    assert compute_device("meta") != compute_device("cpu")
+    assert compute_device("cuda:1") == torch.device("cuda", 1) != compute_device("cuda:0")
+    assert streams_mod.streams_for("cpu:0") is streams_mod.streams_for("cpu")

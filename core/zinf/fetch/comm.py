@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "default_device"]
+__all__ = ["Comm", "default_device", "compute_device"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,6 +26,18 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():  # pragma: no cover - CUDA path, not run in CI
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def compute_device(device: torch.device | str | None = None) -> torch.device:
+    """The one spelling of a device inside zinf: ``cpu:0`` is ``cpu`` (front ends pass either: Accelerate
+    ``cpu:0``, Lightning ``cpu``), ``cuda`` is the current CUDA device, None is :func:`default_device`. With one
+    spelling, "is this tensor already on the group's device?" is a plain ``==`` everywhere."""
+    if device is None:
+        return default_device()
+    device = torch.device(device)
+    if device.type == "cuda":
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device.type)
 
 
 @dataclass(frozen=True)

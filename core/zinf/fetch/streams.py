@@ -73,6 +73,8 @@ from typing import Any, Callable, ContextManager, Iterator, Literal, Union
 import torch
 import torch.distributed as dist
 
+from zinf.fetch.comm import compute_device
+
 __all__ = [
     "KINDS",
     "BufferFence",
@@ -253,21 +255,12 @@ _by_device: dict[torch.device, Streams] = {}
 _by_device_lock = threading.Lock()
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """``cpu`` and ``cpu:0`` are one device (front ends pass either); CUDA devices compare by index."""
-    return a.type == b.type and (a.type == "cpu" or a.index == b.index)
-
-
 def streams_for(device: torch.device | str) -> Streams:
     """The :class:`Streams` of ``device``: made on first use and shared by everything that runs there (groups,
     stores, the reducer), so a copy-in, the all-gather that waits for it and the compute that waits for
     that are on the same four streams without passing them around. ``cuda`` means the current device; every
     CPU device shares one set of no-op stand-ins."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # pragma: no cover - CUDA path
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cuda":
-        device = torch.device(device.type)
+    device = compute_device(device)
     found = _by_device.get(device)
     if found is None:
         with _by_device_lock:  # the background optimizer thread asks too

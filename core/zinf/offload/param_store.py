@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from zinf.fetch.streams import BufferFence, region, same_device, streams_for
+from zinf.fetch.streams import BufferFence, region, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.swap import Record, SwapSpace
@@ -31,7 +31,7 @@ def _copy_in(group: "FlatParamGroup", host: torch.Tensor) -> tuple[torch.Tensor,
     the reuse of ``host``; the all_gather stream is made to wait for the copy. See [Note: streams] in
     zinf/fetch/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op."""
     streams = streams_for(group.device)
-    if same_device(host.device, group.device):
+    if host.device == group.device:
         shard = host
     else:  # pragma: no cover - CUDA path
         shard = torch.empty(host.shape, dtype=host.dtype, device=group.device)  # on compute: the stream that frees it

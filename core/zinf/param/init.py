@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zinf.config import ZeroConfig
-from zinf.fetch.comm import Comm, default_device
+from zinf.fetch.comm import Comm, compute_device, default_device
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.partition import partition_module_params
 from zinf.param.registry import group_of
@@ -78,7 +78,7 @@ class Init:
         self.config = config or ZeroConfig()
         self.enabled = enabled
         self.comm = comm
-        self.device = torch.device(device) if device is not None else None
+        self.device = compute_device(device) if device is not None else None
         self._handles: list[Any] = []
         self._pending: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()

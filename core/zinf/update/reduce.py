@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from zinf.fetch.comm import Comm
-from zinf.fetch.streams import BufferFence, InFlight, Streams, region, same_device, streams_for
+from zinf.fetch.streams import BufferFence, InFlight, Streams, region, streams_for
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
 
@@ -89,7 +89,7 @@ class GradReducer:
         with self.timers.time("reduce_scatter"):
             done = work.join()  # compute waits for the reduce-scatter; its input gradient may then be freed
         for group, part in slices:
-            if not same_device(part.device, group.grad.device):  # pragma: no cover - CUDA: the shard is in host memory
+            if part.device != group.grad.device:  # pragma: no cover - CUDA: the shard is in host memory
                 with region("d2h", group.name):
                     part = _off_device(work.streams, done, part)
             group.grad.accumulating().add_(part.to(group.grad.device, torch.float32).div_(self.comm.world))
