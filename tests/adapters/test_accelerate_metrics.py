@@ -12,7 +12,6 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.tracking import GeneralTracker  # noqa: E402
 
 from accelerate_zinf import Accelerator  # noqa: E402
-from accelerate_zinf.settings import ENV_CONFIG  # noqa: E402
 
 
 class ListTracker(GeneralTracker):
@@ -31,16 +30,6 @@ class ListTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         self.logged.append((step, dict(values)))
-
-
-@pytest.fixture
-def fresh_state(monkeypatch):
-    monkeypatch.delenv(ENV_CONFIG, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _train(accelerator: Accelerator, num_micro_batches: int) -> None:

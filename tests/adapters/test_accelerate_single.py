@@ -100,16 +100,6 @@ def test_engine_config_comes_from_the_script_then_the_environment_then_defaults(
 
 
 # -- one process: the Accelerator's methods against plain PyTorch ------------------------------------------
-@pytest.fixture
-def fresh_state(monkeypatch):
-    monkeypatch.delenv(ENV_CONFIG, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=64, block=16, n_embd=32, n_head=4, n_layer=2))
