@@ -18,3 +18,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """[Note: reaping] in tests/processes.py: nothing a test started outlives the run, Ctrl-C included."""
+    import processes
+
+    processes.kill_leftovers()

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import processes
+
 
 def _entry(rank: int, world: int, outdir: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -39,8 +41,13 @@ def _entry(rank: int, world: int, outdir: str, fn: Callable[..., Any], args: tup
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
     with tempfile.TemporaryDirectory() as outdir:
+        context = mp.start_processes(_entry, args=(world, outdir, fn, args, backend), nprocs=world,
+                                     start_method="spawn", join=False)
+        pids = [p.pid for p in context.processes]
+        processes.register(pids)
         try:
-            mp.start_processes(_entry, args=(world, outdir, fn, args, backend), nprocs=world, start_method="spawn")
+            while not context.join():
+                pass
         except Exception as exc:
             errors = []
             for r in range(world):
@@ -50,6 +57,11 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
                     if not rec["ok"]:
                         errors.append(f"rank {r}:\n{rec['error']}")
             raise AssertionError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
+        finally:  # [Note: reaping] in tests/processes.py: a failure, timeout or Ctrl-C leaves no worker behind
+            processes.kill_pids(p.pid for p in context.processes if p.is_alive())
+            for p in context.processes:
+                p.join(timeout=30)
+            processes.unregister(pids)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)["result"] for r in range(world)]
 
 

@@ -6,8 +6,6 @@ process on the whole global batch, and by zinf on N ranks, each on its slice.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -267,6 +265,17 @@ def _float_data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g)) for _ in range(steps)]
 
 
+NVME_DIR = "{nvme_dir}"  # a pattern's NVMe directory: the test's own tmp_path, filled in by zinf_settings
+
+
+def zinf_settings(pattern: Pattern, nvme_dir: str) -> dict[str, Any]:
+    """The pattern's zinf settings with its NVMe directory placed under ``nvme_dir`` (a test's tmp_path)."""
+    offload = dict(pattern.zinf.get("offload", {}))
+    if "nvme_paths" in offload:
+        offload["nvme_paths"] = [p.replace(NVME_DIR, nvme_dir) for p in offload["nvme_paths"]]
+    return {**pattern.zinf, **({"offload": offload} if offload else {})}
+
+
 PATTERNS: dict[str, Pattern] = {
     "checkpoint_nonreentrant": Pattern(lambda: CheckpointedGPT(GPTConfig(), "nonreentrant"), _gpt_data),
     "checkpoint_reentrant": Pattern(lambda: CheckpointedGPT(GPTConfig(), "reentrant"), _gpt_data),
@@ -277,7 +286,7 @@ PATTERNS: dict[str, Pattern] = {
     "frozen_offload_cpu": Pattern(lambda: GPT(GPTConfig()), _gpt_data, freeze=("wte.", "blocks.0."),
                                   zinf={"offload": {"optimizer": "cpu"}}),
     "skipped_branches_offload_nvme": Pattern(Branchy, branchy_batches, zinf={"offload": {
-        "params": "nvme", "optimizer": "nvme", "nvme_paths": [os.path.join(tempfile.gettempdir(), "zinf-patterns")],
+        "params": "nvme", "optimizer": "nvme", "nvme_paths": [NVME_DIR],
         "pinned_pool_bytes": 8 << 20, "sub_group_numel": 4096}}),
     "dataclass_namedtuple_outputs": Pattern(OddOutputs, _float_data),
     "moe_auto": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data),

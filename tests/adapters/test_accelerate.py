@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+import processes
 
 pytest.importorskip("accelerate")
 
@@ -31,12 +32,12 @@ TORCH_EXIT_ABORT = "terminate called without an active exception"
 def _run(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "ZINF_CONFIG")}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+    proc = processes.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
     if ok and proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stderr and "Traceback (most recent call last):\n  File" \
             not in proc.stderr.split(TORCH_EXIT_ABORT)[0]:
         # torch 2.13's gloo can abort a process at interpreter exit after its work is done (README, known problems);
         # the run itself succeeded (no traceback before the abort). Run it once more; any other failure fails.
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+        proc = processes.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
     if ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

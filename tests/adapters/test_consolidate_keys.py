@@ -9,7 +9,6 @@ earlier one, which recorded no prefix) and on single-process engines (plain mode
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,13 +20,14 @@ import zinf
 from lightning_zinf import consolidate_state_dict
 from lightning_zinf._shared import build_engine, module_names
 from zinf.checkpoint import consolidate
+import processes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
 def _consolidate_cli(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    result = subprocess.run([sys.executable, "-m", "zinf.cli", "consolidate", str(ckpt), str(out)],
+    result = processes.run([sys.executable, "-m", "zinf.cli", "consolidate", str(ckpt), str(out)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=True)
@@ -42,7 +42,7 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("consolidate_keys")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run([sys.executable, str(HERE / "consolidate_driver.py"), "--steps", "6", "--out", str(out)],
+    proc = processes.run([sys.executable, str(HERE / "consolidate_driver.py"), "--steps", "6", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300, cwd=str(HERE))
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return out

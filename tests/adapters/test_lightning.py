@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import processes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -44,7 +45,7 @@ class Runs:
             out = self.base / f"run{len(self.done)}"
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             env.pop("MASTER_PORT", None)
-            proc = subprocess.run([sys.executable, str(HERE / driver), *args, "--out", str(out)], env=env,
+            proc = processes.run([sys.executable, str(HERE / driver), *args, "--out", str(out)], env=env,
                                   capture_output=True, text=True, timeout=240, cwd=str(HERE))
             if proc.returncode != 0:
                 raise AssertionError(f"{driver} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

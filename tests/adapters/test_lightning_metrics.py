@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,11 +22,12 @@ STEPS = 6
 
 
 def _run(out: Path, devices: int, every: int | None, log_every: int) -> list[dict[str, str]]:
+    import processes  # here: this file also runs as a script, where tests/ is not on the path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("MASTER_PORT", None)
     args = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--devices", str(devices),
             "--log-every", str(log_every)] + ([] if every is None else ["--every", str(every)])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=str(HERE))
+    proc = processes.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=str(HERE))
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     with open(out / "csv" / "version_0" / "metrics.csv", newline="") as f:

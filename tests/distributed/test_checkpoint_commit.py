@@ -20,6 +20,7 @@ import zinf
 from dist_utils import run_distributed
 from zinf.checkpoint import CheckpointError, consolidate, read_client_state
 from zinf.checkpoint.commit import hold_save_lock, release_save_lock
+import processes
 
 pytestmark = pytest.mark.distributed
 
@@ -32,7 +33,7 @@ def test_saves_killed_at_random_moments_leave_one_whole_save(tmp_path: Path) -> 
     load what is current: always one whole save, the newest committed one or the one in flight."""
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "checkpoint_kill_driver.py"), "--work", str(tmp_path),
+    proc = processes.run([sys.executable, str(HERE / "checkpoint_kill_driver.py"), "--work", str(tmp_path),
                            "--iterations", str(KILL_ITERATIONS), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     report = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-3000:], "iterations": []}

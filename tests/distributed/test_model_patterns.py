@@ -17,7 +17,7 @@ import torch.distributed as dist
 import zinf
 from dist_utils import run_distributed
 from models import make_optimizer
-from patterns import PATTERNS, Pattern, build
+from patterns import PATTERNS, Pattern, build, zinf_settings
 
 pytestmark = pytest.mark.distributed
 
@@ -41,9 +41,9 @@ def _reference(pattern: Pattern) -> tuple[list[float], dict[str, torch.Tensor]]:
         torch.set_num_threads(threads)
 
 
-def _train(rank: int, world: int, pattern: Pattern) -> dict:
+def _train(rank: int, world: int, pattern: Pattern, nvme_dir: str) -> dict:
     torch.manual_seed(0)
-    config = zinf.ZeroConfig.from_dict(pattern.zinf)
+    config = zinf.ZeroConfig.from_dict(zinf_settings(pattern, nvme_dir))
     for path in config.offload.nvme_paths:
         os.makedirs(path, exist_ok=True)
     with zinf.Init(config):
@@ -65,8 +65,8 @@ def _train(rank: int, world: int, pattern: Pattern) -> dict:
     return out
 
 
-def _train_all(rank: int, world: int, names: list[str]) -> dict[str, dict]:
-    return {name: _train(rank, world, PATTERNS[name]) for name in names}
+def _train_all(rank: int, world: int, names: list[str], nvme_dir: str) -> dict[str, dict]:
+    return {name: _train(rank, world, PATTERNS[name], nvme_dir) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +92,9 @@ def _check(name: str, world: int, got: dict, ref: tuple[list[float], dict[str, t
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_patterns_match_pytorch(world: int, references) -> None:
+def test_patterns_match_pytorch(world: int, references, tmp_path) -> None:
     names = list(PATTERNS) if world < 4 else [n for n in PATTERNS if not n.startswith("hf_")]
-    results = run_distributed(_train_all, world, names)[0]
+    results = run_distributed(_train_all, world, names, str(tmp_path))[0]
     for name in names:
         _check(name, world, results[name], references[name])
     if world > 1:

@@ -10,11 +10,11 @@ failed the step. Read-ahead now takes only blocks the pool has at once and gives
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,6 +28,6 @@ def test_fragmented_pool_does_not_stall_the_step(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "examples" / "train_gpt.py"), "model.block=128", "model.n_layer=6", "train.steps=16",
            "zinf.offload.pinned_pool_bytes=67108864", f"train.out_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    proc = processes.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "PoolExhaustedError" not in proc.stderr

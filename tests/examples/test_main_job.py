@@ -8,12 +8,12 @@ import csv
 import os
 import re
 import struct
-import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import pytest
+import processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ def test_main_job(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ZINF_NVME_DIR": str(nvme)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "examples" / "train_gpt.py"), *SMALL, f"train.out_dir={out}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = processes.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     text = proc.stdout
 

@@ -24,6 +24,7 @@ from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 
 from zinf import ConfigError, ZeroConfig  # noqa: E402
 from zinf.hydra_configs import PRESETS, preset_node, register_configs  # noqa: E402
+import processes
 
 REPO = Path(__file__).resolve().parents[2]
 PATHS = "zinf.offload.nvme_paths=[/mnt/a,/mnt/b]"
@@ -218,7 +219,7 @@ def _example(tmp_path: Path, *overrides: str, timeout: float) -> subprocess.Comp
     launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
     env = {k: v for k, v in os.environ.items() if k not in launcher}  # another test's rendezvous must not leak in
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "core"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(REPO / "examples/hydra/train.py"), f"hydra.run.dir={tmp_path / 'run'}",
+    return processes.run([sys.executable, str(REPO / "examples/hydra/train.py"), f"hydra.run.dir={tmp_path / 'run'}",
                            *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 

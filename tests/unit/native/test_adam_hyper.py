@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import subprocess
 import sys
 import textwrap
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from zinf import native
+import processes
 
 needs_native = pytest.mark.skipif(not native.info().available, reason="zinf._native not built")
 
@@ -147,5 +147,5 @@ def test_without_the_extension() -> None:
         print("ok")
     """)
     env = {k: val for k, val in os.environ.items() if k != "ZINF_REQUIRE_NATIVE"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = processes.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

@@ -16,6 +16,7 @@ from torch import nn
 import zinf
 from zinf.errors import CheckpointError
 from zinf.offload import OffloadFileError, OffloadSpaceError
+import processes
 
 
 def _engine(tmp: Path | str, **offload) -> zinf.ZeroInfinityEngine:
@@ -194,6 +195,6 @@ engine = zinf.initialize(model, torch.optim.Adam(model.parameters()), cfg)
 assert any(p.name.endswith(".swap") for p in __import__("pathlib").Path({str(tmp_path)!r}).iterdir())
 raise RuntimeError("the training script failed")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "the training script failed" in proc.stderr, proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == []
