@@ -220,7 +220,7 @@ class NvmeShardStore:
     def __init__(self, groups: Sequence["FlatParamGroup"], swap: SwapSpace, room: PoolRoom, reserve_bytes: int) -> None:
         self.swap, self.room, self.pool = swap, room, room.pool
         self.records: dict[int, Record] = {
-            id(g): swap.allocate(g.shard_numel * g.compute_dtype.itemsize) for g in groups}
+            id(g): swap.allocate(g.shard_numel * g.storage_dtype.itemsize) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
@@ -248,7 +248,7 @@ class NvmeShardStore:
 
     def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
         nbytes = self.records[id(group)].nbytes
-        return buf[:nbytes].view(group.compute_dtype)
+        return buf[:nbytes].view(group.storage_dtype)
 
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         """Start reading ``group``'s shard; False when the pool has no room. Read-ahead (not ``demand``)
@@ -286,22 +286,30 @@ class NvmeShardStore:
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
-        while not self.prefetch(group, demand=True):
+        while True:
+            # the read is started (or found) and its slot taken under one hold of the lock: in between, the
+            # background optimizer step's room-maker could evict the idle slot (seen as a KeyError on one rank,
+            # then a collective mismatch, with overlap_optimizer and a pool smaller than the shards)
+            with self._lock:
+                if self.prefetch(group, demand=True):
+                    return self._hand_to_gather(group)
             if self.room.make_room():
                 continue
             if time.monotonic() > deadline:  # nothing came free: the optimizer step holds the rest
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
             time.sleep(0.002)
-        with self._lock:
-            key = id(group)
-            slot = self._slots[key]
-            assert not slot.staged, f"{group.name}: gathered while its update is being staged"
-            if slot.read is not None:
-                self._finish_read(key, slot)
-            # the buffer goes back to the pool (or is staged again) only once this copy has read it
-            source, copied = _copy_in(group, self._data(group, slot.buf))
-            slot.hand_to_gather(copied)
-            return source
+
+    def _hand_to_gather(self, group: "FlatParamGroup") -> torch.Tensor:
+        """The slot that ``prefetch`` has just made or found, handed to the gather (the caller holds the lock)."""
+        key = id(group)
+        slot = self._slots[key]
+        assert not slot.staged, f"{group.name}: gathered while its update is being staged"
+        if slot.read is not None:
+            self._finish_read(key, slot)
+        # the buffer goes back to the pool (or is staged again) only once this copy has read it
+        source, copied = _copy_in(group, self._data(group, slot.buf))
+        slot.hand_to_gather(copied)
+        return source
 
     def done(self, group: "FlatParamGroup") -> None:
         with self._lock:
