@@ -201,6 +201,11 @@ class ZeroConfig(_Checked):
 
     precision: compute dtype of gathered parameters and activations ("fp32", "bf16", "fp16");
         optimizer master weights and gradient shards are always fp32.
+    param_storage: dtype of the parameter shards at rest, on every tier (device, CPU, NVMe): "precision"
+        (default: the compute dtype), or "bf16" / "fp16" with fp32 compute: half the bytes kept, read from
+        NVMe and all-gathered, widened to fp32 after the all-gather; the fp32 masters stay with the
+        optimizer. For CPUs without bf16 units (fp32 compute is far faster there) and NVMe-bound runs.
+        The masters are stepped in fp32 and rounded to this dtype after each step (mixed precision).
     reduce_dtype: dtype of the gradient reduce-scatter: "fp32" (default, exact) or "param".
     gradient_clipping: clip the global gradient norm to this value (0 = off).
     detect_external_params: watch tensor operations during forward so that a parameter used outside
@@ -218,6 +223,7 @@ class ZeroConfig(_Checked):
     """
 
     precision: str = "fp32"
+    param_storage: str = "precision"
     reduce_dtype: str = "fp32"
     gradient_clipping: float = 0.0
     detect_external_params: bool = True
@@ -242,6 +248,11 @@ class ZeroConfig(_Checked):
     def validate(self) -> None:
         check_types(self, "")
         _require(self.precision in PRECISIONS, "precision", self.precision, f"one of {sorted(PRECISIONS)}")
+        _require(self.param_storage in ("precision", *PRECISIONS), "param_storage", self.param_storage,
+                 f"one of {['precision', *sorted(PRECISIONS)]}")
+        _require(self.param_storage in ("precision", self.precision) or self.precision == "fp32", "param_storage",
+                 self.param_storage, f"'precision' or '{self.precision}' with precision='{self.precision}' (a 16-bit "
+                 "storage dtype is for fp32 compute; with 16-bit compute the shards are already 16-bit)")
         _require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
         _require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
         _require(self.log_every_n_steps >= 0, "log_every_n_steps", self.log_every_n_steps, "an integer >= 0")
@@ -259,6 +270,11 @@ class ZeroConfig(_Checked):
     @property
     def compute_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The parameter shards' dtype at rest (``param_storage``)."""
+        return self.compute_dtype if self.param_storage == "precision" else PRECISIONS[self.param_storage]
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:

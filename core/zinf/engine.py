@@ -59,7 +59,8 @@ class ZeroInfinityEngine:
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)
         if optimizer is not None:
             remap_optimizer(optimizer, replaced)
-        self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device)
+        self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device,
+                                                                 self.config.storage_dtype)
         for g in self.groups:  # parameters frozen after zinf.Init built them
             g.refresh_requires_grad()
         self.timers = StepTimers()

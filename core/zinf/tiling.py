@@ -280,8 +280,10 @@ def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4) -> d
                     unregister(p)
                 full_name = _join(name, child_name)
                 for k, t in enumerate(tiled.tiles):
-                    partition_module_params(t, f"{full_name}.tiles.{k}", group.comm, group.compute_dtype, group.device)
-                partition_module_params(tiled, full_name, group.comm, group.compute_dtype, group.device)
+                    partition_module_params(t, f"{full_name}.tiles.{k}", group.comm, group.compute_dtype, group.device,
+                                            storage_dtype=group.storage_dtype)
+                partition_module_params(tiled, full_name, group.comm, group.compute_dtype, group.device,
+                                        storage_dtype=group.storage_dtype)
             setattr(module, child_name, tiled)
             replaced[id(child.weight)] = [t.weight for t in tiled.tiles]  # type: ignore[misc]
             if child.bias is not None:

@@ -153,7 +153,7 @@ class Placement:
             per_subgroup = 4 if grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
             pipeline = 3 * per_subgroup * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
         if cfg.params == "nvme" and self.groups:
-            largest = block_bytes(max(_span(g.shard_numel * g.compute_dtype.itemsize) for g in self.groups))
+            largest = block_bytes(max(_span(g.shard_numel * g.storage_dtype.itemsize) for g in self.groups))
         need = pipeline + (4 * largest if largest else 0)
         grad_writes = 0
         if grads_on_nvme and self.subgroups:
@@ -172,7 +172,7 @@ class Placement:
         shard_numel = sum(g.shard_numel for g in self.groups)
         host = 0
         if cfg.params == "cpu":
-            host += shard_numel * self.groups[0].compute_dtype.itemsize if self.groups else 0
+            host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0
         if cfg.grads_tier == "cpu":
             host += shard_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":

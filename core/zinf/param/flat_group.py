@@ -81,6 +81,7 @@ class FlatParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         full_values: Sequence[torch.Tensor] | None = None,
+        storage_dtype: torch.dtype | None = None,
     ) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
@@ -90,6 +91,9 @@ class FlatParamGroup:
         # alive by its group, nor keep the group (and its shard) alive through the registry
         self._param_refs = [weakref.ref(p) for p in params]
         self.compute_dtype = compute_dtype
+        # [Note: storage dtype] the parameter shard at rest (every tier) may be narrower than the compute dtype
+        # (``param_storage``): the all-gather moves the narrow bytes, then one cast widens the gathered vector
+        self.storage_dtype = storage_dtype or compute_dtype
         self.device = device
         slots, offset = [], 0
         values = list(full_values) if full_values is not None else [p.detach() for p in params]
@@ -119,16 +123,19 @@ class FlatParamGroup:
                 master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
         # master / shard become None when an offload placement takes them (``place``)
         self.master: torch.Tensor | None = master
-        self.shard: torch.Tensor | None = master if compute_dtype == torch.float32 else master.to(compute_dtype)
+        self.shard: torch.Tensor | None = master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype)
         # [Note: placement] built on the device tier; an offload placement moves the group once (``place``)
         self.store: ShardStore = DEVICE_STORE
         self._master_home: MasterHome | None = None
         self._fence = _NO_FENCE
         self.placed = False
-        # With one rank the shard is the whole flat vector: gathering is free.
-        self.full = self.shard if comm.world == 1 else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        if comm.world > 1:
+        # With one rank the shard is the whole flat vector: gathering is free (unless it must be widened).
+        if comm.world == 1 and self.storage_dtype == compute_dtype:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
             self.full.untyped_storage().resize_(0)
+        self._widen_from: torch.Tensor | None = None  # the gathered narrow vector finish_gather widens
         self.grad = GradShard(self, [self.local_range(i) for i in range(len(self.slots))], device)
         self._grad_full: torch.Tensor | None = None
         self._arrived: set[int] = set()  # slots whose gradient arrived since the last reduce
@@ -237,11 +244,20 @@ class FlatParamGroup:
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         streams = streams_for(self.device)
         source = self.store.fetch(self)
+        # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
+        # one rank read as it is; finish_gather widens it into the full buffer
+        if self.storage_dtype == self.compute_dtype:
+            gathered = self.full
+        elif self.comm.world == 1:
+            gathered = source
+        else:
+            gathered = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)
         with region("all_gather", self.name):
             streams.all_gather.wait_stream(streams.current())
             with streams.use(streams.all_gather):
-                work = self.comm.all_gather_into(self.full, source, async_op=True)
-        self._work = InFlight(streams, streams.all_gather, work, (source,))
+                work = None if gathered is source else self.comm.all_gather_into(gathered, source, async_op=True)
+        self._work = InFlight(streams, streams.all_gather, work, (source, gathered))
+        self._widen_from = None if gathered is self.full else gathered
         self.state = GroupState.GATHERING
 
     def finish_gather(self) -> None:
@@ -250,6 +266,9 @@ class FlatParamGroup:
         if self._work is not None:
             self._work.join()
             self._work = None
+        if self._widen_from is not None:  # before done(): with one rank it is the store's buffer itself
+            self.full.copy_(self._widen_from)
+            self._widen_from = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
             if p is not None:
@@ -265,8 +284,8 @@ class FlatParamGroup:
         lo = self.comm.rank * self.shard_numel
         streams = streams_for(self.device)
         with region("all_gather", self.name):
-            scratch = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.device)  # on compute
-            mine = self.full[lo : lo + self.shard_numel]
+            scratch = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)  # on compute
+            mine = self.full[lo : lo + self.shard_numel].to(self.storage_dtype)  # exact: widened from it
             streams.all_gather.wait_stream(streams.current())
             with streams.use(streams.all_gather):
                 self.comm.all_gather_into(scratch, mine, async_op=False)

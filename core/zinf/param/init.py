@@ -129,7 +129,8 @@ class Init:
 
     def _partition(self, module: nn.Module, name: str) -> None:
         assert self.comm is not None and self.device is not None
-        group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device)
+        group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device,
+                                        storage_dtype=self.config.storage_dtype)
         self._pending.discard(module)
         if group is not None:
             log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)

@@ -28,7 +28,7 @@ def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def partition_module_params(
     module: nn.Module, name: str, comm: Comm, compute_dtype: torch.dtype, device: torch.device,
-    only: set[int] | None = None,
+    only: set[int] | None = None, storage_dtype: torch.dtype | None = None,
 ) -> FlatParamGroup | None:
     """Group the direct parameters of ``module`` that no group holds yet (or the ids in ``only``)."""
     picked: list[tuple[str, nn.Parameter]] = []
@@ -42,16 +42,17 @@ def partition_module_params(
         return None
     group = FlatParamGroup(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
-        comm=comm, compute_dtype=compute_dtype, device=device,
+        comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype,
     )
     return register_group(group)
 
 
-def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, device: torch.device) -> list[FlatParamGroup]:
+def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, device: torch.device,
+                    storage_dtype: torch.dtype | None = None) -> list[FlatParamGroup]:
     """Make every parameter of ``model`` belong to exactly one valid group; return the groups in model order.
 
     Groups made under ``zinf.Init`` are kept when all their parameters are still in the model and
-    their layout matches (world size, dtype, device). Otherwise their live parameters are gathered
+    their layout matches (world size, dtypes, device). Otherwise their live parameters are gathered
     and regrouped; parameters no group holds are grouped by their first owning module.
     """
     owner: dict[int, tuple[str, nn.Module]] = {}
@@ -63,7 +64,8 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
                 live[id(p)] = p
 
     for g in groups_of(live.values()):
-        compatible = g.comm.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
+        compatible = (g.comm.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
+                      and g.storage_dtype == (storage_dtype or compute_dtype))
         if compatible and all(p is not None and id(p) in live for p in g.params):
             continue
         _dissolve(g, keep=lambda p: id(p) in live)
@@ -75,7 +77,7 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
     for mname, module in model.named_modules():
         ids = by_owner.get(id(module))
         if ids:
-            partition_module_params(module, mname, comm, compute_dtype, device, only=ids)
+            partition_module_params(module, mname, comm, compute_dtype, device, only=ids, storage_dtype=storage_dtype)
     return groups_of(live.values())
 
 
