@@ -33,7 +33,8 @@ def tiny() -> nn.Module:
 
 
 def by_name(p: zinf.plan.Plan) -> dict[str, zinf.plan.Estimate]:
-    return {f"{e.placement.name} {e.precision}": e for e in p.estimates}
+    return {f"{e.placement.name} {e.precision}" + ("" if e.storage == e.precision else f"/{e.storage}"): e
+            for e in p.estimates}
 
 
 # -- byte accounting ----------------------------------------------------------------------------------
@@ -270,3 +271,61 @@ def test_cli_module_factory(tmp_path: Path, capsys, monkeypatch) -> None:
                  "--json", "--batch-tokens", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["params"] == 16 * 16 + 16 + 16 * 2 + 2
+
+
+# -- CPUs without native 16-bit units ------------------------------------------------------------------------
+def test_slow_bf16_recommends_fp32_compute_with_bf16_storage(tmp_path: Path) -> None:
+    nv = tmp_path / "nvme"
+    nv.mkdir()
+    slow = machine(nvme={str(nv): 100})
+    slow = Machine(**{**slow.to_dict(), "flops": {"fp32": 110e9, "bf16": 0.3e9}})  # as measured on an AVX2 CPU
+    p = plan(tiny(), precision="bf16", nvme_paths=[str(nv)], machine=slow, batch_tokens=8)
+    rows = by_name(p)
+    assert "device/device bf16" in rows and "device/device fp32/bf16" in rows  # the fp32-compute rows were added
+    assert any("no native bf16 units" in n and "0.3 GFLOP/s" in n for n in p.notes), p.notes
+    rec = p.recommended
+    assert rec is not None and (rec.precision, rec.storage) == ("fp32", "bf16")
+    cfg = p.config()
+    assert cfg["precision"] == "fp32" and cfg["param_storage"] == "bf16"
+    assert zinf.ZeroConfig.from_dict(cfg).storage_dtype == torch.bfloat16
+    # parameters at rest and read per step: 2 bytes per parameter, as in bf16 compute, half of fp32 storage
+    wide = plan(tiny(), precision="fp32", nvme_paths=[str(nv)], machine=slow, batch_tokens=8)
+    fp32_nvme = by_name(wide)["nvme/nvme fp32"].bytes["nvme"]["param_shards"]
+    assert rows["nvme/nvme fp32/bf16"].bytes["nvme"]["param_shards"] == rows["nvme/nvme bf16"].bytes["nvme"]["param_shards"]
+    assert rows["nvme/nvme fp32/bf16"].bytes["nvme"]["param_shards"] <= fp32_nvme
+    text = p.table()
+    assert "fp32/bf16" in text and "param_storage: bf16" in text
+
+
+def test_fast_bf16_adds_no_rows() -> None:
+    p = plan(tiny(), precision="bf16", machine=machine(), batch_tokens=8)  # bf16 at half fp32's rate: native
+    assert {e.storage for e in p.estimates} == {"bf16"} and not any("native" in n for n in p.notes)
+
+
+@pytest.mark.parametrize("flops", [1e3, 1e18])
+def test_table_stays_aligned_for_any_magnitude(flops: float) -> None:
+    m = Machine(**{**machine().to_dict(), "flops": {"fp32": flops, "bf16": flops}})
+    p = plan(params=7e9, layers=32, hidden=4096, precision=["fp32", "bf16"], machine=m)
+    lines = p.table().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("placement"))
+    head, rows = lines[start], [line for line in lines[start + 2:] if line and line[0].isalpha()]
+    rows = rows[: len(p.estimates)]
+    assert len(rows) == len(p.estimates)
+    for name in ("device GiB", "moved GiB", "compute s", "step s"):
+        end = head.index(name) + len(name)  # numbers are right-aligned under their header
+        for row in rows:
+            assert row[end - 1] not in " " and row[end] == " ", (name, row)
+    assert all(e.seconds["step"] == e.seconds["step"] and e.seconds["step"] > 0 for e in p.estimates
+               if "nvme" not in e.placement.name)  # finite and positive
+
+
+def test_compute_rate_is_measured_within_its_budget() -> None:
+    import time
+
+    from zinf.plan.machine import measure_flops
+
+    for precision in ("fp32", "bf16"):
+        start = time.perf_counter()
+        rate = measure_flops(torch.device("cpu"), precision, (2048, 2048, 8192), budget_seconds=1.0)
+        took = time.perf_counter() - start
+        assert rate > 0 and took < 5.0, f"{precision}: {rate / 1e9:.3g} GFLOP/s measured in {took:.1f} s"

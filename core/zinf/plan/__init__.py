@@ -97,6 +97,8 @@ class Plan:
         if est is None:
             raise PlanError("zinf plan: no placement fits this machine; see the table for what each one lacks.")
         cfg: dict[str, Any] = {"precision": est.precision, "offload": est.placement.offload_config()}
+        if est.storage != est.precision:
+            cfg["param_storage"] = est.storage
         if "nvme" in (est.placement.params, est.placement.optimizer):
             cfg["offload"].update(nvme_paths=list(self.nvme_paths), pinned_pool_bytes=est.pinned_pool_bytes,
                                   sub_group_numel=est.sub_group_numel)
@@ -112,7 +114,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         def row(e: Estimate) -> dict[str, Any]:
             return {"placement": e.placement.name, "params": e.placement.params, "optimizer": e.placement.optimizer,
-                    "grads": e.placement.grads, "precision": e.precision,
+                    "grads": e.placement.grads, "precision": e.precision, "param_storage": e.storage,
                     "bytes": {t: dict(k) for t, k in e.bytes.items()},
                     "bytes_per_tier": {t: e.tier_bytes(t) for t in e.bytes},
                     "disk_bytes": e.disk_bytes, "io_bytes": dict(e.io_bytes),
@@ -142,7 +144,7 @@ class Plan:
                  f"step, seq {wl.seq_len}{', activation checkpointing' if wl.checkpointing else ''}",
                  f"machine: {m.device_name}; device {m.device_bytes / gib:.1f} GiB, host RAM available "
                  f"{m.host_bytes / gib:.1f} GiB" + "".join(f", {p}: {f / gib:.0f} GiB free" for p, f in m.nvme_free_bytes.items()),
-                 "measured: " + ", ".join([f"{k} matmul {v / 1e9:.0f} GFLOP/s" for k, v in m.flops.items()]
+                 "measured: " + ", ".join([f"{k} matmul {_gflops(v)}" for k, v in m.flops.items()]
                                           + [f"host copy {m.host_bw / 1e9:.1f} GB/s"]
                                           + [f"disk {p} read {m.disk_read_bw[p] / 1e9:.2f} / write "
                                              f"{m.disk_write_bw[p] / 1e9:.2f} GB/s" for p in m.disk_read_bw]
@@ -150,25 +152,64 @@ class Plan:
                  f"all-gather: {m.allgather_source}" + (f" ({m.allgather_bw / 1e9:.2f} GB/s)" if m.allgather_bw else "")]
         lines += [f"note: {n}" for n in list(self.model.notes) + m.notes + self.notes]
         lines.append("")
-        head = (f"{'placement':<16}{'prec':<6}{'device GiB':>11}{'cpu GiB':>9}{'nvme GiB':>10}{'compute s':>10}"
-                f"{'optim s':>9}{'nvme s':>8}{'step s':>8}  fits")
-        lines += [head, "-" * len(head)]
+        head = ["placement", "compute/storage", "device GiB", "cpu GiB", "nvme GiB", "moved GiB", "compute s",
+                "optim s", "nvme s", "step s"]
+        rows = []
         for e in self.estimates:
             s = e.seconds
             mark = "  <- recommended" if e is self.recommended else ""
             fits = "yes" if e.fits else "no: " + "; ".join(e.why_not)
-            lines.append(f"{e.placement.name:<16}{e.precision:<6}{e.tier_bytes('device') / gib:>11.2f}"
-                         f"{e.tier_bytes('cpu') / gib:>9.2f}{e.tier_bytes('nvme') / gib:>10.2f}{s['compute']:>10.3f}"
-                         f"{s['optimizer']:>9.3f}{s.get('nvme', 0.0):>8.3f}{s['step']:>8.3f}  {fits}{mark}")
+            rows.append([e.placement.name, f"{e.precision}/{e.storage}", _num(e.tier_bytes("device") / gib),
+                         _num(e.tier_bytes("cpu") / gib), _num(e.tier_bytes("nvme") / gib),
+                         _num(sum(e.io_bytes.values()) / gib), _num(s["compute"]), _num(s["optimizer"]),
+                         _num(s.get("nvme", 0.0)), _num(s["step"]), f"{fits}{mark}"])
+        widths = [max(len(str(c)) for c in col) for col in zip(head + [""], *rows)]
+        line = lambda cells: "  ".join(str(c).ljust(w) if i < 2 or i == len(widths) - 1 else str(c).rjust(w)  # noqa: E731
+                                       for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        lines += [line(head + ["fits"]), "-" * len(line(head + ["fits"]))]
+        lines += [line(r) for r in rows]
         lines.append("")
         lines.append("device GiB includes the gathered parameters' peak and an activation estimate; "
-                     "nvme GiB counts the states' bytes (swap files add 4 KiB alignment per record).")
+                     "nvme GiB counts the states' bytes (swap files add 4 KiB alignment per record); moved GiB is what "
+                     "one step reads and writes on NVMe, copies to the device and all-gathers, per rank.")
         if self.recommended is None:
             lines.append("no placement fits: use more ranks, a larger NVMe path, or a smaller batch.")
         else:
-            lines += ["", f"recommended: {self.recommended.placement.name} ({self.recommended.precision}), "
-                          f"predicted step {self.recommended.seconds['step']:.3f} s", "", self.yaml().rstrip()]
+            rec = self.recommended
+            lines += ["", f"recommended: {rec.placement.name} (compute {rec.precision}, parameters stored in "
+                          f"{rec.storage}), predicted step {_num(rec.seconds['step'])} s", "", self.yaml().rstrip()]
         return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    """A figure for the table: three decimals while small, thousands separators or an exponent when large."""
+    if x != x:
+        return "n/a"
+    if abs(x) < 1000:
+        return f"{x:.3f}"
+    return f"{x:,.0f}" if abs(x) < 1e9 else f"{x:.3g}"
+
+
+def _gflops(flops: float) -> str:
+    """A matmul rate in GFLOP/s with three significant figures (a slow bf16 shows as 0.31, never as 0)."""
+    return f"{flops / 1e9:.3g} GFLOP/s"
+
+
+SLOW_16BIT_FACTOR = 2.0  # a 16-bit compute rate below fp32's / this: compute in fp32 and store 16-bit instead
+
+
+def slow_16bit(machine: Machine, precisions: Sequence[str]) -> dict[str, str]:
+    """Each requested 16-bit precision that this machine computes far slower than fp32 (a CPU without native bf16
+    or fp16 units), with the note that says so."""
+    fp32 = machine.flops.get("fp32")
+    out = {}
+    for p in precisions:
+        rate = machine.flops.get(p)
+        if p != "fp32" and fp32 and rate is not None and rate * SLOW_16BIT_FACTOR < fp32:
+            out[p] = (f"{p} matmul measured {_gflops(rate)} against fp32's {_gflops(fp32)} ({fp32 / max(rate, 1.0):,.0f}x "
+                      f"slower): this {machine.device.upper()} has no native {p} units. Compute in fp32 and keep the "
+                      f"parameters in {p} (precision: fp32, param_storage: {p}); those rows are added below.")
+    return out
 
 
 def model_spec(model: Any = None, *, params: float | None = None, layers: int | None = None, hidden: int | None = None,
@@ -228,7 +269,8 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
     seq = min(seq_len or spec.seq_len or 1024, batch_tokens)
     if machine is None:
         h = spec.hidden or 2048
-        machine = measure_machine(paths, precisions, world, matmul_shape=(min(batch_tokens, 4096), h, 4 * h),
+        measured = list(dict.fromkeys(["fp32", *precisions]))  # fp32's rate is the yardstick of a 16-bit one
+        machine = measure_machine(paths, measured, world, matmul_shape=(min(batch_tokens, 4096), h, 4 * h),
                                   remeasure=remeasure, allgather_gbps=allgather_gbps)
     else:
         import dataclasses
@@ -248,6 +290,9 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
     if not spec.hidden or not spec.num_layers:
         notes.append("layers / hidden size unknown: attention and element-wise time left out of the compute estimate")
     estimates = [estimate(spec, machine, wl, pl, prec, paths, calibration) for prec in precisions for pl in chosen]
+    slow = slow_16bit(machine, precisions)
+    notes += list(slow.values())
+    estimates += [estimate(spec, machine, wl, pl, "fp32", paths, calibration, storage=p) for p in slow for pl in chosen]
     return Plan(spec, machine, wl, paths, estimates, recommend(estimates), notes)
 
 

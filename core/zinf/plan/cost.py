@@ -121,7 +121,8 @@ class Workload:
 @dataclass
 class Estimate:
     placement: PlanPlacement
-    precision: str
+    precision: str  # compute dtype
+    storage: str  # the parameter shards' dtype at rest (param_storage); the precision unless set apart
     bytes: dict[str, dict[str, int]]  # tier -> kind -> bytes per rank (model states, pinned pool, estimates)
     disk_bytes: int  # swap files on NVMe per rank
     io_bytes: dict[str, int]  # per step per rank: nvme_read, nvme_write, h2d, d2h, allgather
@@ -236,25 +237,29 @@ def _gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement) ->
 
 
 def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement, precision: str,
-             nvme_paths: Sequence[str] = (), cal: Calibration = Calibration()) -> Estimate:
-    if precision not in PRECISIONS:
-        raise PlanError(f"zinf plan: precision {precision!r} is not one of {sorted(PRECISIONS)}.")
-    pb = PRECISIONS[precision].itemsize
+             nvme_paths: Sequence[str] = (), cal: Calibration = Calibration(), storage: str | None = None) -> Estimate:
+    """Bytes and step time of one placement: compute in ``precision``, parameter shards kept, read and all-gathered
+    in ``storage`` (default: the precision)."""
+    storage = storage or precision
+    for name, value in (("precision", precision), ("storage", storage)):
+        if value not in PRECISIONS:
+            raise PlanError(f"zinf plan: {name} {value!r} is not one of {sorted(PRECISIONS)}.")
+    pb, sb = PRECISIONS[precision].itemsize, PRECISIONS[storage].itemsize
     world, ranks = wl.world, max(1, wl.ranks_per_node)
     shards = spec.shard_numels(world)
     ps = sum(shards)
     uses_nvme = "nvme" in (pl.params, pl.optimizer)
-    need = pool_need(spec, world, precision, pl, wl.sub_group_numel) if uses_nvme else 0
-    param_spans = sum(_span(n * pb) for n in shards)
+    need = pool_need(spec, world, storage, pl, wl.sub_group_numel) if uses_nvme else 0
+    param_spans = sum(_span(n * sb) for n in shards)
     pool = (wl.pinned_pool_bytes or choose_pool(need, param_spans if pl.params == "nvme" else 0)) if uses_nvme else 0
-    nbytes = state_bytes(spec, world, precision, pl, machine.device, pool)
+    nbytes = state_bytes(spec, world, storage, pl, machine.device, pool)
     acts = _activation_bytes(spec, wl, pb)
     gathered = _gathered_peak(spec, wl, pb, pl)
     if gathered:
         nbytes["device"]["gathered_peak"] = gathered
     if acts:
         nbytes["device"]["activations_estimate"] = acts
-    disk = disk_bytes(spec, world, precision, pl, wl.sub_group_numel) if uses_nvme else 0
+    disk = disk_bytes(spec, world, storage, pl, wl.sub_group_numel) if uses_nvme else 0
 
     # -- data moved per step -------------------------------------------------------------------------
     io = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0, "allgather": 0, "reduce_scatter": 0}
@@ -262,7 +267,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         # the pool keeps shards for the backward and updated shards for the next forward (NvmeShardStore);
         # what it cannot keep is read in the forward and again in the backward
         # the pool less the parameter store's reserve (3 x the largest shard) and the optimizer's reads in flight
-        cache = max(0, pool - 3 * block_bytes(max(_span(n * pb) for n in shards))
+        cache = max(0, pool - 3 * block_bytes(max(_span(n * sb) for n in shards))
                     - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += param_spans
@@ -274,11 +279,11 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
             io["nvme_write"] += ps * 4
     if machine.device == "cuda":  # pragma: no cover - CUDA only
         if pl.params != "device":
-            io["h2d"] += 2 * ps * pb
+            io["h2d"] += 2 * ps * sb
         if pl.optimizer != "device":
             io["d2h"] += ps * 4
     if world > 1:
-        io["allgather"] = 2 * (world - 1) * ps * pb  # received per rank: the forward's gathers and the backward's
+        io["allgather"] = 2 * (world - 1) * ps * sb  # received per rank: the forward's gathers and the backward's
         io["reduce_scatter"] = (world - 1) * ps * 4
 
     # -- time per step ---------------------------------------------------------------------------------
@@ -331,7 +336,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     sec["step"] = longest + (1 - cal.hidden_fraction) * (sum(streams) - longest)
     if (world > 1 and not machine.allgather_bw) or sec.get("nvme", 0.0) != sec.get("nvme", 0.0):
         sec["step"] = float("nan")  # a bandwidth it needs is unknown
-    est = Estimate(pl, precision, nbytes, disk, io, sec, pool, wl.sub_group_numel)
+    est = Estimate(pl, precision, storage, nbytes, disk, io, sec, pool, wl.sub_group_numel)
     _check_fit(est, spec, machine, wl, nvme_paths)
     return est
 

@@ -202,10 +202,25 @@ def measure_host_bw(nbytes: int = 256 << 20, reps: int = 5) -> float:
 
 
 def measure_flops(device: torch.device, precision: str, shape: tuple[int, int, int], windows: int = 5,
-                  min_seconds: float = 0.1) -> float:
-    """FLOP/s of ``(m, k) @ (k, n)`` in ``precision`` on ``device``: the median of ``windows`` runs of at least
-    ``min_seconds`` each (a shared machine's load moves)."""
-    return sorted(_flops_window(device, precision, shape, min_seconds) for _ in range(windows))[windows // 2]
+                  budget_seconds: float = 2.0) -> float:
+    """FLOP/s of ``(m, k) @ (k, n)`` in ``precision`` on ``device``: the median of ``windows`` windows, the whole
+    measurement bounded by about ``budget_seconds`` whatever the machine (a shared machine's load moves). A first,
+    product of one row grows (x4) until one product takes about a fifth of a window: a dtype the CPU computes without
+    native units (bf16 at a fraction of a GFLOP/s) is measured on fewer rows, never for minutes."""
+    from zinf.config import PRECISIONS
+
+    m, k, n = matmul_shape_used(device, shape)
+    dtype = PRECISIONS[precision]
+    window = budget_seconds / (windows + 2)
+    b = torch.randn(k, n, device=device).to(dtype)
+    rows = 1
+    while True:  # grow the rows (x4) until one product takes a tenth of a window, or the model's shape is reached
+        a = torch.randn(rows, k, device=device).to(dtype)
+        took = _timed(lambda: (torch.mm(a, b), _sync(device)))
+        if rows >= m or took >= window / 5:
+            break
+        rows = min(m, rows * 4)
+    return sorted(_flops_window(a, b, window) for _ in range(windows))[windows // 2]
 
 
 def matmul_shape_used(device: torch.device, shape: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -215,14 +230,9 @@ def matmul_shape_used(device: torch.device, shape: tuple[int, int, int]) -> tupl
     return m, k, n
 
 
-def _flops_window(device: torch.device, precision: str, shape: tuple[int, int, int], min_seconds: float) -> float:
-    from zinf.config import PRECISIONS
-
-    m, k, n = matmul_shape_used(device, shape)
-    a = torch.randn(m, k, device=device).to(PRECISIONS[precision])
-    b = torch.randn(k, n, device=device).to(PRECISIONS[precision])
-    torch.mm(a, b)
-    _sync(device)
+def _flops_window(a: torch.Tensor, b: torch.Tensor, min_seconds: float) -> float:
+    (m, k), n = a.shape, b.shape[1]
+    device = a.device
     count, start = 0, time.perf_counter()
     every = 1 if device.type == "cpu" else 8
     while True:
