@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import copy
 import csv
+import dataclasses
 import logging
 import math
 import os
@@ -28,14 +30,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 import zinf
+from zinf.cli import report_errors
 from zinf.config import PRECISIONS
 from zinf.report import io_hidden_share
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig  # noqa: E402
+from job_config import JobConfig, load_job_config  # noqa: E402
 from png_plot import GREEN, RED, line_plot  # noqa: E402
 from synthetic_language import MarkovLanguage  # noqa: E402
 
@@ -48,13 +51,17 @@ except ImportError:  # tqdm comes with the lightning extra; without it, a line e
 PARAMS_ON_NVME_SHARE = 0.25  # offload.params: auto puts a rank's parameter shards on NVMe above this share of its memory
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "gpt_small.yaml"))
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist, e.g. zinf.precision=bf16 train.steps=50")
     args = parser.parse_args()
-    cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides))
+    # every setting is checked before the process group starts and before anything is written
+    return report_errors(lambda: train(load_job_config(args.config, args.overrides)), "train_gpt.py", args.verbose)
 
+
+def train(cfg: JobConfig) -> int:
     if "RANK" in os.environ:
         cuda = torch.cuda.is_available()
         if cuda:
@@ -67,9 +74,9 @@ def main() -> None:
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("zinf.offload.placement").addFilter(quick_progress_lines)
 
-    model_cfg = GPTConfig(**OmegaConf.to_container(cfg.model))
+    model_cfg = GPTConfig(**dataclasses.asdict(cfg.model))
     language = MarkovLanguage(model_cfg.vocab, branching=cfg.data.branching, seed=cfg.data.seed)
-    zdict = OmegaConf.to_container(cfg.zinf, resolve=True)
+    zdict = copy.deepcopy(cfg.zinf)
     nvme_dir = place_offload(zdict, model_cfg, world)
     zcfg = zinf.ZeroConfig.from_dict(zdict)
 
@@ -121,7 +128,7 @@ def main() -> None:
     out_dir = os.path.abspath(cfg.train.out_dir)
     ckpt_dir = os.path.join(out_dir, "checkpoint")
     t0 = time.perf_counter()
-    engine.save_checkpoint(ckpt_dir, client_state={"config": OmegaConf.to_container(cfg, resolve=True)})
+    engine.save_checkpoint(ckpt_dir, client_state={"config": dataclasses.asdict(cfg)})
     save_s = time.perf_counter() - t0
     # two collectives, on every rank in the same order: the global batch's loss per step; every rank's bytes
     mean_losses = torch.tensor(losses, dtype=torch.float64)
@@ -141,6 +148,7 @@ def main() -> None:
                           engine.device))
     if dist.is_initialized():
         dist.destroy_process_group()
+    return 0
 
 
 def place_offload(zdict: dict, model_cfg: GPTConfig, world: int) -> str | None:
@@ -277,4 +285,4 @@ def mib(n: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,13 +5,46 @@ zinf (``zinf launch``, from the accelerate_zinf package)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Callable
 
-__all__ = ["main"]
+from zinf.errors import ConfigError, ZinfError
+
+__all__ = ["main", "report_errors", "traceback_wanted"]
+
+
+def traceback_wanted(verbose: bool = False) -> bool:
+    """Show a traceback instead of the one-line error: ``-v``/``--verbose``, or ZINF_TRACEBACK=1 (for a bug report)."""
+    return verbose or os.environ.get("ZINF_TRACEBACK", "") not in ("", "0")
+
+
+def report_errors(fn: Callable[[], int | None], prog: str, verbose: bool = False) -> int:
+    """Run a command: a user's mistake (a zinf error: a setting, a file, a checkpoint; or a path the system refuses)
+    ends it with one line on stderr and exit code 2 (a setting) or 1; anything else is a bug and keeps its
+    traceback. See :func:`traceback_wanted` for the full traceback of a user's mistake too."""
+    try:
+        return fn() or 0
+    except (ZinfError, OSError) as exc:
+        if traceback_wanted(verbose):
+            raise
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
+            text += f": {exc.filename}"
+        sys.stderr.write(f"{prog}: error: {text} (-v or ZINF_TRACEBACK=1 shows the traceback)\n")
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
+    while argv and argv[0] in ("-v", "--verbose"):
+        verbose = True
+        argv.pop(0)
+    return report_errors(lambda: _main(argv), "zinf", verbose)
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "launch":  # everything after it belongs to accelerate launch and the script
         try:
             from accelerate_zinf.launch import main as launch
@@ -19,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"zinf launch needs Accelerate: pip install 'zinf[accelerate]' ({exc})\n")
             return 2
         return launch(argv[1:])
-    parser = argparse.ArgumentParser(prog="zinf", description="ZeRO-Infinity for PyTorch")
+    parser = argparse.ArgumentParser(prog="zinf", description="ZeRO-Infinity for PyTorch; zinf -v COMMAND shows the "
+                                     "traceback of an error (or ZINF_TRACEBACK=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, the native build, and (--nvme) each drive's O_DIRECT speed")
     info.add_argument("--nvme", nargs="+", metavar="PATH", default=[],

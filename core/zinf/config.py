@@ -21,7 +21,7 @@ from zinf.errors import ConfigError
 from zinf.units import format_bytes
 
 __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "TilingConfig", "CheckpointingConfig",
-           "PRECISIONS", "TIERS", "load_config_file"]
+           "PRECISIONS", "TIERS", "load_config_file", "build_config"]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
@@ -331,6 +331,13 @@ def _to_plain_dict(values: Any) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"zinf config: expected a mapping of settings, found {type(values).__name__}")
     return dict(values)
+
+
+def build_config(cls: type, values: Any, prefix: str = "") -> Any:
+    """Build the config dataclass ``cls`` (an application's own too) from a mapping, a DictConfig or a dataclass,
+    as ``ZeroConfig.from_dict`` does: an unknown key is a ConfigError naming ``prefix`` + the key and the closest
+    valid one, nested config dataclasses are built the same way, and ``cls`` checks its values when constructed."""
+    return _build(cls, _to_plain_dict(values), prefix)
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:

@@ -1,0 +1,69 @@
+"""Bad input to the main job and to the ``zinf`` command line: one line naming the setting, a non-zero exit code,
+no traceback, and nothing written (no output directory, no checkpoint, no NVMe directory)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import processes
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+
+
+def _run(tmp_path: Path, *args: str, module: bool = False) -> tuple[int, str]:
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(exist_ok=True)
+    env = {**os.environ, "ZINF_NVME_DIR": str(nvme)}
+    env.pop("ZINF_TRACEBACK", None)
+    cmd = [sys.executable, "-m", "zinf.cli", *args] if module else [sys.executable, str(EXAMPLE), *args]
+    proc = processes.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("override,names", [
+    ("train.steps=0", "'train.steps' = 0"),
+    ("train.steps=-3", "'train.steps' = -3"),
+    ("train.stpes=5", "Did you mean 'train.steps'?"),
+    ("zinf.precison=bf16", "Did you mean 'zinf.precision'?"),
+    ("zinf.offload.params=disk", "'offload.params' = 'disk'"),
+    ("model.n_head=7", "'model.n_head' = 7"),
+    ("train.lr=-1.0", "'train.lr' = -1.0"),
+])
+def test_the_main_job_refuses_bad_settings_before_anything_is_written(tmp_path: Path, override: str, names: str) -> None:
+    code, err = _run(tmp_path, override, f"train.out_dir={tmp_path / 'out'}")
+    line = _one_line(err)
+    assert code == 2 and names in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "zinf_run").exists()
+    assert list((tmp_path / "nvme").iterdir()) == []  # no temporary NVMe directory was made
+
+
+def test_a_missing_config_file_is_one_line(tmp_path: Path) -> None:
+    code, err = _run(tmp_path, "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "nope.yaml' does not exist" in _one_line(err)
+
+
+def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
+    code, err = _run(tmp_path, "-v", "train.steps=0")
+    assert code != 0 and "Traceback" in err and "ConfigError" in err
+
+
+@pytest.mark.parametrize("args,code,names", [
+    (("consolidate", "{tmp}/missing", "{tmp}/model.pt"), 1, "missing does not exist"),
+    (("report", "{tmp}/missing.log"), 2, "missing.log"),
+    (("plan", "--params", "1e6", "--precision", "fp8"), 2, "--precision 'fp8'"),
+])
+def test_zinf_command_errors_are_one_line(tmp_path: Path, args: tuple[str, ...], code: int, names: str) -> None:
+    got, err = _run(tmp_path, *(a.format(tmp=tmp_path) for a in args), module=True)
+    assert got == code and names in _one_line(err), err
+    assert not (tmp_path / "model.pt").exists()
