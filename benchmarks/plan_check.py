@@ -96,7 +96,7 @@ def train(c: Case, est: zinf.plan.Estimate, plan: zinf.plan.Plan, steps: int, ra
         peak = _merge_max(peak, engine.resident_bytes())
         # probes of the machine's speed now, between backward and step: no background optimizer step is running
         # (the backward waited for it), and their time is left out of the step's
-        flops.append(measure_flops(torch.device("cpu"), c.precision, shape, windows=1, min_seconds=0.05))
+        flops.append(measure_flops(torch.device("cpu"), c.precision, shape, windows=1, budget_seconds=0.15))
         host_bw.append(measure_host_bw(64 << 20, reps=3))
         t_probe = time.perf_counter()
         engine.step()
