@@ -15,6 +15,8 @@ import zinf
 from zinf.config import build_config
 from zinf.config_types import check_types
 
+from gpt import GPTConfig
+
 __all__ = ["JobConfig", "load_job_config"]
 
 
@@ -23,13 +25,9 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise zinf.ConfigError(f"'{key}' = {value!r} is not allowed; expected {allowed}.")
 
 
-@dataclass(kw_only=True)
-class ModelSettings:
-    vocab: int = 256
-    block: int = 64
-    n_embd: int = 256
-    n_head: int = 8
-    n_layer: int = 4
+@dataclass
+class ModelSettings(GPTConfig):
+    """The GPT's shape (examples/gpt.py's GPTConfig), checked."""
 
     def __post_init__(self) -> None:
         check_types(self, "model.")

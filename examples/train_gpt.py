@@ -74,7 +74,7 @@ def train(cfg: JobConfig) -> int:
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("zinf.offload.placement").addFilter(quick_progress_lines)
 
-    model_cfg = GPTConfig(**dataclasses.asdict(cfg.model))
+    model_cfg = cfg.model  # a GPTConfig, checked
     language = MarkovLanguage(model_cfg.vocab, branching=cfg.data.branching, seed=cfg.data.seed)
     zdict = copy.deepcopy(cfg.zinf)
     nvme_dir = place_offload(zdict, model_cfg, world)
