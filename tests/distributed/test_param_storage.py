@@ -29,7 +29,7 @@ from training import Recipe, mixed_reference, zinf_worker
 pytestmark = pytest.mark.distributed
 
 RTOL = 1e-6
-STEPS = 5
+STEPS = 4
 TIERS = ("device", "cpu", "nvme")
 
 
@@ -42,7 +42,6 @@ def _recipes(nvme: str) -> dict[str, Recipe]:
     out = {f"{p}/{o}": recipe(p, o) for p, o in itertools.product(TIERS, TIERS)}
     out["cpu/cpu fp16 storage"] = recipe("cpu", "cpu", storage="fp16")
     out["nvme/nvme clip accum=2"] = recipe("nvme", "nvme", clip=0.5, accum=2)
-    out["device/device clip accum=2"] = recipe("device", "device", clip=0.5, accum=2)
     return out
 
 
@@ -74,8 +73,8 @@ def test_16bit_storage_equals_rounded_masters(world: int, tmp_path: Path) -> Non
 
 def _bytes(rank: int, world: int, nvme: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    # 6.4M parameters: a rank's fp32 shards (12.8 MB) are three times the pinned pool, so parameters are read back
-    cfg = GPTConfig(vocab=512, block=32, n_embd=256, n_head=4, n_layer=8)
+    # 4.8M parameters: a rank's fp32 shards (9.6 MB) are over twice the pinned pool, so parameters are read back
+    cfg = GPTConfig(vocab=512, block=32, n_embd=256, n_head=4, n_layer=6)
     for storage in ("precision", "bf16"):
         for params in ("device", "cpu", "nvme"):
             torch.manual_seed(0)

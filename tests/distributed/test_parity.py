@@ -14,14 +14,16 @@ from training import Recipe, reference, zinf_worker
 
 pytestmark = pytest.mark.distributed
 
+STEPS = 12  # the first step records the module order, the rest replay it: more steps prove nothing more
 RECIPES = {
-    "gpt_tied": Recipe(kind="gpt"),
-    "gpt_external_param": Recipe(kind="gpt_functional"),
-    "cnn_clipped": Recipe(kind="cnn", clip=0.05),
-    "module_called_twice": Recipe(kind="twice", optimizer="adam"),
+    "gpt_tied": Recipe(kind="gpt", steps=STEPS),
+    "gpt_external_param": Recipe(kind="gpt_functional", steps=STEPS),
+    "cnn_clipped": Recipe(kind="cnn", clip=0.05, steps=STEPS),
+    "module_called_twice": Recipe(kind="twice", optimizer="adam", steps=STEPS),
     # tiny buckets: every group reduced on its own, several buckets in flight; small groups stay gathered
-    "gpt_small_buckets_persistent": Recipe(kind="gpt", zinf={"overlap": {"reduce_bucket_bytes": 4096, "persistent_numel": 2000}}),
-    "gpt_accum_clip_sgd": Recipe(kind="gpt", accum=2, clip=0.5, optimizer="sgd", steps=20),
+    "gpt_small_buckets_persistent": Recipe(kind="gpt", steps=STEPS,
+                                           zinf={"overlap": {"reduce_bucket_bytes": 4096, "persistent_numel": 2000}}),
+    "gpt_accum_clip_sgd": Recipe(kind="gpt", accum=2, clip=0.5, optimizer="sgd", steps=STEPS),
 }
 
 

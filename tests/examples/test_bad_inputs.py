@@ -31,7 +31,7 @@ def _one_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("override,names", [
+BAD_SETTINGS = [
     ("train.steps=0", "'train.steps' = 0"),
     ("train.steps=-3", "'train.steps' = -3"),
     ("train.stpes=5", "Did you mean 'train.steps'?"),
@@ -39,7 +39,22 @@ def _one_line(stderr: str) -> str:
     ("zinf.offload.params=disk", "'offload.params' = 'disk'"),
     ("model.n_head=7", "'model.n_head' = 7"),
     ("train.lr=-1.0", "'train.lr' = -1.0"),
-])
+]
+
+
+@pytest.mark.parametrize("override,names", BAD_SETTINGS)
+def test_every_setting_of_the_main_job_is_checked(override: str, names: str) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from job_config import load_job_config
+
+    import zinf
+
+    with pytest.raises(zinf.ConfigError) as err:
+        load_job_config(str(ROOT / "examples" / "configs" / "gpt_small.yaml"), [override])
+    assert names in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("override,names", [BAD_SETTINGS[0], BAD_SETTINGS[2]])
 def test_the_main_job_refuses_bad_settings_before_anything_is_written(tmp_path: Path, override: str, names: str) -> None:
     code, err = _run(tmp_path, override, f"train.out_dir={tmp_path / 'out'}")
     line = _one_line(err)
@@ -58,12 +73,21 @@ def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
     assert code != 0 and "Traceback" in err and "ConfigError" in err
 
 
+def test_zinf_command_errors_are_one_line(tmp_path: Path) -> None:
+    got, err = _run(tmp_path, "consolidate", str(tmp_path / "missing"), str(tmp_path / "model.pt"), module=True)
+    assert got == 1 and "missing does not exist" in _one_line(err), err
+    assert not (tmp_path / "model.pt").exists()
+
+
 @pytest.mark.parametrize("args,code,names", [
-    (("consolidate", "{tmp}/missing", "{tmp}/model.pt"), 1, "missing does not exist"),
     (("report", "{tmp}/missing.log"), 2, "missing.log"),
     (("plan", "--params", "1e6", "--precision", "fp8"), 2, "--precision 'fp8'"),
+    (("consolidate", "{tmp}/missing", "{tmp}/model.pt"), 1, "missing does not exist"),
 ])
-def test_zinf_command_errors_are_one_line(tmp_path: Path, args: tuple[str, ...], code: int, names: str) -> None:
-    got, err = _run(tmp_path, *(a.format(tmp=tmp_path) for a in args), module=True)
-    assert got == code and names in _one_line(err), err
-    assert not (tmp_path / "model.pt").exists()
+def test_zinf_commands_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                  args: tuple[str, ...], code: int, names: str) -> None:
+    from zinf.cli import main
+
+    monkeypatch.delenv("ZINF_TRACEBACK", raising=False)
+    assert main([a.format(tmp=tmp_path) for a in args]) == code
+    assert names in _one_line(capsys.readouterr().err)

@@ -219,6 +219,7 @@ class _Group:
     name: str
     shard_numel: int = 256
     compute_dtype: torch.dtype = torch.float32
+    storage_dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     update_pending: bool = False
 
