@@ -234,7 +234,7 @@ def test_example_refuses_bad_settings_before_training(tmp_path: Path) -> None:
 def test_example_trains_with_a_preset_and_overrides(tmp_path: Path) -> None:
     start = time.monotonic()
     # fp32 compute with bf16 parameter storage: bf16 compute is hundreds of times slower on CPUs without bf16 units
-    run = _example(tmp_path, "zinf=cpu_offload", "+zinf.param_storage=bf16", "trainer.max_steps=3", timeout=300)
+    run = _example(tmp_path, "zinf=cpu_offload", "zinf.param_storage=bf16", "trainer.max_steps=3", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "final train loss" in run.stdout
     assert time.monotonic() - start < 300
