@@ -11,12 +11,15 @@ from zinf.config import CheckpointingConfig, LossScaleConfig, OverlapConfig, Til
 from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,
                          UnsupportedModelError, ZinfError)
+from zinf.checkpoint.pretrained import LoadReport, load_pretrained
+from zinf.integrations import transformers as _transformers
 from zinf.param.gathered import GatheredParameters
 from zinf.param.init import Init
 from zinf.report import StepReport
 from zinf.tiling import TiledLinear, tile_linears
 
 logging.getLogger("zinf").addHandler(logging.NullHandler())
+_transformers.watch()  # from_pretrained under zinf.Init / zinf launch builds a partitioned model (integrations/)
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,8 @@ __all__ = [
     "initialize",
     "Init",
     "GatheredParameters",
+    "load_pretrained",
+    "LoadReport",
     "StepReport",
     "ZinfError",
     "ConfigError",

@@ -20,6 +20,7 @@ from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
+from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.checkpointing import ActivationCheckpointing
 from zinf.fetch.comm import Comm, compute_device
@@ -222,7 +223,7 @@ class ZeroInfinityEngine:
                 for n in names[id(p)]:
                     out[n] = value
         if not rank0_only or self.comm.rank == 0:
-            for n, b in self.module.named_buffers():
+            for n, b in persistent_buffers(self.module).items():
                 out[n] = b.detach().clone().cpu()
         merge_tiles(out, tile_spec(self.module))  # tiled layers under their nn.Linear names
         return out
@@ -234,7 +235,7 @@ class ZeroInfinityEngine:
         state = dict(state)
         errors = split_tiles(state, tile_spec(self.module))
         names = self._param_names()
-        buffers = dict(self.module.named_buffers())
+        buffers = persistent_buffers(self.module)
         found: dict[int, str] = {}
         missing = []
         for g in self.groups:
@@ -317,10 +318,7 @@ class ZeroInfinityEngine:
         self.global_step = state["global_step"]
 
     def _param_names(self) -> dict[int, list[str]]:
-        names: dict[int, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)  # tied weights appear under every name, as in state_dict()
-        return names
+        return param_names(self.module)  # tied weights appear under every name, as in state_dict()
 
     def master_of(self, group: FlatParamGroup) -> torch.Tensor:
         """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""

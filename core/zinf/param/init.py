@@ -7,16 +7,19 @@ partitioned at exit. Initialisation that runs later and touches an already parti
 parent re-initialising a child's weight, ``module.weight.data.normal_()``, a ``post_init`` pass) is
 seen by a torch function mode: the parameter's group is gathered, the operation runs on the full
 tensor (consuming the random generator exactly as without zinf), and the result is written back to
-the shards as soon as the next operation no longer touches it. With ``tiling`` in the config, the
+the shards as soon as the next operation no longer touches it. Values agree across ranks: each module's values,
+and each such edit, are rank 0's when ranks differ (seeded differently), as DDP does (see [Note: initial values
+agree] in partition.py). With ``tiling`` in the config, the
 large ``nn.Linear`` layers of each model built in the block are tiled at exit, after all of its own
 initialisation has run, one layer gathered at a time (see zinf/tiling.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -26,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from zinf.config import ZeroConfig
 from zinf.fetch.comm import Comm, compute_device, default_device
 from zinf.param.flat_group import FlatParamGroup, GroupState
-from zinf.param.partition import partition_module_params
+from zinf.param.partition import agree_with_rank0, partition_module_params
 from zinf.param.registry import group_of
 
 __all__ = ["Init"]
@@ -40,6 +43,7 @@ class _EditMode(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.open: list[FlatParamGroup] = []
+        self.agree = True  # edits are made rank 0's before they are written back
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -61,17 +65,29 @@ class _EditMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def close(self, group: FlatParamGroup) -> None:
+        if group not in self.open:  # closed already by an operation that ran while closing another
+            return
         self.open.remove(group)
+        if self.agree:
+            agree_with_rank0([group.full], group.comm, group.name)
         group.write_back()
         group.release()
 
     def close_all(self) -> None:
-        for g in list(self.open):
-            self.close(g)
+        while self.open:
+            self.close(self.open[0])
+
+
+_ACTIVE: list["Init"] = []  # the open Init blocks, innermost last
 
 
 class Init:
     """Partition parameters while the model is built. Use ``with zinf.Init(config): model = Net()``."""
+
+    @staticmethod
+    def current() -> "Init | None":
+        """The innermost open ``zinf.Init`` block, if any."""
+        return _ACTIVE[-1] if _ACTIVE else None
 
     def __init__(self, config: ZeroConfig | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None, enabled: bool = True) -> None:
@@ -84,6 +100,7 @@ class Init:
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._parents: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # to find the roots for tiling
         self._mode = _EditMode()
+        self._agree = True
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -95,7 +112,19 @@ class Init:
             nn.modules.module.register_module_parameter_registration_hook(self._on_param),
         ]
         self._mode.__enter__()
+        _ACTIVE.append(self)
         return self
+
+    @contextlib.contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """Inside: the values being built are placeholders that a checkpoint's replace (a loader builds the model
+        without initialising it), so the ranks' values are not compared (see [Note: initial values agree])."""
+        before = self._agree
+        self._agree = self._mode.agree = False
+        try:
+            yield
+        finally:
+            self._agree = self._mode.agree = before
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
@@ -106,6 +135,8 @@ class Init:
                 self._partition(module, self._names.get(module, ""))
         finally:
             self._mode.__exit__(None, None, None)
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -130,7 +161,7 @@ class Init:
     def _partition(self, module: nn.Module, name: str) -> None:
         assert self.comm is not None and self.device is not None
         group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device,
-                                        storage_dtype=self.config.storage_dtype)
+                                        storage_dtype=self.config.storage_dtype, agree=self._agree)
         self._pending.discard(module)
         if group is not None:
             log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)

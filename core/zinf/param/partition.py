@@ -8,18 +8,52 @@ construction-time edits (a tied weight replaced a parameter, a parameter was add
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from zinf.errors import UnsupportedModelError
 from zinf.fetch.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of, groups_of, register_group, unregister
 
-__all__ = ["partition_module_params", "partition_model", "module_groups"]
+__all__ = ["partition_module_params", "partition_model", "module_groups", "agree_with_rank0"]
 
 log = logging.getLogger(__name__)
+_warned_disagreement = False
+
+
+def agree_with_rank0(values: Sequence[torch.Tensor], comm: Comm, what: str) -> bool:
+    """[Note: initial values agree] Make ``values`` (full tensors every rank holds) equal rank 0's, as DDP does when
+    it wraps a model: ranks seeded differently before building the model would otherwise each keep a slice of
+    their own model, and train one that no rank ever built. A fingerprint (each tensor's bits read as integers,
+    summed in int64: exact and independent of the summation order) is compared across ranks with two all-reduces; only on a difference are the values
+    broadcast from rank 0. Returns True when they were. Every rank calls it with the same tensors (collective)."""
+    global _warned_disagreement
+    if comm.world == 1 or not values:
+        return False
+    prints = torch.stack([_fingerprint(v) for v in values]).to(comm.device)  # int64: exact, in any summation order
+    low, high = comm.all_reduce(prints.clone(), "min"), comm.all_reduce(prints.clone(), "max")
+    if torch.equal(low, high):
+        return False
+    for v in values:
+        comm.broadcast(v, src=0)
+    if not _warned_disagreement:
+        _warned_disagreement = True
+        log.warning("zinf: the ranks built different initial values for %s (seeded differently before the model was "
+                    "built?); every rank now uses rank 0's, as DDP does. Seed every rank alike to avoid the broadcast.",
+                    what)
+    return True
+
+
+def _fingerprint(v: torch.Tensor) -> torch.Tensor:
+    flat = v.detach().reshape(-1)
+    if flat.is_floating_point() and flat.element_size() in (2, 4, 8):
+        bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    else:
+        bits = flat
+    return bits.to(torch.int64).sum() + flat.numel()
 
 
 def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -28,9 +62,11 @@ def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def partition_module_params(
     module: nn.Module, name: str, comm: Comm, compute_dtype: torch.dtype, device: torch.device,
-    only: set[int] | None = None, storage_dtype: torch.dtype | None = None,
+    only: set[int] | None = None, storage_dtype: torch.dtype | None = None, agree: bool = True,
 ) -> FlatParamGroup | None:
-    """Group the direct parameters of ``module`` that no group holds yet (or the ids in ``only``)."""
+    """Group the direct parameters of ``module`` that no group holds yet (or the ids in ``only``). With ``agree``
+    their values are first made equal to rank 0's (see [Note: initial values agree]); ``zinf.Init`` turns it off
+    while a loader builds placeholders that the checkpoint's values replace."""
     picked: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
     for n, p in _direct_params(module):
@@ -40,6 +76,15 @@ def partition_module_params(
         picked.append((f"{name}.{n}" if name else n, p))
     if not picked:
         return None
+    meta = [n for n, p in picked if p.is_meta]
+    if meta:
+        raise UnsupportedModelError(
+            f"zinf: {meta[0]} is on the meta device, so it has no values to partition. Build the model under "
+            "zinf.Init without torch.device('meta') (zinf partitions each module as it is built, so the whole model "
+            "never exists in one place), then load weights with zinf.load_pretrained(model, path); transformers' "
+            "from_pretrained does both by itself under zinf.Init.")
+    if agree:
+        agree_with_rank0([p.data for _, p in picked], comm, name or type(module).__name__)
     group = FlatParamGroup(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
         comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype,

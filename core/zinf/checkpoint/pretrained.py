@@ -1,0 +1,168 @@
+"""Pretrained weights into a partitioned model, streaming: every rank reads only the byte ranges of its own slices
+and writes them to the tier its shards live on (device, CPU or NVMe), one group at a time.
+
+    with zinf.Init(config):
+        model = MyModel()                       # or transformers' from_pretrained, which calls this itself
+    report = zinf.load_pretrained(model, "path/to/checkpoint")   # a save_pretrained directory, a file, a state dict
+
+A rank's memory is its shards plus one group's fp32 slice and one piece of a tensor (see [Note: reading a slice] in
+tensor_files.py): never the model. No collective is issued, so ranks may load at their own pace (a persistent,
+gathered group is the exception: it is gathered again once its shard changes, on every rank in the same order).
+Keys are matched like ``load_state_dict``: a tied weight under any of its names, a checkpoint of the base model
+(without the head's ``base_model_prefix``) or of the model with it; values are cast to fp32 for the masters
+(bf16 files into an fp32 run are exact). A shape mismatch, and with ``strict`` a missing or unexpected key, is an
+error raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zinf.checkpoint.names import param_names, persistent_buffers
+from zinf.checkpoint.tensor_files import TensorFiles, open_weights
+from zinf.errors import CheckpointError
+from zinf.param.flat_group import FlatParamGroup, GroupState
+from zinf.param.registry import group_of, groups_of
+from zinf.units import format_bytes
+
+__all__ = ["load_pretrained", "LoadReport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load_pretrained`` did on this rank; ``missing_keys`` / ``unexpected_keys`` as ``load_state_dict``."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    loaded_keys: list[str]  # the model's names (every name of a tied weight) that got values from the files
+    bytes_read: int  # the bytes this rank read from the files
+    file_bytes: int  # the bytes of every tensor in the files
+    seconds: float
+    skipped: list[str] = field(default_factory=list)  # unpartitioned parameters or buffers left as they are
+
+    def incompatible_keys(self) -> "nn.modules.module._IncompatibleKeys":
+        return nn.modules.module._IncompatibleKeys(self.missing_keys, self.unexpected_keys)
+
+
+def _resolver(model: nn.Module, file_keys: set[str]):
+    """Map a model name to the checkpoint's key: as it is, or with the base model prefix removed or added
+    (a ``LlamaModel`` checkpoint loaded into ``LlamaForCausalLM``, or the reverse)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def resolve(name: str) -> str | None:
+        if name in file_keys:
+            return name
+        if prefix:
+            if name.startswith(prefix + ".") and name[len(prefix) + 1:] in file_keys:
+                return name[len(prefix) + 1:]
+            if f"{prefix}.{name}" in file_keys:
+                return f"{prefix}.{name}"
+        return None
+
+    return resolve
+
+
+def load_pretrained(model: nn.Module, source: str | os.PathLike | list[str] | dict[str, torch.Tensor], *,
+                    strict: bool = True) -> LoadReport:
+    """Load weights from ``source`` (a checkpoint directory in the Hugging Face layout, one safetensors or torch
+    file, a list of them, or a state dict) into ``model``, whose parameters zinf has partitioned (``zinf.Init``,
+    or an engine). Call it on every rank. See the module docstring."""
+    start = time.perf_counter()
+    with open_weights(source) as files:
+        report = _load(model, files, strict)
+    seconds = time.perf_counter() - start
+    log.info("zinf: loaded %d tensors in %.1f s: this rank read %s of the files' %s (%s/s)", len(report[2]), seconds,
+             format_bytes(files.bytes_read), format_bytes(report[3]), format_bytes(files.bytes_read / max(seconds, 1e-9)))
+    return LoadReport(missing_keys=report[0], unexpected_keys=report[1], loaded_keys=report[2],
+                      bytes_read=files.bytes_read, file_bytes=report[3], seconds=seconds, skipped=report[4])
+
+
+def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str], list[str], list[str], int, list[str]]:
+    names, buffers = param_names(model), persistent_buffers(model)
+    params = {id(p): p for p in model.parameters()}
+    file_keys = set(files.keys())
+    resolve = _resolver(model, file_keys)
+    key_of: dict[int, str] = {}
+    missing: list[str] = []
+    errors: list[str] = []
+    used: set[str] = set()
+    for pid, ns in names.items():
+        key = next((k for k in map(resolve, ns) if k is not None), None)
+        if key is None:
+            missing.append(ns[0])
+            continue
+        used.add(key)
+        shape = _shape_of(params[pid])
+        if files.tensors[key].shape != shape:
+            errors.append(f"size mismatch for {ns[0]}: the checkpoint has {list(files.tensors[key].shape)} ({key}), "
+                          f"the model {list(shape)}")
+        key_of[pid] = key
+    buffer_key: dict[str, str] = {}
+    for n, b in buffers.items():
+        key = resolve(n)
+        if key is None:
+            missing.append(n)
+        elif files.tensors[key].shape != tuple(b.shape):
+            errors.append(f"size mismatch for buffer {n}: the checkpoint has {list(files.tensors[key].shape)}, "
+                          f"the model {list(b.shape)}")
+        else:
+            buffer_key[n] = key
+            used.add(key)
+    unexpected = sorted(file_keys - used)
+    if errors or (strict and (missing or unexpected)):
+        raise CheckpointError("zinf: load_pretrained: " + "; ".join(
+            errors[:8] + ([f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}"] if strict and missing else [])
+            + ([f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"] if strict and unexpected else []))
+            + ". Nothing was loaded. Pass strict=False to load what matches and keep the rest as it is.")
+
+    groups = groups_of(params.values())
+    step = max(1, len(groups) // 10)
+    with torch.no_grad():
+        for i, g in enumerate(groups, 1):
+            _load_group(g, files, key_of)
+            if i % step == 0 or i == len(groups):
+                log.info("zinf: load_pretrained %d/%d groups, %s read", i, len(groups), format_bytes(files.bytes_read))
+        skipped = []
+        for pid, p in params.items():  # parameters zinf does not manage: whole
+            if group_of(p) is None:
+                if pid in key_of:
+                    p.copy_(files.read_range(key_of[pid], 0, p.numel()).view(p.shape))
+                else:
+                    skipped.append(names[pid][0])
+        for n, key in buffer_key.items():
+            b = buffers[n]
+            b.copy_(files.read_range(key, 0, b.numel()).view(b.shape))
+    loaded = [n for pid in key_of for n in names[pid]] + list(buffer_key)
+    return missing, unexpected, loaded, sum(t.numel * t.dtype.itemsize for t in files.tensors.values()), skipped
+
+
+def _shape_of(p: nn.Parameter) -> tuple[int, ...]:
+    g = group_of(p)
+    return tuple(g.slots[g.index_of(p)].shape) if g is not None else tuple(p.shape)
+
+
+def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:
+    """This rank's slice of every parameter of ``g`` from the files, written to its shard (and master) at once."""
+    if g.state is not GroupState.SHARDED and not g.persistent:
+        raise CheckpointError(f"zinf: load_pretrained: {g.name} is gathered (inside GatheredParameters or a forward "
+                              "pass?); load weights outside them.")
+    params = g.params
+    keep = any(p is not None and id(p) not in key_of for p in params)
+    local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
+    lo = g.comm.rank * g.shard_numel
+    for i, (p, slot) in enumerate(zip(params, g.slots)):
+        if p is None or id(p) not in key_of:
+            continue
+        a, b = g.local_range(i)
+        if a < b:
+            first = a + lo - slot.offset
+            local[a:b].copy_(files.read_range(key_of[id(p)], first, first + (b - a)))
+    g.write_master(local.to(g.device))

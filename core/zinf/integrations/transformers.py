@@ -1,0 +1,206 @@
+"""transformers' ``from_pretrained`` builds a partitioned model and loads it with zinf's streaming loader.
+
+[Note: from_pretrained under zinf]
+Plain transformers 5 builds the model on the meta device, then reads every weight into each rank. Under zinf it
+instead builds the model under ``zinf.Init`` with initialisation turned off (transformers' own ``no_init_weights``;
+the placeholders are never compared across ranks), so each module is partitioned as soon as it is built and the
+whole model never exists; then every rank reads only its slices from the files (zinf/checkpoint/pretrained.py).
+Parameters the files do not hold are initialised by the model's own ``initialize_weights``, gathered, with rank
+0's values kept (as DeepSpeed's path does). transformers' loading report, tied weights, ``model.eval()`` and the
+generation config work as they are.
+
+It applies when ``from_pretrained`` runs inside ``zinf.Init`` (a user's block, the Accelerate front end's
+``init_module()``, Lightning's ``configure_model``), or anywhere once a launcher has called ``enable(config)``
+(``zinf launch``): the launcher, not the order of lines in the script, decides. ``from_pretrained`` and four
+private methods of ``PreTrainedModel`` are wrapped once (``install``), when ``transformers.modeling_utils`` is
+first imported in a process that imported zinf (``watch``, called by ``zinf/__init__``), whichever came first; each
+wrapper defers to the original unless a zinf load is running, so nothing changes for models loaded outside zinf. The transformers versions this follows are those of the ``test``
+extra (5.x).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from zinf.checkpoint.pretrained import load_pretrained
+from zinf.config import ZeroConfig
+from zinf.errors import UnsupportedModelError
+from zinf.param.init import Init
+from zinf.param.registry import group_of
+
+__all__ = ["install", "watch", "enable", "disable", "loading"]
+
+log = logging.getLogger(__name__)
+
+_state = threading.local()  # .loading: a zinf from_pretrained is running on this thread
+_launch: dict[str, ZeroConfig | None] = {"config": None}
+_originals: dict[str, Any] = {}
+_REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file")
+
+
+def enable(config: ZeroConfig) -> None:
+    """From now on every ``from_pretrained`` in this process builds a partitioned model with ``config`` (a launcher
+    calls this before the user's script runs)."""
+    _launch["config"] = config
+    install()
+
+
+def disable() -> None:
+    _launch["config"] = None
+
+
+def loading() -> bool:
+    """Whether a zinf ``from_pretrained`` is running on this thread."""
+    return bool(getattr(_state, "loading", False))
+
+
+_MODULE = "transformers.modeling_utils"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``transformers.modeling_utils`` is imported, lets the other finders find it and
+    wraps its loader so that ``install`` runs right after the module has executed."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if name != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader = spec.loader
+
+        class _Installing(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                install()
+
+        return importlib.util.spec_from_file_location(name, spec.origin, loader=_Installing())
+
+
+def watch() -> None:
+    """Install the wrappers now if transformers' model code is loaded, else as soon as it is."""
+    if _MODULE in sys.modules:
+        install()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def install() -> bool:
+    """Wrap ``PreTrainedModel``'s loading steps once; False when transformers is not installed."""
+    if _originals:
+        return True
+    try:
+        from transformers import modeling_utils
+    except ImportError:
+        return False
+    cls = modeling_utils.PreTrainedModel
+    _originals.update(from_pretrained=cls.__dict__["from_pretrained"], get_init_context=cls.__dict__["get_init_context"],
+                      load=cls.__dict__["_load_pretrained_model"],
+                      move_missing=cls._move_missing_keys_from_meta_to_device,
+                      init_missing=cls._initialize_missing_keys)
+    cls.from_pretrained = classmethod(_from_pretrained)
+    cls.get_init_context = classmethod(_get_init_context)
+    cls._load_pretrained_model = staticmethod(_load_pretrained_model)
+    cls._move_missing_keys_from_meta_to_device = _move_missing_keys_from_meta_to_device
+    cls._initialize_missing_keys = _initialize_missing_keys
+    return True
+
+
+@contextlib.contextmanager
+def _loading() -> Iterator[None]:
+    before = loading()
+    _state.loading = True
+    try:
+        yield
+    finally:
+        _state.loading = before
+
+
+def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    original = _originals["from_pretrained"].__func__
+    init = Init.current()
+    if loading() or (init is None and _launch["config"] is None):
+        return original(cls, *args, **kwargs)
+    refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+    if refused:
+        raise UnsupportedModelError(
+            f"zinf: from_pretrained({refused[0]}=...) places or quantizes the weights itself, which zinf does instead "
+            f"(it partitions every parameter across ranks and tiers). Drop {refused[0]}, or load outside zinf.Init / "
+            "zinf launch.")
+    with contextlib.ExitStack() as stack:
+        if init is None:
+            init = stack.enter_context(Init(_launch["config"]))
+        stack.enter_context(init.placeholders())
+        stack.enter_context(_loading())
+        return original(cls, *args, **kwargs)
+
+
+def _get_init_context(cls: Any, *args: Any, **kwargs: Any) -> list[Any]:
+    contexts = _originals["get_init_context"].__func__(cls, *args, **kwargs)
+    if not loading():
+        return contexts
+    from transformers import initialization
+
+    # no meta device: zinf.Init partitions each module as it is built; no initialisation: the files' values replace it
+    return [c for c in contexts if not (isinstance(c, torch.device) and c.type == "meta")] + [
+        initialization.no_init_weights()]
+
+
+def _partitioned(model: Any) -> bool:
+    return any(group_of(p) is not None for p in model.parameters())
+
+
+def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+    if not (loading() and _partitioned(model)):
+        return _originals["load"].__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    source = state_dict if state_dict is not None else list(checkpoint_files or [])
+    if not source:
+        raise UnsupportedModelError("zinf: from_pretrained found neither weight files nor a state dict to load.")
+    report = load_pretrained(model, source, strict=False)
+    converting = [type(t).__name__ for t in (getattr(load_config, "weight_mapping", None) or [])
+                  if type(t).__name__ != "WeightRenaming"]
+    if converting and report.missing_keys and report.unexpected_keys:
+        raise UnsupportedModelError(
+            f"zinf: {type(model).__name__}'s checkpoint needs transformers' weight conversions ({converting[0]}) that "
+            f"zinf's streaming loader does not apply: {len(report.missing_keys)} parameters (e.g. "
+            f"{report.missing_keys[0]}) are not in the files as named. Load this model outside zinf.Init (it is "
+            "partitioned when the engine is built) or convert the checkpoint with save_pretrained first.")
+    for name in report.loaded_keys:
+        model.get_parameter_or_buffer(name)._is_hf_initialized = True  # transformers' flag: do not initialise
+    info = LoadStateDictInfo(missing_keys=set(report.missing_keys), unexpected_keys=set(report.unexpected_keys),
+                             mismatched_keys=set(), error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    return info, None
+
+
+def _move_missing_keys_from_meta_to_device(self: Any, *args: Any, **kwargs: Any) -> None:
+    if loading() and _partitioned(self):
+        return  # nothing is on the meta device: zinf.Init built every parameter and buffer
+    _originals["move_missing"](self, *args, **kwargs)
+
+
+def _initialize_missing_keys(self: Any, *args: Any, **kwargs: Any) -> None:
+    if not (loading() and _partitioned(self)):
+        return _originals["init_missing"](self, *args, **kwargs)
+    from zinf.param.gathered import GatheredParameters
+
+    missing = [p for p in {id(v): v for v in self.state_dict(keep_vars=True).values()}.values()
+               if isinstance(p, torch.nn.Parameter) and not getattr(p, "_is_hf_initialized", False)]
+    if missing:
+        log.info("zinf: initialising %d parameters the checkpoint does not hold (rank 0's values)", len(missing))
+    with GatheredParameters(missing, modifier_rank=0):
+        self.initialize_weights()
