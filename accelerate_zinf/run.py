@@ -2,8 +2,10 @@
 
 ``zinf launch`` starts this module on every rank (through ``accelerate launch -m``). It makes
 ``accelerate.Accelerator`` mean :class:`accelerate_zinf.Accelerator` before the script (or a library
-it imports, such as transformers' ``Trainer``) looks it up, then runs the script as ``__main__``
-with the script's own command line. ``--module name`` runs a module instead of a file.
+it imports, such as transformers' ``Trainer``) looks it up, and makes transformers' ``from_pretrained``
+(in the script, or in TRL given a model name) build the model partitioned with the launch's engine config and
+load it streaming (see [Note: from_pretrained under zinf] in zinf/integrations/transformers.py), then runs the
+script as ``__main__`` with the script's own command line. ``--module name`` runs a module instead of a file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import accelerate
 import accelerate.accelerator
 
 from accelerate_zinf.accelerator import Accelerator
+from accelerate_zinf.settings import engine_config, with_mixed_precision
+from zinf.integrations import transformers as hf_models
 
 __all__ = ["install", "main"]
 
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m accelerate_zinf.run script.py [args...] | --module name [args...]")
     install()
+    # the engine config as the Accelerator will see it (ZINF_CONFIG, with the launch's mixed precision), so the
+    # groups from_pretrained builds are the ones the engine keeps
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    hf_models.enable(with_mixed_precision(engine_config(), mixed))
     if args[0] == "--module":
         if len(args) < 2:
             raise SystemExit("accelerate_zinf.run: --module needs a module name")

@@ -21,12 +21,12 @@ extra (5.x).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
 import sys
-import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -41,7 +41,7 @@ __all__ = ["install", "watch", "enable", "disable", "loading"]
 
 log = logging.getLogger(__name__)
 
-_state = threading.local()  # .loading: a zinf from_pretrained is running on this thread
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zinf_from_pretrained", default=False)
 _launch: dict[str, ZeroConfig | None] = {"config": None}
 _originals: dict[str, Any] = {}
 _REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file")
@@ -59,8 +59,8 @@ def disable() -> None:
 
 
 def loading() -> bool:
-    """Whether a zinf ``from_pretrained`` is running on this thread."""
-    return bool(getattr(_state, "loading", False))
+    """Whether a zinf ``from_pretrained`` is running (in this thread / task)."""
+    return _LOADING.get()
 
 
 _MODULE = "transformers.modeling_utils"
@@ -120,12 +120,11 @@ def install() -> bool:
 
 @contextlib.contextmanager
 def _loading() -> Iterator[None]:
-    before = loading()
-    _state.loading = True
+    token = _LOADING.set(True)
     try:
         yield
     finally:
-        _state.loading = before
+        _LOADING.reset(token)
 
 
 def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:

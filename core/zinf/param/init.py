@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,10 +40,10 @@ log = logging.getLogger(__name__)
 class _EditMode(TorchFunctionMode):
     """Gathers partitioned parameters that construction code touches, and writes edits back. See module doc."""
 
-    def __init__(self) -> None:
+    def __init__(self, agree: Callable[[], bool]) -> None:
         super().__init__()
         self.open: list[FlatParamGroup] = []
-        self.agree = True  # edits are made rank 0's before they are written back
+        self.agree = agree  # whether edits are made rank 0's before they are written back
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -68,7 +68,7 @@ class _EditMode(TorchFunctionMode):
         if group not in self.open:  # closed already by an operation that ran while closing another
             return
         self.open.remove(group)
-        if self.agree:
+        if self.agree():
             agree_with_rank0([group.full], group.comm, group.name)
         group.write_back()
         group.release()
@@ -99,8 +99,8 @@ class Init:
         self._pending: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._parents: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # to find the roots for tiling
-        self._mode = _EditMode()
         self._agree = True
+        self._mode = _EditMode(agree=lambda: self._agree)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -120,11 +120,11 @@ class Init:
         """Inside: the values being built are placeholders that a checkpoint's replace (a loader builds the model
         without initialising it), so the ranks' values are not compared (see [Note: initial values agree])."""
         before = self._agree
-        self._agree = self._mode.agree = False
+        self._agree = False
         try:
             yield
         finally:
-            self._agree = self._mode.agree = before
+            self._agree = before
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
