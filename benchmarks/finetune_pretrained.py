@@ -1,0 +1,133 @@
+"""Fine-tune a pretrained Hugging Face checkpoint larger than this machine's RAM: LoRA (default) or every parameter,
+on N ranks, with the base on NVMe. Every figure is measured on each rank and printed by rank 0.
+
+    python benchmarks/make_pretrained.py /data/llama13b --size 13b            # writes the checkpoint (26 GB, bf16)
+    torchrun --nproc_per_node 2 benchmarks/finetune_pretrained.py /data/llama13b --nvme /data/zinf_swap --steps 3
+    torchrun --nproc_per_node 2 benchmarks/finetune_pretrained.py /data/llama1b --nvme /data/zinf_swap --full
+
+What it reports, per rank: peak RSS over the whole run (the kernel's high-water mark, VmHWM, and the largest of the
+samples taken every 0.2 s), the time to build and load the model against the bytes read from the disk (from
+/proc/self/io) and the disk's read bandwidth, each step's time against the NVMe bytes it moved (the engine's
+report), and the engine's own bytes per tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zinf
+
+
+def _proc(field: str, path: str = "/proc/self/status") -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(field):
+                value = line.split(":")[1].split()
+                return int(value[0]) * (1024 if len(value) > 1 and value[1] == "kB" else 1)
+    return 0
+
+
+class RssSampler:
+    """The process's resident set size every ``period`` seconds; ``peak`` is the largest sample."""
+
+    def __init__(self, period: float = 0.2) -> None:
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _proc("VmRSS:"))
+            self._stop.wait(self.period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a save_pretrained directory (make_pretrained.py writes one)")
+    p.add_argument("--nvme", required=True, help="directory for zinf's swap files")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--full", action="store_true", help="train every parameter (default: LoRA on q_proj, v_proj)")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--pool-mib", type=int, default=1024, help="offload.pinned_pool_bytes, in MiB")
+    p.add_argument("--out", default=None, help="write the figures as JSON here (rank 0)")
+    args = p.parse_args()
+
+    sampler = RssSampler()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    os.makedirs(args.nvme, exist_ok=True)
+    config = zinf.ZeroConfig.from_dict({
+        "precision": args.precision,
+        "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu", "nvme_paths": [args.nvme],
+                    "pinned_pool_bytes": args.pool_mib << 20},
+    })
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(args.model)
+    io_before, t0 = _proc("read_bytes:", "/proc/self/io"), time.perf_counter()
+    with zinf.Init(config):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
+    rss_after_load = _proc("VmHWM:")
+    if not args.full:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    engine = zinf.initialize(model, torch.optim.AdamW(trainable, lr=1e-4), config)
+    init_s = time.perf_counter() - t0 - load_s
+    model.train()
+    steps = []
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.randint(0, hf_config.vocab_size, (args.batch, args.seq), generator=g)
+        t = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        report = engine.report()
+        steps.append({"seconds": time.perf_counter() - t, "loss": loss.item(),
+                      "nvme_read": report.counts.get("nvme_read_bytes", 0),
+                      "nvme_written": report.counts.get("nvme_written_bytes", 0)})
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {steps[-1]['seconds']:.1f} s, NVMe read "
+                  f"{steps[-1]['nvme_read'] / 1e9:.2f} GB, written {steps[-1]['nvme_written'] / 1e9:.2f} GB", flush=True)
+    resident = engine.resident_bytes()
+    engine.close()
+    mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
+            "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "steps": steps, "resident": resident}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        n = sum(q.numel() for q in engine.params) if hasattr(engine, "params") else None
+        summary = {"model": args.model, "parameters": n, "world": world, "mode": "full" if args.full else "lora",
+                   "ranks": every}
+        print(json.dumps(summary, indent=1, default=str))
+        if args.out:
+            Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

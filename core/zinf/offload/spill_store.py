@@ -1,0 +1,156 @@
+"""Construction straight to NVMe: the parameter shards ``zinf.Init`` builds go to a file of this rank as soon as each
+module is built, until the engine's placement takes them.
+
+[Note: construction spill]
+Under ``zinf.Init`` with ``offload.params: nvme``, a module's shard is written to this rank's spill file (in the
+first of ``offload.nvme_paths``) right after the module is partitioned, and its memory is freed; the fp32 master is
+kept only where the storage dtype cannot hold the values exactly (16-bit storage of values initialised in fp32):
+with fp32 storage the shard is the master, and 16-bit weights read from 16-bit files need none (the master is the
+stored shard widened, made when the engine is built, for trainable groups only). So building a model larger than
+host memory holds one module at a time, plus what construction itself allocates.
+
+The spill is an ordinary ``ShardStore`` (zinf/param/store.py): a group that is gathered during construction (a
+parent's initialisation, ``GatheredParameters``, the pretrained loader) reads its shard from the file and writes
+its edit back. The engine's placement then takes each shard (``take``: read back, one group at a time) and moves it
+to its final tier (the swap files, host memory or the device); the file is removed when the last group has left,
+and at exit in any case. Records are 4 KiB-aligned; a record never written (the placeholders of a model whose
+weights a loader is about to read) reads as zeros (a sparse file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from zinf.offload import cleanup
+from zinf.offload.swap import OffloadSpaceError, align_up
+
+if TYPE_CHECKING:
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["SpillStore"]
+
+log = logging.getLogger(__name__)
+
+
+class SpillStore:
+    """This rank's construction spill file; see [Note: construction spill]."""
+
+    tier = "nvme"
+
+    def __init__(self, directory: str, rank: int) -> None:
+        if not os.path.isdir(directory):
+            raise OffloadSpaceError(
+                f"zinf.Init: offload.nvme_paths[0] = {directory!r} does not exist; create it (a directory on a fast "
+                "local drive) or name another in offload.nvme_paths.")
+        self.path = os.path.join(directory, f"zinf-init-{socket.gethostname()}-{os.getpid()}-r{rank}.spill")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        cleanup.lock(self._fd)
+        cleanup.register([self.path])
+        self._lock = threading.Lock()
+        self._where: dict[int, tuple[int, int]] = {}  # group id -> (offset, bytes)
+        self._end = 0
+        self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
+        self.bytes_written = self.bytes_read = 0
+
+    # -- construction --------------------------------------------------------------------------------
+    def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
+        """Give ``group`` a record and write ``shard`` there (None: placeholders, left unwritten: they read as zeros)."""
+        nbytes = group.shard_numel * group.storage_dtype.itemsize
+        with self._lock:
+            self._where[id(group)] = (self._end, nbytes)
+            self._end += align_up(nbytes)
+        if shard is not None:
+            self._write(group, shard)
+
+    def take(self, group: "FlatParamGroup") -> torch.Tensor:
+        """The engine's placement takes ``group``'s shard: read back into memory; the record is forgotten, and the
+        file removed once no record is left."""
+        shard = self._read(group)
+        with self._lock:
+            del self._where[id(group)]
+            empty = not self._where
+        if empty:
+            self.close()
+        return shard
+
+    def holds(self, group: "FlatParamGroup") -> bool:
+        return id(group) in self._where
+
+    # -- the store protocol ----------------------------------------------------------------------------
+    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+        return True
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        return self._read(group).to(group.device)
+
+    def done(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+        buf = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        self._pending[id(group)] = buf
+        return buf
+
+    def commit(self, group: "FlatParamGroup") -> None:
+        self._write(group, self._pending.pop(id(group)))
+
+    def keep_for_backward(self, keep: bool) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        cleanup.unregister([self.path])
+        log.debug("zinf.Init: spill file %s removed (%d MiB written, %d MiB read)", self.path,
+                  self.bytes_written >> 20, self.bytes_read >> 20)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        with self._lock:
+            return {"nvme": sum(align_up(n) for _, n in self._where.values())}
+
+    # -- I/O ------------------------------------------------------------------------------------------
+    def _write(self, group: "FlatParamGroup", shard: torch.Tensor) -> None:
+        offset, nbytes = self._where[id(group)]
+        data = shard.detach().to("cpu", group.storage_dtype).contiguous().view(torch.uint8).numpy()
+        assert data.nbytes == nbytes, (group.name, data.nbytes, nbytes)
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < nbytes:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as exc:
+            raise OffloadSpaceError(
+                f"zinf.Init: writing {group.name}'s shard to {self.path} failed ({exc}). Free space on that drive "
+                "or name another in offload.nvme_paths.") from exc
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self.bytes_written += nbytes
+
+    def _read(self, group: "FlatParamGroup") -> torch.Tensor:
+        offset, nbytes = self._where[id(group)]
+        out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        view = memoryview(out.view(torch.uint8).numpy())
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:  # past the end: a record never written (placeholders) reads as zeros
+                view[done:] = bytes(nbytes - done)
+                break
+            done += got
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self.bytes_read += nbytes
+        return out
