@@ -172,15 +172,19 @@ class Accelerator(accelerate.Accelerator):
             metrics = {f"zinf_{index}/{k.removeprefix('zinf/')}": v for k, v in metrics.items()}
         self.log(metrics, step=num_steps)
 
-    def _engines(self) -> list[zinf.ZeroInfinityEngine]:
+    def _built(self) -> list[ZinfModel]:
+        """The prepared models whose engine exists (a model prepared alone gets one later)."""
         out = []
         for m in self._zinf_models:
             if isinstance(m, PendingModel):
                 if m.built is None:
                     continue
                 m = m.built
-            out.append(m.engine)
+            out.append(m)
         return out
+
+    def _engines(self) -> list[zinf.ZeroInfinityEngine]:
+        return [m.engine for m in self._built()]
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         engines = self._engines()
@@ -311,9 +315,8 @@ class Accelerator(accelerate.Accelerator):
     def end_training(self) -> None:
         """Finish background optimizer work and release each engine's offload files and buffers (the models
         cannot be called afterwards), then Accelerate's own end (trackers, process group)."""
-        for engine in self._engines():
-            engine.synchronize()
-            engine.close()
+        for model in self._built():
+            model.close()
         super().end_training()
 
 

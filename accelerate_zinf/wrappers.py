@@ -3,7 +3,8 @@
 ``ZinfModel`` holds the user's module as ``.module`` (as DDP does), so ``model.train()``,
 ``model.parameters()`` and ``unwrap_model`` behave as usual; calling it runs the engine's forward
 (inputs cast to the compute dtype, parameters gathered by the engine's hooks) and, under mixed
-precision, returns floating outputs in fp32 as Accelerate's own model wrapper does.
+precision, returns floating outputs in fp32 as Accelerate's own model wrapper does. transformers models
+inside it generate in lockstep on all ranks (see [Note: generate in lockstep] in accelerate_zinf/generation.py).
 
 ``ZinfOptimizer`` is an ``AcceleratedOptimizer`` around the user's optimizer (so LR schedulers,
 ``param_groups`` and Accelerate's gradient-accumulation gating keep working); its ``step`` is the
@@ -20,6 +21,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 import zinf
+from accelerate_zinf.generation import LockstepGenerate
 from zinf.schedule.tensors import map_tensors
 
 __all__ = ["ZinfModel", "ZinfOptimizer", "PendingModel", "refuse_partitioned_state_dict"]
@@ -58,10 +60,18 @@ class ZinfModel(nn.Module):
         super().__init__()
         self.module = engine.module
         self._zinf_engine = engine
+        self._lockstep = LockstepGenerate(engine.module, engine.comm.world)
 
     @property
     def engine(self) -> zinf.ZeroInfinityEngine:
         return self._zinf_engine
+
+    def close(self) -> None:
+        """Finish the engine's background work and close it (hooks removed, offload files released); the
+        transformers models inside get their class's ``generate`` back."""
+        self._zinf_engine.synchronize()
+        self._zinf_engine.close()
+        self._lockstep.remove()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self._zinf_engine(*args, **kwargs)
