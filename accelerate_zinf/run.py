@@ -3,9 +3,10 @@
 ``zinf launch`` starts this module on every rank (through ``accelerate launch -m``). It makes
 ``accelerate.Accelerator`` mean :class:`accelerate_zinf.Accelerator` before the script (or a library
 it imports, such as transformers' ``Trainer``) looks it up, and makes transformers' ``from_pretrained``
-(in the script, or in TRL given a model name) build the model partitioned with the launch's engine config and
-load it streaming (see [Note: from_pretrained under zinf] in zinf/integrations/transformers.py), then runs the
-script as ``__main__`` with the script's own command line. ``--module name`` runs a module instead of a file.
+(in the script, or in TRL given a model name) build the model partitioned over all ranks with the launch's engine
+config (joining the ranks first if the script loads before building its Accelerator) and load it streaming (see
+[Note: from_pretrained under zinf] in zinf/integrations/transformers.py), then runs the script as ``__main__``
+with the script's own command line. ``--module name`` runs a module instead of a file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 
 import accelerate
 import accelerate.accelerator
+from accelerate.state import PartialState
+from accelerate.utils import parse_flag_from_env
 
 from accelerate_zinf.accelerator import Accelerator
 from accelerate_zinf.settings import engine_config, with_mixed_precision
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     # the engine config as the Accelerator will see it (ZINF_CONFIG, with the launch's mixed precision), so the
     # groups from_pretrained builds are the ones the engine keeps
     mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    hf_models.enable(with_mixed_precision(engine_config(), mixed))
+    hf_models.enable(with_mixed_precision(engine_config(), mixed), start=_join_ranks)
     if args[0] == "--module":
         if len(args) < 2:
             raise SystemExit("accelerate_zinf.run: --module needs a module name")
@@ -56,6 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script.py` does
     namespace = runpy.run_path(args[0], run_name="__main__")
     _finish(namespace)
+
+
+def _join_ranks() -> None:
+    """A ``from_pretrained`` runs before the script built its Accelerator (or Trainer): start the launch's process
+    group now, as they will (Accelerate's ``PartialState``, which they reuse), so that the model is partitioned over
+    every rank instead of being built whole on each one."""
+    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
 
 
 def _finish(namespace: dict) -> None:

@@ -143,6 +143,9 @@ def batches(kind: str, steps: int, batch: int, seed: int = 1234) -> list[tuple[t
             out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
         elif kind == "cnn":
             out.append((torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)))
+        elif kind == "llama":  # token ids, inputs and labels of llama_config()'s causal LM
+            ids = torch.randint(0, 96, (batch, 16), generator=g)
+            out.append((ids, ids))
         else:
             out.append((torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g)))
     return out
@@ -175,3 +178,26 @@ class Switch(nn.Module):
         for layer in reversed(self.layers) if self.reverse else self.layers:
             x = torch.tanh(layer(x))
         return F.cross_entropy(self.head(x), y)
+
+
+def llama_config(tied: bool = False):
+    """A tiny Llama (about 51k parameters) for the pretrained-weights tests; transformers is imported lazily."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+
+
+def save_llama(path, tied: bool = False, seed: int = 3, max_shard_size: str = "60KB"):
+    """``save_pretrained`` a tiny Llama seeded with ``seed`` into ``path`` (several shards and an index by default)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(llama_config(tied)).save_pretrained(path, max_shard_size=max_shard_size)
+    return path
+
+
+def token_batches(steps: int, batch: int, seq: int = 16, vocab: int = 96, seed: int = 7) -> list[torch.Tensor]:
+    """A fixed list of global batches of token ids (inputs and labels of a causal LM)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]

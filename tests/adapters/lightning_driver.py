@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models.py
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from models import batches, build, make_optimizer  # noqa: E402
+from pretrained_probe import LoadLog, resident_share  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_zinf  # noqa: E402,F401  (registers "zero_infinity")
@@ -29,22 +30,36 @@ GLOBAL_BATCH = 8
 
 
 class LitModel(pl.LightningModule):
-    def __init__(self, kind: str, build_in: str, manual: bool = False, clip: float = 0.0, accum: int = 1) -> None:
+    def __init__(self, kind: str, build_in: str, manual: bool = False, clip: float = 0.0, accum: int = 1,
+                 pretrained: str | None = None) -> None:
         super().__init__()
         self.kind, self.build_in = kind, build_in
         self.automatic_optimization = not manual
         self.clip, self.accum = clip, accum
+        self.pretrained = pretrained  # a save_pretrained directory: configure_model calls from_pretrained
+        self.probe: dict = {}
         self.model = None
         if build_in == "init":
             torch.manual_seed(0)
             self.model = build(kind)
 
     def configure_model(self) -> None:
-        if self.model is None:
+        if self.model is not None:
+            return
+        if self.pretrained:
+            from transformers import AutoModelForCausalLM
+
+            load_log = LoadLog()
+            self.model = AutoModelForCausalLM.from_pretrained(self.pretrained, dtype=torch.float32)
+            load_log.close()
+            self.probe = {"loads": load_log.loads}  # the resident share in configure_optimizers: see there
+        else:
             torch.manual_seed(0)
             self.model = build(self.kind)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.pretrained:
+            return self.model(input_ids=x, labels=y).loss
         return self.model(x, y)
 
     def training_step(self, batch, batch_idx):
@@ -77,6 +92,10 @@ class LitModel(pl.LightningModule):
         return self(*batch).float()
 
     def configure_optimizers(self):
+        if self.pretrained and "resident_share" not in self.probe:
+            # after configure_model, before the engine; not inside configure_model, where zinf.Init would gather
+            # every parameter the probe touches (as it does for any initialisation code there)
+            self.probe["resident_share"] = resident_share(self.model)
         opt = make_optimizer(self.model, "adamw")
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -127,6 +146,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--eval", action="store_true", help="also run validation each epoch, test and predict")
     p.add_argument("--zinf-config", default=None, help="engine settings (JSON) for ZeroInfinityStrategy(config=...)")
+    p.add_argument("--pretrained", default=None, help="configure_model: from_pretrained(this directory) (--kind llama)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (hang diagnosis)
@@ -155,7 +175,8 @@ def main() -> None:
         with trainer.init_module():
             model = LitModel(args.kind, "init", manual=args.manual, clip=args.clip, accum=args.accum)
     else:
-        model = LitModel(args.kind, args.build_in, manual=args.manual, clip=args.clip, accum=args.accum)
+        model = LitModel(args.kind, args.build_in, manual=args.manual, clip=args.clip, accum=args.accum,
+                         pretrained=args.pretrained)
     train = loader(args.kind, args.epoch_steps, per_rank)
     val = loader(args.kind, 2, GLOBAL_BATCH // args.devices, seed=99)
     trainer.fit(model, train, val if args.eval else None, ckpt_path=args.resume)
@@ -164,6 +185,7 @@ def main() -> None:
     if args.eval:
         extra["test_loss"] = trainer.test(model, val, verbose=False)[0]["test_loss"]
         extra["predict"] = [float(x) for x in trainer.predict(model, val)]
+    extra.update(model.probe)
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:  # what the engine settings turned on
         extra["checkpointed_blocks"] = len(engine.checkpointing.blocks) if engine.checkpointing is not None else 0

@@ -4,52 +4,23 @@ through ``zinf launch``, compared step for step with the same script under plain
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-import processes
+
+from launching import EXAMPLES, accelerate_launch, assert_close, run_launcher, zinf_launch
 
 pytest.importorskip("accelerate")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples" / "accelerate"
 TRAIN = str(EXAMPLES / "train.py")
 ARGS = ["--steps", "20", "--grad-accum", "2", "--clip", "1.0"]  # accumulation and clipping in every run
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-3  # zinf gathers bf16 weights; Accelerate's DDP autocasts fp32 weights: measured 1.7e-4
-
-
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _run(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "ZINF_CONFIG")}
-    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    proc = processes.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-    if ok and proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stderr and "Traceback (most recent call last):\n  File" \
-            not in proc.stderr.split(TORCH_EXIT_ABORT)[0]:
-        # torch 2.13's gloo can abort a process at interpreter exit after its work is done (README, known problems);
-        # the run itself succeeded (no traceback before the abort). Run it once more; any other failure fails.
-        proc = processes.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-    if ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def accelerate_launch(config: str | Path, script: str, *args: str, env: dict[str, str] | None = None) -> None:
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), script, *args],
-         env={"ACCELERATE_USE_CPU": "true", **(env or {})})
-
-
-def zinf_launch(flag: str, config: str | Path, script: str, *args: str, env: dict[str, str] | None = None) -> None:
-    _run([sys.executable, "-m", "zinf.cli", "launch", flag, str(config), script, *args], env=env)
 
 
 def losses(path: Path, accelerator: str) -> list[float]:
@@ -57,13 +28,6 @@ def losses(path: Path, accelerator: str) -> list[float]:
     assert data["world"] == 2, "each process trained alone"
     assert data["accelerator"] == accelerator
     return data["losses"]
-
-
-def assert_close(a: list[float], b: list[float], rtol: float) -> float:
-    assert len(a) == len(b) > 0
-    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    assert worst <= rtol, f"max relative loss difference {worst:.3g} > {rtol}: {a} vs {b}"
-    return worst
 
 
 DDP = "accelerate.accelerator.Accelerator"
@@ -147,7 +111,7 @@ def test_transformers_trainer_trains_on_zinf_through_zinf_launch(tmp_path: Path)
 def test_a_bad_config_stops_zinf_launch_before_any_process_starts(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text((EXAMPLES / "zinf_cpu.yaml").read_text().replace("  overlap:", "  ovrlap:"))
-    proc = _run([sys.executable, "-m", "zinf.cli", "launch", "--config", str(bad), TRAIN,
+    proc = run_launcher([sys.executable, "-m", "zinf.cli", "launch", "--config", str(bad), TRAIN,
                  "--losses-out", str(tmp_path / "l.json")], ok=False)
     assert proc.returncode == 2
     assert "unknown key 'ovrlap'" in proc.stderr and "Did you mean 'overlap'" in proc.stderr and str(bad) in proc.stderr
@@ -156,7 +120,7 @@ def test_a_bad_config_stops_zinf_launch_before_any_process_starts(tmp_path: Path
 
 def test_cpu_processes_that_would_each_train_alone_are_stopped(tmp_path: Path) -> None:
     """Accelerate's trap: use_cpu without ACCELERATE_USE_CPU starts 2 processes that each see a world of 1."""
-    proc = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_cpu.yaml"),
+    proc = run_launcher([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / "accelerate_cpu.yaml"),
                  str(EXAMPLES / "train_zinf.py"), "--steps", "2", "--losses-out", str(tmp_path / "l.json")], ok=False)
     assert proc.returncode != 0 and not (tmp_path / "l.json").exists()
     assert "2 processes were launched but Accelerate sees 1" in proc.stderr and "ACCELERATE_USE_CPU=true" in proc.stderr

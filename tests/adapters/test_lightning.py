@@ -8,18 +8,12 @@ Runs are cached per session so that one reference run serves several tests.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import processes
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-WORLD = 2
+from lightning_runs import WORLD, Runs, records, worst
+
 EXACT = 1e-5  # relative, fp32 vs DDP
 BF16 = 2e-2  # relative, bf16-mixed vs fp32 DDP (measured: ~1e-4)
 
@@ -32,43 +26,9 @@ def _accelerators() -> list:
                                                                                       reason="needs 2 CUDA devices")])]
 
 
-class Runs:
-    """Runs a driver once per distinct argument list; returns the per-rank records."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.done: dict[tuple, Path] = {}
-
-    def __call__(self, driver: str, *args: str) -> Path:
-        key = (driver, *args)
-        if key not in self.done:
-            out = self.base / f"run{len(self.done)}"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            env.pop("MASTER_PORT", None)
-            proc = processes.run([sys.executable, str(HERE / driver), *args, "--out", str(out)], env=env,
-                                  capture_output=True, text=True, timeout=240, cwd=str(HERE))
-            if proc.returncode != 0:
-                raise AssertionError(f"{driver} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-            self.done[key] = out
-        return self.done[key]
-
-
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("lightning_zinf"))
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-
-
-def worst(ours: list[dict], ref: list[dict], key: str = "train", scale: float = 1.0, start: int = 0) -> float:
-    return max(max_rel([v * scale for v in o[key]], r[key][start:]) for o, r in zip(ours, ref))
 
 
 def lightning(runs: Runs, strategy: str, *args: str, accelerator: str = "cpu") -> list[dict]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
+from models import save_llama, token_batches
 
 pytestmark = pytest.mark.distributed
 
@@ -28,30 +29,14 @@ STEPS = 4
 LR = 1e-3
 
 
-def _config(tied: bool):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
-
-
 def _batches(world_batch: int = 4, seq: int = 16) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 96, (world_batch, seq), generator=g) for _ in range(STEPS)]
+    return token_batches(STEPS, world_batch, seq)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from transformers import LlamaForCausalLM
-
-    out = {}
-    for tied in (False, True):
-        torch.manual_seed(3)
-        model = LlamaForCausalLM(_config(tied))
-        path = tmp_path_factory.mktemp(f"llama_tied{int(tied)}")
-        model.save_pretrained(path, max_shard_size="60KB")  # several shards and an index
-        out["tied" if tied else "untied"] = path
-    return out
+    return {"tied" if tied else "untied": save_llama(tmp_path_factory.mktemp(f"llama_tied{int(tied)}"), tied)
+            for tied in (False, True)}
 
 
 def _reference(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:

@@ -27,9 +27,10 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from zinf.checkpoint.pretrained import load_pretrained
 from zinf.config import ZeroConfig
@@ -42,20 +43,22 @@ __all__ = ["install", "watch", "enable", "disable", "loading"]
 log = logging.getLogger(__name__)
 
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zinf_from_pretrained", default=False)
-_launch: dict[str, ZeroConfig | None] = {"config": None}
+_launch: dict[str, Any] = {"config": None, "start": None}
 _originals: dict[str, Any] = {}
 _REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file")
 
 
-def enable(config: ZeroConfig) -> None:
+def enable(config: ZeroConfig, start: Callable[[], None] | None = None) -> None:
     """From now on every ``from_pretrained`` in this process builds a partitioned model with ``config`` (a launcher
-    calls this before the user's script runs)."""
-    _launch["config"] = config
+    calls this before the user's script runs). ``start`` is called first when no process group exists yet (a script
+    that loads its model before building its Accelerator or Trainer): the launcher joins its ranks there, the way its
+    trainer would, so that the model is partitioned over all of them rather than built whole on each."""
+    _launch.update(config=config, start=start)
     install()
 
 
 def disable() -> None:
-    _launch["config"] = None
+    _launch.update(config=None, start=None)
 
 
 def loading() -> bool:
@@ -105,6 +108,8 @@ def install() -> bool:
         from transformers import modeling_utils
     except ImportError:
         return False
+    if _originals:  # that import ran watch()'s hook, which installed them: wrapping again would wrap the wrappers
+        return True
     cls = modeling_utils.PreTrainedModel
     _originals.update(from_pretrained=cls.__dict__["from_pretrained"], get_init_context=cls.__dict__["get_init_context"],
                       load=cls.__dict__["_load_pretrained_model"],
@@ -140,6 +145,8 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
             "zinf launch.")
     with contextlib.ExitStack() as stack:
         if init is None:
+            if _launch["start"] is not None and not (dist.is_available() and dist.is_initialized()):
+                _launch["start"]()
             init = stack.enter_context(Init(_launch["config"]))
         stack.enter_context(init.placeholders())
         stack.enter_context(_loading())
