@@ -16,7 +16,7 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
-from test_accelerate import EXAMPLES, accelerate_launch, assert_close, zinf_launch  # noqa: E402
+from launching import EXAMPLES, accelerate_launch, assert_close, zinf_launch  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
