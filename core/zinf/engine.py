@@ -64,6 +64,7 @@ class ZeroInfinityEngine:
                                                                  self.config.storage_dtype)
         for g in self.groups:  # parameters frozen after zinf.Init built them
             g.refresh_requires_grad()
+            g.fit_master()  # a frozen group keeps its shard alone (see [Note: frozen groups] in zinf/param/flat_group.py)
         self.timers = StepTimers()
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
         fp16 = self.config.precision == "fp16"
@@ -158,8 +159,8 @@ class ZeroInfinityEngine:
             self.zero_grad()
         else:
             self.optimizer.step()  # applies the gradients' pending factors, writes new shards, zeroes the gradients
-            for g in self.groups:
-                if g.persistent and g.owns_full:
+            for g in self.groups:  # frozen groups never change (see [Note: frozen groups] in zinf/param/flat_group.py)
+                if g.persistent and g.owns_full and not g.frozen:
                     g.to_sharded()
                     g.to_gathered()
         self._unscaled = self._clipped = False

@@ -171,3 +171,38 @@ def test_resident_bytes_count_a_shared_master_once() -> None:
     cpu = engine.resident_bytes()["cpu"]
     assert cpu.get("param_shards", 0) + cpu.get("master", 0) == shards
     engine.close()
+
+
+def test_unfreezing_after_the_engine_is_built_names_the_fix() -> None:
+    """A group frozen when the engine was built keeps no master, gradient or optimizer state (see [Note: frozen
+    groups] in zinf/param/flat_group.py): training it later is refused at the next training forward."""
+    with zinf.Init(zinf.ZeroConfig(precision="bf16")):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters()), zinf.ZeroConfig(precision="bf16"))
+    assert [g.frozen for g in engine.groups] == [True, False] and engine.groups[0].master is None
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(zinf.UnsupportedModelError, match=r"requires_grad of '0.weight' changed after the engine was "
+                                                         r"built.*keeps no fp32 master.*before building the engine"):
+        engine(torch.randn(2, 4))
+    with torch.no_grad():  # evaluation does not train: allowed
+        engine(torch.randn(2, 4))
+
+
+def test_a_new_engine_trains_what_an_earlier_one_froze() -> None:
+    """The master comes back, widened from the bf16 shard (the frozen values), and the group trains again."""
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig(precision="bf16")
+    with zinf.Init(config):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    first = zinf.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    frozen = first.full_state_dict()["0.weight"]
+    first.close()
+    model[0].requires_grad_(True)
+    second = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), config)
+    assert not second.groups[0].frozen and second.groups[0].master is not None
+    assert torch.equal(second.full_state_dict()["0.weight"], frozen)
+    second.backward(second(torch.randn(2, 4)).float().square().mean())
+    second.step()
+    assert not torch.equal(second.full_state_dict()["0.weight"], frozen)

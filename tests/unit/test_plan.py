@@ -13,6 +13,7 @@ import zinf
 import zinf.plan
 from zinf.cli import main
 from zinf.plan import Machine, PlanError, parse_placement, plan
+from zinf.offload.swap import ALIGN
 from zinf.plan.cost import ALL_PLACEMENTS, state_bytes
 
 GiB = 2**30
@@ -82,16 +83,28 @@ def state_bytes_total(e: zinf.plan.Estimate) -> int:
     return sum(e.tier_bytes(t, states_only=True) for t in ("device", "cpu", "nvme"))
 
 
-@pytest.mark.parametrize("placement", ["device/device", "device/cpu", "nvme/nvme", "cpu/cpu"])
-def test_bytes_match_the_engine(tmp_path: Path, placement: str) -> None:
+def tiny_frozen() -> nn.Module:
+    model = tiny()
+    model[0].requires_grad_(False)  # a frozen first layer: its shard alone (see [Note: frozen groups])
+    return model
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen_first_layer"])
+@pytest.mark.parametrize("placement", ["device/device", "device/cpu", "nvme/nvme", "cpu/cpu", "nvme/device"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bytes_match_the_engine(tmp_path: Path, placement: str, precision: str, frozen: bool) -> None:
     """The planner's bytes per tier equal what a real engine reports (peak over a backward and a step)."""
     nv = str(tmp_path)
-    p = plan(tiny(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement], batch_tokens=8)
+    build = tiny_frozen if frozen else tiny
+    p = plan(build(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement], batch_tokens=8,
+             precision=[precision])
     est = p.estimates[0]
     cfg = zinf.ZeroConfig.from_dict(p.config())
     torch.manual_seed(0)
     with zinf.Init(cfg):
         model = tiny()
+    if frozen:
+        model[0].requires_grad_(False)
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
     peak: dict[str, int] = {}
     for _ in range(2):
@@ -99,10 +112,13 @@ def test_bytes_match_the_engine(tmp_path: Path, placement: str) -> None:
         for t, kinds in engine.resident_bytes().items():
             peak[t] = max(peak.get(t, 0), sum(kinds.values()))
         engine.step()
+    swap = engine.placement.swap
+    files = swap.bytes_per_path if swap is not None else {}
     engine.close()
     # without CUDA the device tier is host memory: resident_bytes reports it as "cpu"
     assert peak.get("cpu", 0) == est.tier_bytes("device", True) + est.tier_bytes("cpu", True)
     assert peak.get("nvme", 0) == est.tier_bytes("nvme", True)
+    assert sum(files.values()) == (est.disk_bytes + ALIGN * len(files) if files else 0)  # each file has a header block
 
 
 # -- fitting and the recommendation -------------------------------------------------------------------

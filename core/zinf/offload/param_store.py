@@ -67,6 +67,9 @@ class CpuShardStore(DeviceShardStore):
         shard, self._fences[id(group)] = _copy_in(group, self._shards[id(group)])
         return shard
 
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        return self._shards[id(group)]
+
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         fence = self._fences.pop(id(group), None)
         if fence is not None:
@@ -324,6 +327,28 @@ class NvmeShardStore:
                 self._drop(key)
         if not self.keep_gathered:
             self.room.room_given_back()
+
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        """A copy of the shard: from its slot when it has one (a newer write may still be on its way to the
+        file), else read from the file into a pool buffer and checked."""
+        key = id(group)
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                assert not slot.staged, f"{group.name}: read while its update is being staged"
+                if slot.read is not None:
+                    self._finish_read(key, slot)
+                return self._data(group, slot.buf).clone()
+        # no slot: the file holds the shard (a slot is dropped only once its write has finished)
+        rec = self.records[key]
+        buf = self.room.acquire_waiting(rec.span)
+        try:
+            with region("nvme_read", group.name):
+                self.swap.wait(self.swap.submit_read(rec, buf), rec)
+            self.swap.verify(rec, buf)
+            return self._data(group, buf).clone()
+        finally:
+            self.pool.release(buf)
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)

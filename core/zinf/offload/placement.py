@@ -110,7 +110,7 @@ class Placement:
                 device = torch.device("cpu") if offloaded_opt else g.device
                 grad = GradShard(g, [g.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
                                  eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite)
-                g.place(self.store, grad, self.fence, self.states)
+                g.place(self.store, grad, self.fence, None if g.frozen else self.states)
         if self.swap is not None:
             self.swap.open()
         self._move_initial_state()
@@ -129,7 +129,7 @@ class Placement:
         for i, g in enumerate(self.groups, 1):
             if nvme_params:
                 self.store.write_initial(g)  # type: ignore[union-attr]
-            if self.states is not None:
+            if self.states is not None and not g.frozen:  # a frozen group has no master (see flat_group.py)
                 self.states.take_initial(g)
             if self.swap is not None and (i % step == 0 or i == len(self.groups)):
                 log.info("zinf offload: initial state of %d/%d groups written to NVMe (%.2f GiB, %.1f s)", i,
@@ -170,13 +170,14 @@ class Placement:
         masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""
         cfg = self.cfg
         shard_numel = sum(g.shard_numel for g in self.groups)
+        trained_numel = sum(g.shard_numel for g in self.groups if not g.frozen)  # frozen: the shard alone
         host = 0
         if cfg.params == "cpu":
             host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0
         if cfg.grads_tier == "cpu":
-            host += shard_numel * 4  # fp32 gradient shards
+            host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":
-            host += shard_numel * 12  # fp32 master, exp_avg, exp_avg_sq
+            host += trained_numel * 12  # fp32 master, exp_avg, exp_avg_sq
         if "nvme" in (cfg.params, cfg.optimizer):
             host += cfg.pinned_pool_bytes
         leaving: dict[int, int] = {}  # host storages that move to NVMe and are freed there

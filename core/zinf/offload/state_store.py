@@ -80,6 +80,12 @@ class _StateStore:
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def _outputs(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
+        """Tensors to read ``group``'s states into: empty for a group with no sub-group (a frozen group keeps no
+        state; see [Note: frozen groups] in zinf/param/flat_group.py)."""
+        numel = group.shard_numel if self.of(group) else 0
+        return {name: torch.empty(numel, dtype=torch.float32) for name in STATES}
+
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
@@ -104,7 +110,7 @@ class CpuStateStore(_StateStore):
 
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         self.fence.wait_all()
-        out = {name: torch.empty(group.shard_numel, dtype=torch.float32) for name in STATES}
+        out = self._outputs(group)
         for sg in self.of(group):
             for name in STATES:
                 out[name][sg.lo : sg.hi].copy_(self._tensors[id(sg)][name])
@@ -344,7 +350,7 @@ class NvmeStateStore(_StateStore):
         """This rank's master and moments of ``group`` as host fp32 tensors (copies)."""
         self.fence.wait_all()
         self._idle.wait()
-        out = {name: torch.empty(group.shard_numel, dtype=torch.float32) for name in STATES}
+        out = self._outputs(group)
         for sg in self.of(group):
             for name in STATES:
                 rec = self.records[id(sg)][name]

@@ -3,7 +3,9 @@
 A sub-group is the unit of the offloaded step: its master, moments and (on NVMe) gradient are one record
 each, read, stepped and written together. Its ``segments`` are the ranges some optimizer param group steps
 (one per parameter, with the param group's index), its ``gaps`` the ranges nothing steps (padding, frozen
-parameters, parameters the optimizer does not hold), which keep their values.
+parameters, parameters the optimizer does not hold), which keep their values. A frozen group (every parameter
+frozen when the engine was built) has no sub-group at all: no state, no records, no step (see [Note: frozen
+groups] in zinf/param/flat_group.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
     size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)
     out: list[SubGroup] = []
     for g in groups:
+        if g.frozen:
+            continue
         runs = []
         for i, p in enumerate(g.params):
             a, b = g.local_range(i)

@@ -109,7 +109,8 @@ class OffloadedAdam:
         if not self.background:
             self._run()
             return
-        self.fence.begin(self.groups)
+        # a frozen group has no sub-group (see [Note: frozen groups] in zinf/param/flat_group.py): its gathers never wait
+        self.fence.begin([g for g in self.groups if self.states.of(g)])
         # not a daemon: interpreter exit waits for a running step instead of killing it inside native code
         self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
         self._thread.start()

@@ -9,7 +9,9 @@ exact for optimizers whose update is element-wise (Adam, AdamW, SGD, Adagrad, RM
 As in PyTorch, a parameter is stepped only when it has a gradient: a frozen parameter never (it gets
 no gradient view, so no gradient shard memory and, with torch's optimizers, no state), and one that
 no rank produced a gradient for since the last step (a skipped branch) not in that step (see
-[Note: stepped parameters] in zinf/param/flat_group.py).
+[Note: stepped parameters] in zinf/param/flat_group.py). A parameter of a frozen group, which keeps no
+master (see [Note: frozen groups] there), is replaced by a placeholder of its shard's size (one element,
+expanded) that is never stepped.
 """
 
 from __future__ import annotations
@@ -59,8 +61,12 @@ class ShardedOptimizer:
                     )
                 index = group.index_of(p)
                 a, b = group.local_range(index)
-                assert group.master is not None, f"{group.name}: a device-tier optimizer needs the master in the group"
-                shard = nn.Parameter(group.master[a:b], requires_grad=p.requires_grad)
+                if group.frozen:
+                    placeholder = torch.zeros(1, dtype=torch.float32, device=group.device).expand(b - a)
+                    shard = nn.Parameter(placeholder, requires_grad=False)
+                else:
+                    assert group.master is not None, f"{group.name}: a device-tier optimizer needs the master in the group"
+                    shard = nn.Parameter(group.master[a:b], requires_grad=p.requires_grad)
                 self._grads.append((group, index, group.grad.tensor()[a:b] if p.requires_grad else None))
                 replaced.append(shard)
                 self.shard_params.append(shard)
@@ -75,8 +81,9 @@ class ShardedOptimizer:
             s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
         self.optimizer.step()
         for g in self.groups:
-            g.refresh_shard_from_master()  # the compute-dtype shard follows the fp32 master
-            g.zero_grad()
+            if not g.frozen:
+                g.refresh_shard_from_master()  # the storage-dtype shard follows the fp32 master
+                g.zero_grad()
 
     def wait(self) -> None:
         return None

@@ -15,6 +15,19 @@ parameter's shape. ``shape``, ``dim()`` and ``numel()`` stay true for code that 
 silently wrong numbers or freed memory. The full buffer's storage is resized to 0. Autograd may have saved views
 of the full buffer (``weight.t()`` in a linear layer); resizing the shared storage frees those too,
 and the next gather resizes it back, so the saved views read the gathered values again in backward.
+
+[Note: frozen groups]
+A group whose parameters are all frozen (``requires_grad=False``) when the engine is built trains nothing, so
+it keeps one copy of its values: the parameter shard, at its storage width, on its tier (device, CPU or
+NVMe). ``drop_master`` (the engine, before the placement) frees its fp32 master (with fp32 storage the
+master *is* the shard, so nothing is freed and nothing extra was kept); it has no gradient shard memory, the
+offloaded optimizer gives it no sub-groups (no state records, no swap I/O, not waited for by the next
+gather), and a torch optimizer holding its parameters gets placeholders it never steps. Whatever reads a
+master reads the shard widened to fp32 (``read_master``: exact, the shard is the value), and whatever writes
+one (``write_master``, an edit written back by ``GatheredParameters``) narrows it into the shard. A group with
+trainable and frozen parameters (one module) keeps its master for all of them, as before: the frozen elements
+are gaps the optimizer copies unchanged. A later engine on the same (unplaced) model whose parameters train
+again gets the master back, widened from the shard (``restore_master``).
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ class MasterHome(Protocol):
 class GroupState(enum.Enum):
     """Which tensors hold memory.
 
-    SHARDED: the shard (and the fp32 master) only; parameters' ``.data`` are placeholders.
+    SHARDED: the shard (and the fp32 master, unless frozen: see [Note: frozen groups]) only; parameters'
+    ``.data`` are placeholders.
     GATHERING: an all-gather into the full buffer is in flight; parameters still placeholders.
     GATHERED: the full buffer holds the whole flat vector; parameters are views into it.
     """
@@ -121,8 +135,10 @@ class FlatParamGroup:
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
             if a < b:
                 master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
-        # master / shard become None when an offload placement takes them (``place``)
+        # master / shard become None when an offload placement takes them (``place``), the master also when
+        # the group is frozen (see [Note: frozen groups])
         self.master: torch.Tensor | None = master
+        self.frozen = False
         self.shard: torch.Tensor | None = master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype)
         # [Note: placement] built on the device tier; an offload placement moves the group once (``place``)
         self.store: ShardStore = DEVICE_STORE
@@ -187,6 +203,30 @@ class FlatParamGroup:
         master, self.master = self.master, None
         return master
 
+    def fit_master(self) -> None:
+        """At engine build, after ``refresh_requires_grad``: a group that trains nothing drops its fp32 master, a
+        frozen one that trains again gets it back (see [Note: frozen groups]). A group an earlier engine placed
+        is left as it is: a new engine with offload refuses it (``place``)."""
+        if self.placed:
+            return
+        if not self.trainable and not self.frozen:
+            self.drop_master()
+        elif self.trainable and self.frozen:
+            self.restore_master()
+
+    def drop_master(self) -> None:
+        """[Note: frozen groups] The engine is built and no parameter of the group trains: free the fp32 master
+        (the shard alone is the group's value from now on)."""
+        assert not self.trainable and not self.frozen and not self.placed, f"{self.name}: drop_master"
+        self.master, self.frozen = None, True
+
+    def restore_master(self) -> None:
+        """[Note: frozen groups] A frozen group trains again under a new engine: its fp32 master is widened from
+        its shard (the frozen values are exactly the shard's)."""
+        assert self.trainable and self.frozen and not self.placed and self.shard is not None, f"{self.name}: restore_master"
+        fp32 = self.storage_dtype == torch.float32
+        self.master, self.frozen = (self.shard if fp32 else self.shard.to(torch.float32)), False
+
     def make_persistent(self) -> None:
         """Small groups stay gathered for the whole run (``overlap.persistent_numel``)."""
         self.persistent = True
@@ -203,21 +243,25 @@ class FlatParamGroup:
 
     # -- the fp32 master ------------------------------------------------------------------------
     def read_master(self) -> torch.Tensor:
-        """This rank's fp32 master shard (read back from the optimizer's tier when offloaded)."""
+        """This rank's fp32 master shard (read back from the optimizer's tier when offloaded; a frozen group's
+        shard widened to fp32, see [Note: frozen groups])."""
         if self.master is not None:
             return self.master
+        if self.frozen:
+            return self.store.read(self).to(torch.float32)
         assert self._master_home is not None, f"{self.name}: no master shard"
         return self._master_home.read_master(self)
 
     def write_master(self, master: torch.Tensor) -> None:
-        """Replace this rank's master shard and the parameter shard derived from it."""
+        """Replace this rank's master shard and the parameter shard derived from it (a frozen group's shard)."""
         with torch.no_grad():
             if self.master is not None:
                 self.master.copy_(master)
                 self.refresh_shard_from_master()
             else:
-                assert self._master_home is not None
-                self._master_home.write_master(self, master)
+                if not self.frozen:
+                    assert self._master_home is not None
+                    self._master_home.write_master(self, master)
                 self.store.writer(self).copy_(master)
                 self.store.commit(self)
             if self.persistent and self.owns_full:
@@ -343,13 +387,16 @@ class FlatParamGroup:
                 p.data = placeholder
 
     def write_back(self) -> None:
-        """Copy this rank's slice of the gathered values into the shard and master (after an edit)."""
+        """Copy this rank's slice of the gathered values into the shard and master (after an edit; a frozen
+        group has no master)."""
         assert self.state is GroupState.GATHERED, f"{self.name}: write_back from {self.state}"
         lo = self.comm.rank * self.shard_numel
         mine = self.full[lo : lo + self.shard_numel]
         if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
             self.store.writer(self).copy_(mine)
             self.store.commit(self)
+        if self.frozen:  # the shard is its only copy (see [Note: frozen groups])
+            return
         if self.master is None:
             assert self._master_home is not None
             self._master_home.write_master(self, mine.to(torch.float32))
@@ -357,9 +404,9 @@ class FlatParamGroup:
             self.master.copy_(mine)
 
     def gather_master_full(self, master: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's fp32 master (``master``: this rank's, when offloaded), all-gathered into one flat vector."""
-        local = master if master is not None else self.master
-        assert local is not None, f"{self.name}: the master is offloaded; pass it in"
+        """Every rank's fp32 master (``master``: this rank's, read by the caller; else ``read_master()``),
+        all-gathered into one flat vector."""
+        local = master if master is not None else self.read_master()
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
         self.comm.all_gather_into(full, local.to(self.device), async_op=False)
         return full

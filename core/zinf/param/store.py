@@ -1,8 +1,9 @@
 """Where a group's compute-dtype parameter shard lives between uses: the store protocol, and the device tier.
 
 One store per engine, chosen once from ``offload.params`` (zinf/offload/placement.py) and built complete
-by its constructor; groups only call ``fetch`` / ``done`` around their all-gather and ``writer`` /
-``commit`` when their shard is rewritten (an optimizer step, an edit). The host and NVMe stores live in
+by its constructor; groups only call ``fetch`` / ``done`` around their all-gather, ``writer`` /
+``commit`` when their shard is rewritten (an optimizer step, an edit) and ``read`` when a frozen group's values
+are read outside training (see [Note: frozen groups] in zinf/param/flat_group.py). The host and NVMe stores live in
 zinf/offload/param_store.py; the rest of the engine never asks which one it holds.
 """
 
@@ -35,8 +36,13 @@ class ShardStore(Protocol):
         """The all-gather that read ``fetch``'s tensor has finished."""
         ...
 
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        """``group``'s shard as it is now, at its storage width, on the host or the device (outside training: a
+        checkpoint, a state dict, an export). The caller copies what it keeps."""
+        ...
+
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
-        """A compute-dtype tensor of ``shard_numel`` elements to write ``group``'s new shard into."""
+        """A storage-dtype tensor of ``shard_numel`` elements to write ``group``'s new shard into."""
         ...
 
     def commit(self, group: "FlatParamGroup") -> None:
@@ -72,6 +78,10 @@ class DeviceShardStore:
 
     def done(self, group: "FlatParamGroup") -> None:
         return None
+
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        assert group.shard is not None
+        return group.shard
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         assert group.shard is not None

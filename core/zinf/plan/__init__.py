@@ -20,6 +20,9 @@ and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_b
     nvme/nvme/cpu                  nvme: shard pb, states 12 | cpu: grad 4 + pool
     x/device with x = cpu or nvme  device: master 4, grad 4, moments 8 | x: shard pb (with fp32 on a CPU-only
                                    machine the CPU store keeps the master's own tensor: no second copy)
+    any, a frozen group            its shard pb on the parameters' tier, nothing else (no master,   pb
+    (no parameter trains)          gradient, moments or optimizer records; never rewritten or
+                                   reduce-scattered: [Note: frozen groups] in zinf/param/flat_group.py)
 
 Not model state, reported apart and not checked: the full parameters gathered at once (with several ranks, or
 offloaded shards: about ``overlap.prefetch_bytes`` + 2 x the largest group) and an activation estimate (17

@@ -2,7 +2,10 @@
 for the model in words and the bytes per parameter).
 
 Everything is per rank. ``Ps`` is this rank's shard numel summed over the groups (each group padded to a
-multiple of the world size), ``pb`` the compute dtype's bytes (4 for fp32, 2 for bf16/fp16).
+multiple of the world size), ``pb`` the compute dtype's bytes (4 for fp32, 2 for bf16/fp16). A frozen group (no
+parameter requires a gradient) costs its shard alone, at ``pb``: no master, gradient or optimizer state, no
+optimizer sub-group or record, never rewritten or reduce-scattered (see [Note: frozen groups] in
+zinf/param/flat_group.py); the rest below counts the trainable groups' shards.
 """
 
 from __future__ import annotations
@@ -155,13 +158,19 @@ def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
     return out
 
 
+def _trained(spec: ModelSpec, shards: Sequence[int]) -> list[int]:
+    """The shards of the groups that train (frozen groups have no optimizer state, gradient or update)."""
+    return [n for n, g in zip(shards, spec.groups) if g.trainable]
+
+
 def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
     """What Placement._check_pool requires of offload.pinned_pool_bytes."""
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    trained = _trained(spec, shards)
     pipeline = largest = 0
-    if pl.optimizer == "nvme":
+    if pl.optimizer == "nvme" and trained:
         per = 4 if pl.grads == "nvme" else 3
-        pipeline = 3 * per * block_bytes(max(_span(n * 4) for n in _subgroup_numels(shards, sub_group_numel)))
+        pipeline = 3 * per * block_bytes(max(_span(n * 4) for n in _subgroup_numels(trained, sub_group_numel)))
     if pl.params == "nvme":
         largest = block_bytes(max(_span(n * pb) for n in shards))
     return pipeline + 4 * largest
@@ -180,27 +189,30 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
     NVMe counted while they are there)."""
     shards = spec.shard_numels(world)
     ps, pb = sum(shards), PRECISIONS[precision].itemsize
-    trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
+    trainable = sum(_trained(spec, shards))
+    frozen = ps - trainable  # their shards alone
     out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
 
     def add(tier: str, kind: str, n: int) -> None:
         if n:
             out[tier][kind] = out[tier].get(kind, 0) + n
 
-    shared = pb == 4 and pl.optimizer == "device"  # fp32 with a device optimizer: the shard is the master
+    # fp32 with a device optimizer: a trainable group's shard is its master
+    shared = pb == 4 and pl.optimizer == "device"
     if pl.params == "nvme":
         add("nvme", "param_shards", sum(_span(n * pb) for n in shards))
-    elif pl.params == "cpu" and shared and machine_device == "cpu":
-        pass  # the CPU store keeps the master's own tensor (no copy without CUDA); counted as the master below
+    elif shared and (pl.params == "device" or machine_device == "cpu"):
+        # the trainable shards are the masters' own tensors (the CPU store's too, without CUDA): counted below
+        add(pl.params, "param_shards", frozen * pb)
     else:
-        add(pl.params, "param_shards", 0 if (shared and pl.params == "device") else ps * pb)
+        add(pl.params, "param_shards", ps * pb)
     if pl.optimizer == "device":
-        add("device", "param_shards" if shared and pl.params == "device" else "master", ps * 4)
+        add("device", "param_shards" if shared and pl.params == "device" else "master", trainable * 4)
         add("device", "optimizer_state", trainable * 8)
         add("device", "grad_shards", trainable * 4)
     else:
-        add(pl.optimizer, "optimizer_state", ps * 12)
-        add(pl.grads, "grad_shards", ps * 4)
+        add(pl.optimizer, "optimizer_state", trainable * 12)
+        add(pl.grads, "grad_shards", trainable * 4)
     if "nvme" in (pl.params, pl.optimizer):
         add("cpu", "pinned_pool", pool_bytes)
     return out
@@ -211,7 +223,7 @@ def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, s
     total = sum(_span(n * pb) for n in shards) if pl.params == "nvme" else 0
     if pl.optimizer == "nvme":
         per = 4 if pl.grads == "nvme" else 3
-        total += per * sum(_span(n * 4) for n in _subgroup_numels(shards, sub_group_numel))
+        total += per * sum(_span(n * 4) for n in _subgroup_numels(_trained(spec, shards), sub_group_numel))
     return total
 
 
@@ -248,6 +260,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     world, ranks = wl.world, max(1, wl.ranks_per_node)
     shards = spec.shard_numels(world)
     ps = sum(shards)
+    trainable = sum(_trained(spec, shards))
     uses_nvme = "nvme" in (pl.params, pl.optimizer)
     need = pool_need(spec, world, storage, pl, wl.sub_group_numel) if uses_nvme else 0
     param_spans = sum(_span(n * sb) for n in shards)
@@ -270,21 +283,21 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         cache = max(0, pool - 3 * block_bytes(max(_span(n * sb) for n in shards))
                     - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
-        io["nvme_write"] += param_spans
+        io["nvme_write"] += sum(_span(n * sb) for n in _trained(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":
-        io["nvme_read"] += ps * 12
-        io["nvme_write"] += ps * 12
+        io["nvme_read"] += trainable * 12
+        io["nvme_write"] += trainable * 12
         if pl.grads == "nvme":
-            io["nvme_read"] += ps * 4
-            io["nvme_write"] += ps * 4
+            io["nvme_read"] += trainable * 4
+            io["nvme_write"] += trainable * 4
     if machine.device == "cuda":  # pragma: no cover - CUDA only
         if pl.params != "device":
             io["h2d"] += 2 * ps * sb
         if pl.optimizer != "device":
-            io["d2h"] += ps * 4
+            io["d2h"] += trainable * 4
     if world > 1:
         io["allgather"] = 2 * (world - 1) * ps * sb  # received per rank: the forward's gathers and the backward's
-        io["reduce_scatter"] = (world - 1) * ps * 4
+        io["reduce_scatter"] = (world - 1) * trainable * 4
 
     # -- time per step ---------------------------------------------------------------------------------
     cpu = machine.device == "cpu"
@@ -301,11 +314,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     if cpu and pb < 4:
         elementwise *= cal.low_precision_elementwise_cpu
     sec["compute"] = matmul_flops / flops + elementwise / mem_bw + len(spec.groups) * cal.per_group_seconds
-    trainable = sum(n for n, g in zip(shards, spec.groups) if g.trainable)
     if pl.optimizer == "device":
         sec["optimizer"] = trainable * cal.torch_adam_bytes / mem_bw
     else:
-        sec["optimizer"] = ps * cal.cpu_adam_bytes / host_bw
+        sec["optimizer"] = trainable * cal.cpu_adam_bytes / host_bw
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
         read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)

@@ -230,7 +230,9 @@ class ModuleHooks:
                     raise UnsupportedModelError(
                         f"zinf: requires_grad of '{changed}' changed after the engine was built; the engine keeps "
                         "gradient hooks, gradient shards and optimizer states for the parameters that train as it "
-                        "was built. Freeze or unfreeze parameters before building the engine (rebuild it to change them).")
+                        "was built, and a module whose parameters were all frozen keeps no fp32 master weights (only "
+                        "its shards at their storage width). Freeze or unfreeze parameters before building the engine "
+                        "(rebuild it to change them).")
         self.pass_trace = self.traces["forward" if grad else "eval"]
         self._pass_post = Post.END_FORWARD if grad else Post.END_EVAL
 
