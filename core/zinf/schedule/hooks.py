@@ -109,6 +109,32 @@ def _is_called(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the hooks that the module's backward is done (the
+    gradients of its inputs exist): see [Note: frozen groups in backward]."""
+
+    @staticmethod
+    def forward(ctx: Any, hooks: "ModuleHooks", module: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.module = hooks, module
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        ctx.hooks._post_backward(ctx.module)
+        return (None, None, *grads)
+
+
+def _after_backward(hooks: "ModuleHooks", module: nn.Module, args: tuple) -> tuple | None:
+    """``args`` with the tensors that need a gradient passed through :class:`_PostBackward` (None: none do)."""
+    picked = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not picked:
+        return None
+    out = list(args)
+    for i, t in zip(picked, _PostBackward.apply(hooks, module, *(args[i] for i in picked))):
+        out[i] = t
+    return tuple(out)
+
+
 class ModuleHooks:
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
                  fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds) -> None:
@@ -164,7 +190,7 @@ class ModuleHooks:
 
     # -- forward ------------------------------------------------------------------------------------
     @_engine_code
-    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+    def _forward_pre(self, module: nn.Module, args: Any) -> tuple | None:
         state = self.states[module]
         recomputing = _in_backward()
         if module is self.model and not recomputing:
@@ -181,6 +207,9 @@ class ModuleHooks:
         call.acquired = list(needed)
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
+        if not recomputing and torch.is_grad_enabled() and any(not g.trainable for g in needed):
+            return _after_backward(self, module, args)
+        return None
 
     @_engine_code
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -343,6 +372,17 @@ class ModuleHooks:
             g.hold_for_backward()
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
+
+    @_engine_code
+    def _post_backward(self, module: nn.Module) -> None:
+        """[Note: frozen groups in backward] ``module``'s backward has produced the gradients of its inputs: its
+        frozen groups (no gradient will ever arrive to end their hold, see [Note: frozen groups] in
+        zinf/param/flat_group.py) are not needed any more. Without this a frozen base under LoRA adapters stayed
+        gathered until the end of the backward: the whole base at once. A module whose inputs need no gradient
+        (the first layer under a frozen embedding) keeps its frozen groups to the end of the backward."""
+        for g in self.states[module].needed():
+            if not g.trainable:
+                self._drop_backward_hold(g)
 
     @_engine_code
     def _on_grad(self, param: nn.Parameter) -> None:
