@@ -180,7 +180,7 @@ def test_unfreezing_after_the_engine_is_built_names_the_fix() -> None:
         model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     model[0].requires_grad_(False)
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters()), zinf.ZeroConfig(precision="bf16"))
-    assert [g.frozen for g in engine.groups] == [True, False] and engine.groups[0].master is None
+    assert [g.shard_only for g in engine.groups] == [True, False] and engine.groups[0].master is None
     model[0].weight.requires_grad_(True)
     with pytest.raises(zinf.UnsupportedModelError, match=r"requires_grad of '0.weight' changed after the engine was "
                                                          r"built.*keeps no fp32 master.*before building the engine"):
@@ -201,7 +201,7 @@ def test_a_new_engine_trains_what_an_earlier_one_froze() -> None:
     first.close()
     model[0].requires_grad_(True)
     second = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), config)
-    assert not second.groups[0].frozen and second.groups[0].master is not None
+    assert not second.groups[0].shard_only and second.groups[0].master is not None
     assert torch.equal(second.full_state_dict()["0.weight"], frozen)
     second.backward(second(torch.randn(2, 4)).float().square().mean())
     second.step()

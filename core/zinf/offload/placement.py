@@ -61,6 +61,9 @@ class Placement:
                  optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None,
                  check_finite: bool = False, eager_grad_stats: bool = False) -> None:
         self.cfg, self.groups = cfg, list(groups)
+        if not (cfg.enabled and cfg.params == "nvme"):  # shards zinf.Init built straight to NVMe come back to memory
+            for g in self.groups:
+                g.unspill()
         self.timers = timers or StepTimers()
         self.fence = UpdateFence(self.timers)
         offloaded_opt = cfg.optimizer != "device"
@@ -110,7 +113,7 @@ class Placement:
                 device = torch.device("cpu") if offloaded_opt else g.device
                 grad = GradShard(g, [g.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
                                  eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite)
-                g.place(self.store, grad, self.fence, None if g.frozen else self.states)
+                g.place(self.store, grad, self.fence, None if g.shard_only else self.states)
         if self.swap is not None:
             self.swap.open()
         self._move_initial_state()
@@ -129,7 +132,7 @@ class Placement:
         for i, g in enumerate(self.groups, 1):
             if nvme_params:
                 self.store.write_initial(g)  # type: ignore[union-attr]
-            if self.states is not None and not g.frozen:  # a frozen group has no master (see flat_group.py)
+            if self.states is not None and not g.shard_only:  # a frozen group has no master (see flat_group.py)
                 self.states.take_initial(g)
             if self.swap is not None and (i % step == 0 or i == len(self.groups)):
                 log.info("zinf offload: initial state of %d/%d groups written to NVMe (%.2f GiB, %.1f s)", i,
@@ -170,7 +173,7 @@ class Placement:
         masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""
         cfg = self.cfg
         shard_numel = sum(g.shard_numel for g in self.groups)
-        trained_numel = sum(g.shard_numel for g in self.groups if not g.frozen)  # frozen: the shard alone
+        trained_numel = sum(g.shard_numel for g in self.groups if not g.shard_only)  # frozen: the shard alone
         host = 0
         if cfg.params == "cpu":
             host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0

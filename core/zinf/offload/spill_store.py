@@ -19,6 +19,8 @@ weights a loader is about to read) reads as zeros (a sparse file).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -36,6 +38,17 @@ if TYPE_CHECKING:
 __all__ = ["SpillStore"]
 
 log = logging.getLogger(__name__)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Give a record's disk blocks back to the file system (a drive that holds the spill and the swap files then
+    never holds a shard twice). Where the file system cannot, the space is freed when the file is removed."""
+    _libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE),
+                    ctypes.c_long(offset), ctypes.c_long(nbytes))
 
 
 class SpillStore:
@@ -69,15 +82,20 @@ class SpillStore:
             self._write(group, shard)
 
     def take(self, group: "FlatParamGroup") -> torch.Tensor:
-        """The engine's placement takes ``group``'s shard: read back into memory; the record is forgotten, and the
-        file removed once no record is left."""
+        """The engine's placement takes ``group``'s shard: read back into memory; the record is forgotten and its
+        disk space given back (a hole punched), and the file removed once no record is left."""
         shard = self._read(group)
         with self._lock:
-            del self._where[id(group)]
+            offset, nbytes = self._where.pop(id(group))
             empty = not self._where
+        _punch_hole(self._fd, offset, align_up(nbytes))
         if empty:
             self.close()
         return shard
+
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        """``group``'s shard, read (the record stays)."""
+        return self._read(group)
 
     def holds(self, group: "FlatParamGroup") -> bool:
         return id(group) in self._where

@@ -61,7 +61,7 @@ class ShardedOptimizer:
                     )
                 index = group.index_of(p)
                 a, b = group.local_range(index)
-                if group.frozen:
+                if group.shard_only:
                     placeholder = torch.zeros(1, dtype=torch.float32, device=group.device).expand(b - a)
                     shard = nn.Parameter(placeholder, requires_grad=False)
                 else:
@@ -81,7 +81,7 @@ class ShardedOptimizer:
             s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
         self.optimizer.step()
         for g in self.groups:
-            if not g.frozen:
+            if not g.shard_only:
                 g.refresh_shard_from_master()  # the storage-dtype shard follows the fp32 master
                 g.zero_grad()
 

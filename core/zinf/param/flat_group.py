@@ -59,6 +59,14 @@ class MasterHome(Protocol):
     def write_master(self, group: "FlatParamGroup", master: torch.Tensor) -> None: ...
 
 
+class ShardSpill(ShardStore, Protocol):
+    """Where ``zinf.Init`` keeps shards built for NVMe until the engine's placement takes them (see [Note:
+    construction spill] in zinf/offload/spill_store.py)."""
+
+    def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None: ...
+    def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
+
+
 class GroupState(enum.Enum):
     """Which tensors hold memory.
 
@@ -138,11 +146,12 @@ class FlatParamGroup:
         # master / shard become None when an offload placement takes them (``place``), the master also when
         # the group is frozen (see [Note: frozen groups])
         self.master: torch.Tensor | None = master
-        self.frozen = False
+        self.shard_only = False
         self.shard: torch.Tensor | None = master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype)
         # [Note: placement] built on the device tier; an offload placement moves the group once (``place``)
         self.store: ShardStore = DEVICE_STORE
         self._master_home: MasterHome | None = None
+        self._spill: ShardSpill | None = None  # [Note: construction spill]: the shard waits there for the placement
         self._fence = _NO_FENCE
         self.placed = False
         # With one rank the shard is the whole flat vector: gathering is free (unless it must be widened).
@@ -192,10 +201,33 @@ class FlatParamGroup:
 
     def hand_over_shard(self) -> torch.Tensor:
         """Give the parameter shard to the store that keeps it from now on (the group no longer holds it)."""
-        assert self.shard is not None and self.state is GroupState.SHARDED
+        assert self.state is GroupState.SHARDED, f"{self.name}: hand_over_shard from {self.state}"
+        if self.shard is None and self._spill is not None:  # built straight to NVMe: read back, one group at a time
+            shard, self._spill = self._spill.take(self), None
+            return shard
+        assert self.shard is not None, f"{self.name}: no shard to hand over"
         self._separate_full()  # one rank gathers into the shard itself; from now on into a buffer of its own
         shard, self.shard = self.shard, None
         return shard
+
+    def spill_to(self, spill: ShardSpill, placeholders: bool) -> None:
+        """[Note: construction spill] in zinf/offload/spill_store.py: built under ``zinf.Init`` for NVMe, the shard
+        goes to ``spill`` now and its memory is freed; so does the fp32 master where the shard holds the values
+        exactly (fp32 storage, or 16-bit values), or where the values are ``placeholders`` a loader replaces."""
+        assert self.state is GroupState.SHARDED and not self.placed and self.shard is not None, f"{self.name}: spill_to"
+        self._separate_full()
+        shard, self.shard = self.shard, None
+        exact = placeholders or self.master is None or torch.equal(shard.to(torch.float32), self.master)
+        spill.add(self, None if placeholders else shard)
+        self.store, self._spill = spill, spill
+        if exact:
+            self.master, self.shard_only = None, True
+
+    def unspill(self) -> None:
+        """The placement keeps shards on the device tier: a shard built straight to NVMe comes back into the group."""
+        if self._spill is not None and self.shard is None:
+            self.shard = self.hand_over_shard()
+            self.store = DEVICE_STORE
 
     def hand_over_master(self) -> torch.Tensor:
         """Give the fp32 master shard to the offloaded optimizer's state (the group no longer holds it)."""
@@ -209,23 +241,32 @@ class FlatParamGroup:
         is left as it is: a new engine with offload refuses it (``place``)."""
         if self.placed:
             return
-        if not self.trainable and not self.frozen:
+        if not self.trainable and not self.shard_only:
             self.drop_master()
-        elif self.trainable and self.frozen:
+        elif self.trainable and self.shard_only:
             self.restore_master()
 
     def drop_master(self) -> None:
         """[Note: frozen groups] The engine is built and no parameter of the group trains: free the fp32 master
         (the shard alone is the group's value from now on)."""
-        assert not self.trainable and not self.frozen and not self.placed, f"{self.name}: drop_master"
-        self.master, self.frozen = None, True
+        assert not self.trainable and not self.shard_only and not self.placed, f"{self.name}: drop_master"
+        self.master, self.shard_only = None, True
 
     def restore_master(self) -> None:
         """[Note: frozen groups] A frozen group trains again under a new engine: its fp32 master is widened from
         its shard (the frozen values are exactly the shard's)."""
-        assert self.trainable and self.frozen and not self.placed and self.shard is not None, f"{self.name}: restore_master"
+        assert self.trainable and self.shard_only and not self.placed, f"{self.name}: restore_master"
+        if self.shard is None:  # built straight to NVMe (see [Note: construction spill])
+            self.master, self.shard_only = self.store.read(self).to(torch.float32), False
+            return
         fp32 = self.storage_dtype == torch.float32
-        self.master, self.frozen = (self.shard if fp32 else self.shard.to(torch.float32)), False
+        self.master, self.shard_only = (self.shard if fp32 else self.shard.to(torch.float32)), False
+
+    def _keep_inexact_master(self, values: torch.Tensor) -> None:
+        """Before the placement, a group built straight to NVMe whose new values the storage dtype cannot hold
+        exactly keeps them as its master again (see [Note: construction spill]); a frozen group's are its shard's."""
+        if self._spill is not None and not torch.equal(values.to(self.storage_dtype).to(torch.float32), values.float()):
+            self.master, self.shard_only = values.to(self.device, torch.float32, copy=True), False
 
     def make_persistent(self) -> None:
         """Small groups stay gathered for the whole run (``overlap.persistent_numel``)."""
@@ -247,7 +288,7 @@ class FlatParamGroup:
         shard widened to fp32, see [Note: frozen groups])."""
         if self.master is not None:
             return self.master
-        if self.frozen:
+        if self.shard_only:
             return self.store.read(self).to(torch.float32)
         assert self._master_home is not None, f"{self.name}: no master shard"
         return self._master_home.read_master(self)
@@ -259,9 +300,11 @@ class FlatParamGroup:
                 self.master.copy_(master)
                 self.refresh_shard_from_master()
             else:
-                if not self.frozen:
+                if not self.shard_only:
                     assert self._master_home is not None
                     self._master_home.write_master(self, master)
+                else:
+                    self._keep_inexact_master(master)
                 self.store.writer(self).copy_(master)
                 self.store.commit(self)
             if self.persistent and self.owns_full:
@@ -395,7 +438,8 @@ class FlatParamGroup:
         if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
             self.store.writer(self).copy_(mine)
             self.store.commit(self)
-        if self.frozen:  # the shard is its only copy (see [Note: frozen groups])
+        if self.shard_only:  # the shard is its only copy (see [Note: frozen groups])
+            self._keep_inexact_master(mine)
             return
         if self.master is None:
             assert self._master_home is not None

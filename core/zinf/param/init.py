@@ -9,7 +9,9 @@ seen by a torch function mode: the parameter's group is gathered, the operation 
 tensor (consuming the random generator exactly as without zinf), and the result is written back to
 the shards as soon as the next operation no longer touches it. Values agree across ranks: each module's values,
 and each such edit, are rank 0's when ranks differ (seeded differently), as DDP does (see [Note: initial values
-agree] in partition.py). With ``tiling`` in the config, the
+agree] in partition.py). With parameters on NVMe (``offload.params: nvme``) each module's shard goes straight to
+a file there as soon as it is built (see [Note: construction spill] in zinf/offload/spill_store.py), so building a
+model larger than host memory holds one module at a time. With ``tiling`` in the config, the
 large ``nn.Linear`` layers of each model built in the block are tiled at exit, after all of its own
 initialisation has run, one layer gathered at a time (see zinf/tiling.py).
 """
@@ -28,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from zinf.config import ZeroConfig
 from zinf.fetch.comm import Comm, compute_device, default_device
+from zinf.offload.spill_store import SpillStore
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.partition import agree_with_rank0, partition_module_params
 from zinf.param.registry import group_of
@@ -101,6 +104,7 @@ class Init:
         self._parents: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # to find the roots for tiling
         self._agree = True
         self._mode = _EditMode(agree=lambda: self._agree)
+        self._spill: SpillStore | None = None  # [Note: construction spill]: shards built for NVMe go there
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -163,5 +167,10 @@ class Init:
         group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device,
                                         storage_dtype=self.config.storage_dtype, agree=self._agree)
         self._pending.discard(module)
+        offload = self.config.offload
+        if group is not None and offload.enabled and offload.params == "nvme":
+            if self._spill is None:
+                self._spill = SpillStore(offload.nvme_paths[0], self.comm.rank)
+            group.spill_to(self._spill, placeholders=not self._agree)
         if group is not None:
             log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)
