@@ -27,6 +27,7 @@ from torch import nn
 from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.tensor_files import TensorFiles, open_weights
 from zinf.errors import CheckpointError
+from zinf.heap import HeapTrimmer
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of, groups_of
 from zinf.units import format_bytes
@@ -125,9 +126,11 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str]
 
     groups = groups_of(params.values())
     step = max(1, len(groups) // 10)
+    heap = HeapTrimmer()  # see [Note: heap growth] in zinf/heap.py
     with torch.no_grad():
         for i, g in enumerate(groups, 1):
             _load_group(g, files, key_of)
+            heap.count(g.shard_numel * 8)  # the slices read and the fp32 shard built from them
             if i % step == 0 or i == len(groups):
                 log.info("zinf: load_pretrained %d/%d groups, %s read", i, len(groups), format_bytes(files.bytes_read))
         skipped = []
@@ -140,6 +143,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str]
         for n, key in buffer_key.items():
             b = buffers[n]
             b.copy_(files.read_range(key, 0, b.numel()).view(b.shape))
+    heap.trim()
     loaded = [n for pid in key_of for n in names[pid]] + list(buffer_key)
     return missing, unexpected, loaded, sum(t.numel * t.dtype.itemsize for t in files.tensors.values()), skipped
 

@@ -3,9 +3,11 @@ index) and torch state-dict files (``torch.save``; read memory-mapped).
 
 [Note: reading a slice]
 A rank needs a contiguous range of a parameter's flattened elements (its slice of a flat group). The range is
-read as the rows of the first dimension that cover it (safetensors' ``get_slice``, or a memory-mapped torch
-tensor), then trimmed, so the bytes touched are that range plus at most one row on each side. Nothing else of
-the file is read: a rank's peak memory is its shards plus one such piece.
+read as the rows of the first dimension that cover it, then trimmed, so the bytes read are that range plus at most
+one row on each side. From a safetensors file those rows are one ``pread`` of their bytes (the header gives each
+tensor's offset) into a buffer of this process: a memory map would do too, but the file pages it touches count in
+the process's resident memory until it is closed. A torch file is read memory-mapped. Nothing else of the file is
+read: a rank's peak memory is its shards plus one such piece.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class TensorInfo:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
+    offset: int = -1  # where its bytes start in a safetensors file
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -56,6 +58,7 @@ class TensorFiles:
         self.bytes_read = 0
         self._state = state  # an in-memory state dict: read from it directly
         self._safe: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
         self._torch: dict[str, dict[str, torch.Tensor]] = dict(torch_files or {})  # memory-mapped torch files
 
     def keys(self) -> list[str]:
@@ -72,13 +75,28 @@ class TensorFiles:
         r0, r1 = start // row, -(-end // row)
         if not shape:  # a 0-d tensor
             rows = self._whole(name).reshape(1)
-        elif info.file.endswith(".safetensors") and self._state is None:
-            rows = self._safe_file(info.file).get_slice(name)[r0:r1]
+        elif info.offset >= 0 and self._state is None:
+            rows = self._pread(info, r0 * row, r1 * row)
         else:
             rows = self._whole(name)[r0:r1]
         flat = rows.reshape(-1)[start - r0 * row : end - r0 * row]
         self.bytes_read += rows.numel() * rows.element_size()
         return flat
+
+    def _pread(self, info: TensorInfo, first: int, end: int) -> torch.Tensor:
+        """Elements ``[first, end)`` of a safetensors tensor, read with one ``pread`` of their bytes."""
+        out = torch.empty(end - first, dtype=info.dtype)
+        view = memoryview(out.view(torch.uint8).numpy())
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        start, done = info.offset + first * info.dtype.itemsize, 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got == 0:
+                raise CheckpointError(f"zinf: {info.file} ends before its tensors do (truncated?).")
+            done += got
+        return out
 
     def _whole(self, name: str) -> torch.Tensor:
         if self._state is not None:
@@ -101,6 +119,9 @@ class TensorFiles:
         for f in self._safe.values():
             f.__exit__(None, None, None)
         self._safe.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self._torch.clear()
 
     def __enter__(self) -> "TensorFiles":
@@ -141,7 +162,7 @@ def _safetensors_header(file: str) -> dict[str, TensorInfo]:
                 raise ValueError(f"dtype {meta['dtype']} of {name}")
             if 8 + size + meta["data_offsets"][1] > file_bytes:
                 raise ValueError(f"{name} ends past the end of the file (truncated?)")
-            out[name] = TensorInfo(file, tuple(meta["shape"]), _SAFE_DTYPES[meta["dtype"]])
+            out[name] = TensorInfo(file, tuple(meta["shape"]), _SAFE_DTYPES[meta["dtype"]], 8 + size + meta["data_offsets"][0])
         return out
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"zinf: {file} is not a readable safetensors file ({exc}). Check the download "

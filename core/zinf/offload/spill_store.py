@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
 from zinf.offload.swap import OffloadSpaceError, align_up
 
@@ -70,6 +71,7 @@ class SpillStore:
         self._end = 0
         self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
         self.bytes_written = self.bytes_read = 0
+        self._heap = HeapTrimmer()
 
     # -- construction --------------------------------------------------------------------------------
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
@@ -80,6 +82,7 @@ class SpillStore:
             self._end += align_up(nbytes)
         if shard is not None:
             self._write(group, shard)
+        self._heap.count(nbytes * 3)  # the module's values, its fp32 master and shard were freed (see heap.py)
 
     def take(self, group: "FlatParamGroup") -> torch.Tensor:
         """The engine's placement takes ``group``'s shard: read back into memory; the record is forgotten and its
@@ -89,6 +92,7 @@ class SpillStore:
             offset, nbytes = self._where.pop(id(group))
             empty = not self._where
         _punch_hole(self._fd, offset, align_up(nbytes))
+        self._heap.count(nbytes)
         if empty:
             self.close()
         return shard
