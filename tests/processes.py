@@ -14,10 +14,17 @@ import signal
 import subprocess
 from typing import Any, Iterable, Sequence
 
-__all__ = ["run", "kill_pids", "kill_leftovers"]
+__all__ = ["run", "kill_pids", "kill_leftovers", "default_sigint"]
 
 _GROUPS: set[int] = set()  # process groups of running launchers (their leader's pid)
 _PIDS: set[int] = set()  # spawned workers of run_distributed
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test interrupts with SIGINT: a process started in the background by a
+    non-interactive shell (a CI runner, ``cmd &``) inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt; the child gets the default disposition back, as a terminal's foreground process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill_group(pgid: int) -> None:

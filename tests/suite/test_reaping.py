@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import processes
 
 HERE = Path(__file__).parent
 
@@ -32,7 +33,8 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path, target: str, expected: str) ->
     env = {**os.environ, "REAP_DIR": str(tmp_path), "PYTHONPATH": str(HERE.parent)}
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              f"{HERE / 'interrupt_target.py'}::{target}"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=processes.default_sigint)
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob(f"{expected}*"))) < (2 if expected == "worker-" else 3):

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 
 from zinf.offload import cleanup
@@ -39,7 +40,8 @@ for step in range(100000):
 
 def _start(tmp: Path, mode: str) -> subprocess.Popen:
     (tmp / "train.py").write_text(TRAIN)
-    proc = subprocess.Popen([sys.executable, str(tmp / "train.py"), str(tmp), mode], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(tmp / "train.py"), str(tmp), mode], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=processes.default_sigint)
     deadline = time.monotonic() + 120
     while not (tmp / "ready").exists():
         assert proc.poll() is None or mode == "kill", proc.stderr.read() if proc.stderr else ""
