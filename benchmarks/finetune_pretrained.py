@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import threading
@@ -72,6 +73,8 @@ def main() -> None:
     sampler = RssSampler()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     os.makedirs(args.nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({

@@ -160,7 +160,7 @@ class ZeroInfinityEngine:
         else:
             self.optimizer.step()  # applies the gradients' pending factors, writes new shards, zeroes the gradients
             for g in self.groups:  # frozen groups never change (see [Note: frozen groups] in zinf/param/flat_group.py)
-                if g.persistent and g.owns_full and not g.shard_only:
+                if g.persistent and g.owns_full and g.trainable:
                     g.to_sharded()
                     g.to_gathered()
         self._unscaled = self._clipped = False

@@ -113,10 +113,13 @@ class Placement:
                 device = torch.device("cpu") if offloaded_opt else g.device
                 grad = GradShard(g, [g.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
                                  eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite)
-                g.place(self.store, grad, self.fence, None if g.shard_only else self.states)
+                g.place(self.store, grad, self.fence, self.states if g.trainable else None)
         if self.swap is not None:
             self.swap.open()
         self._move_initial_state()
+        for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
+            if g.trainable and g.shard_only:  # straight to NVMe (see [Note: construction spill])
+                g.restore_master()
         self.optimizer: ShardOptimizer | None = None
         if self.states is not None:
             self.optimizer = OffloadedAdam(optimizer, self.groups, self.states, self.fence, self.stash,  # type: ignore[arg-type]
@@ -132,7 +135,7 @@ class Placement:
         for i, g in enumerate(self.groups, 1):
             if nvme_params:
                 self.store.write_initial(g)  # type: ignore[union-attr]
-            if self.states is not None and not g.shard_only:  # a frozen group has no master (see flat_group.py)
+            if self.states is not None and g.trainable:  # a frozen group has no master (see flat_group.py)
                 self.states.take_initial(g)
             if self.swap is not None and (i % step == 0 or i == len(self.groups)):
                 log.info("zinf offload: initial state of %d/%d groups written to NVMe (%.2f GiB, %.1f s)", i,
@@ -173,7 +176,7 @@ class Placement:
         masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""
         cfg = self.cfg
         shard_numel = sum(g.shard_numel for g in self.groups)
-        trained_numel = sum(g.shard_numel for g in self.groups if not g.shard_only)  # frozen: the shard alone
+        trained_numel = sum(g.shard_numel for g in self.groups if g.trainable)  # frozen: the shard alone
         host = 0
         if cfg.params == "cpu":
             host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0

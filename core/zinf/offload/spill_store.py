@@ -12,8 +12,8 @@ host memory holds one module at a time, plus what construction itself allocates.
 The spill is an ordinary ``ShardStore`` (zinf/param/store.py): a group that is gathered during construction (a
 parent's initialisation, ``GatheredParameters``, the pretrained loader) reads its shard from the file and writes
 its edit back. The engine's placement then takes each shard (``take``: read back, one group at a time) and moves it
-to its final tier (the swap files, host memory or the device); the file is removed when the last group has left,
-and at exit in any case. Records are 4 KiB-aligned; a record never written (the placeholders of a model whose
+to its final tier (the swap files, host memory or the device); the file is removed when the last group has left
+(taken, or dropped with its model), and at exit in any case. Records are 4 KiB-aligned; a record never written (the placeholders of a model whose
 weights a loader is about to read) reads as zeros (a sparse file).
 """
 
@@ -25,13 +25,14 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
-from zinf.offload.swap import OffloadSpaceError, align_up
+from zinf.offload.swap import OffloadSpaceError, align_up, check_dir
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -58,10 +59,8 @@ class SpillStore:
     tier = "nvme"
 
     def __init__(self, directory: str, rank: int) -> None:
-        if not os.path.isdir(directory):
-            raise OffloadSpaceError(
-                f"zinf.Init: offload.nvme_paths[0] = {directory!r} does not exist; create it (a directory on a fast "
-                "local drive) or name another in offload.nvme_paths.")
+        directory = os.path.abspath(directory)
+        check_dir(directory)
         self.path = os.path.join(directory, f"zinf-init-{socket.gethostname()}-{os.getpid()}-r{rank}.spill")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         cleanup.lock(self._fd)
@@ -80,6 +79,7 @@ class SpillStore:
         with self._lock:
             self._where[id(group)] = (self._end, nbytes)
             self._end += align_up(nbytes)
+        weakref.finalize(group, self._forget, id(group))  # a model dropped before any engine took it
         if shard is not None:
             self._write(group, shard)
         self._heap.count(nbytes * 3)  # the module's values, its fp32 master and shard were freed (see heap.py)
@@ -96,6 +96,15 @@ class SpillStore:
         if empty:
             self.close()
         return shard
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            where = self._where.pop(key, None)
+            empty = not self._where
+        if where is not None and self._fd >= 0:
+            _punch_hole(self._fd, where[0], align_up(where[1]))
+            if empty:
+                self.close()
 
     def read(self, group: "FlatParamGroup") -> torch.Tensor:
         """``group``'s shard, read (the record stays)."""

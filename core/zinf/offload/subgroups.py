@@ -56,7 +56,7 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
     size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)
     out: list[SubGroup] = []
     for g in groups:
-        if g.shard_only:
+        if not g.trainable:
             continue
         runs = []
         for i, p in enumerate(g.params):

@@ -93,6 +93,15 @@ def _remove(files: list[str], held: list[int] | None = None) -> None:
             os.unlink(f)
 
 
+def check_dir(d: str, setting: str = "offload.nvme_paths") -> None:
+    """An offload directory exists and this process may write there, or an error naming the setting and the fix."""
+    if not os.path.isdir(d):
+        raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} does not exist. Create the directory "
+                                f"(mkdir -p {d}) or point {setting} at an existing one.")
+    if not os.access(d, os.W_OK):
+        raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} is not writable by this process.")
+
+
 class SwapSpace:
     """Lays out records across this rank's files, then reads and writes them through async I/O."""
 
@@ -110,11 +119,7 @@ class SwapSpace:
         self.aio = aio
         self.dirs = [os.path.abspath(p) for p in paths]
         for d in self.dirs:
-            if not os.path.isdir(d):
-                raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} does not exist. Create the directory "
-                                        f"(mkdir -p {d}) or point {setting} at an existing one.")
-            if not os.access(d, os.W_OK):
-                raise OffloadSpaceError(f"zinf offload: {setting} entry {d!r} is not writable by this process.")
+            check_dir(d, setting)
         tag = self.run_id.hex()[:8]
         self.files = [os.path.join(d, f"zinf-r{rank}-of-{world}-{tag}.swap") for d in self.dirs]
         self._ends = [ALIGN] * len(self.files)  # the header block comes first

@@ -230,8 +230,13 @@ class FlatParamGroup:
             self.store = DEVICE_STORE
 
     def hand_over_master(self) -> torch.Tensor:
-        """Give the fp32 master shard to the offloaded optimizer's state (the group no longer holds it)."""
-        assert self.master is not None
+        """Give the fp32 master shard to the offloaded optimizer's state (the group no longer holds it). A group
+        built straight to NVMe whose shard holds its values exactly makes it now, from the shard its store took
+        (see [Note: construction spill])."""
+        if self.master is None and self.shard_only and self.trainable:
+            master, self.shard_only = self.store.read(self).to(torch.float32), False
+            return master
+        assert self.master is not None, f"{self.name}: no master to hand over"
         master, self.master = self.master, None
         return master
 
@@ -243,8 +248,10 @@ class FlatParamGroup:
             return
         if not self.trainable and not self.shard_only:
             self.drop_master()
-        elif self.trainable and self.shard_only:
+        elif self.trainable and self.shard_only and self._spill is None:
             self.restore_master()
+        # built straight to NVMe: the master is made when the placement takes the group (``hand_over_master``,
+        # ``restore_master``), one group at a time (see [Note: construction spill])
 
     def drop_master(self) -> None:
         """[Note: frozen groups] The engine is built and no parameter of the group trains: free the fp32 master
@@ -255,7 +262,7 @@ class FlatParamGroup:
     def restore_master(self) -> None:
         """[Note: frozen groups] A frozen group trains again under a new engine: its fp32 master is widened from
         its shard (the frozen values are exactly the shard's)."""
-        assert self.trainable and self.shard_only and not self.placed, f"{self.name}: restore_master"
+        assert self.trainable and self.shard_only, f"{self.name}: restore_master"
         if self.shard is None:  # built straight to NVMe (see [Note: construction spill])
             self.master, self.shard_only = self.store.read(self).to(torch.float32), False
             return

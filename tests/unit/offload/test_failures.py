@@ -59,7 +59,8 @@ def test_no_space_fails_before_training(tiny_fs: Path) -> None:
     # units that show the difference (KiB here), never "needs 0.00 GiB ... has 0.00 GiB free"
     with pytest.raises(OffloadSpaceError, match=r"needs \d+\.\d KiB for rank 0's offloaded state but has \d+\.\d KiB free"):
         _engine(tiny_fs)
-    assert not list(tiny_fs.iterdir()), "a placement that does not fit must not leave files behind"
+    # no swap file; what zinf.Init built for NVMe stays in its spill file while the model lives (see spill_store.py)
+    assert not list(tiny_fs.glob("*.swap")), "a placement that does not fit must not leave swap files behind"
 
 
 def _swap_file(tmp: Path) -> Path:
