@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--pool-mib", type=int, default=1024, help="offload.pinned_pool_bytes, in MiB")
+    p.add_argument("--sub-group-numel", type=int, default=8 << 20, help="offload.sub_group_numel (optimizer pipeline unit)")
     p.add_argument("--out", default=None, help="write the figures as JSON here (rank 0)")
     args = p.parse_args()
 
@@ -80,7 +81,7 @@ def main() -> None:
     config = zinf.ZeroConfig.from_dict({
         "precision": args.precision,
         "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu", "nvme_paths": [args.nvme],
-                    "pinned_pool_bytes": args.pool_mib << 20},
+                    "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel},
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 

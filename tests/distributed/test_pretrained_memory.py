@@ -26,10 +26,11 @@ SHAPE = dict(num_hidden_layers=24, hidden_size=512, intermediate_size=1376, num_
              num_key_value_heads=8, vocab_size=8000, tie_word_embeddings=False)
 
 
-def _rss() -> int:
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` size in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -37,14 +38,6 @@ def _rss() -> int:
 def _hwm_reset() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
         f.write("5")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _build(rank: int, world: int, path: str, small: str, nvme: str) -> dict:
@@ -61,14 +54,14 @@ def _build(rank: int, world: int, path: str, small: str, nvme: str) -> dict:
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], _status("VmRSS"))
             stop.wait(0.01)
 
     import gc
 
     gc.collect()
     _hwm_reset()
-    base = _rss()
+    base = _status("VmRSS")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     with zinf.Init(config):
@@ -79,7 +72,7 @@ def _build(rank: int, world: int, path: str, small: str, nvme: str) -> dict:
                              config)
     stop.set()
     sampler.join()
-    grew = {"sampled": peak[0] - base, "hwm": _hwm() - base}
+    grew = {"sampled": peak[0] - base, "hwm": _status("VmHWM") - base}
     resident = engine.resident_bytes()
     x = torch.randint(0, SHAPE["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(rank))
     loss = engine(input_ids=x, labels=x).loss
