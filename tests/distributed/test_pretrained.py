@@ -100,14 +100,20 @@ def _check(got: dict, ref: tuple[dict[str, torch.Tensor], list[float]], world: i
     assert rel < bound, f"{what}: losses {got['losses']} vs plain PyTorch {ref_losses} (max rel {rel:.2e})"
 
 
+def _train_all(rank: int, world: int, runs: list[tuple[str, str, str]]) -> list[dict]:
+    """Every (checkpoint, tier, nvme dir) in one process group: one spawn for all of them."""
+    return [_train(rank, world, path, tier, nvme) for path, tier, nvme in runs]
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_from_pretrained_under_init_equals_plain(world: int, checkpoints, tmp_path) -> None:
-    for name, path in checkpoints.items():
-        ref = _reference(path)
-        tiers = ("device", "nvme") if world == 1 else ("device", "cpu", "nvme")
-        for tier in tiers:
-            got = run_distributed(_train, world, str(path), tier, str(tmp_path / f"nvme_{name}_{tier}"))[0]
-            _check(got, ref, world, f"{name} head, params on {tier}, {world} rank(s)")
+    tiers = ("device", "nvme") if world == 1 else ("device", "cpu", "nvme")
+    runs = [(name, str(path), tier) for name, path in checkpoints.items() for tier in tiers]
+    got = run_distributed(_train_all, world, [(path, tier, str(tmp_path / f"nvme_{name}_{tier}"))
+                                              for name, path, tier in runs])[0]
+    refs = {name: _reference(path) for name, path in checkpoints.items()}
+    for (name, _, tier), result in zip(runs, got):
+        _check(result, refs[name], world, f"{name} head, params on {tier}, {world} rank(s)")
 
 
 def _read_share(rank: int, world: int, path: str) -> dict:
