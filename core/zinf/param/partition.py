@@ -22,6 +22,7 @@ __all__ = ["partition_module_params", "partition_model", "module_groups", "agree
 
 log = logging.getLogger(__name__)
 _warned_disagreement = False
+_FINGERPRINT_CHUNK = 1 << 18  # elements
 
 
 def agree_with_rank0(values: Sequence[torch.Tensor], comm: Comm, what: str) -> bool:
@@ -53,7 +54,11 @@ def _fingerprint(v: torch.Tensor) -> torch.Tensor:
         bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
     else:
         bits = flat
-    return bits.to(torch.int64).sum() + flat.numel()
+    # summed a chunk at a time: the int64 copy of a whole tensor would double a large module's memory
+    total = torch.zeros((), dtype=torch.int64)
+    for chunk in bits.split(_FINGERPRINT_CHUNK):
+        total += chunk.sum(dtype=torch.int64)
+    return total + flat.numel()
 
 
 def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
