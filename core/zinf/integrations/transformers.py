@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zinf_from_pretrained", default=False)
 _launch: dict[str, Any] = {"config": None, "start": None}
 _originals: dict[str, Any] = {}
+_WRAPPED = ("from_pretrained", "get_init_context", "_load_pretrained_model", "_move_missing_keys_from_meta_to_device",
+            "_initialize_missing_keys")
 _REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file")
 
 
@@ -111,6 +113,13 @@ def install() -> bool:
     if _originals:  # that import ran watch()'s hook, which installed them: wrapping again would wrap the wrappers
         return True
     cls = modeling_utils.PreTrainedModel
+    missing = [n for n in _WRAPPED if n not in cls.__dict__]
+    if missing:  # a transformers release whose loading steps zinf does not know
+        log.warning("zinf: transformers %s has no PreTrainedModel.%s; from_pretrained under zinf.Init will refuse to "
+                    "build on the meta device instead of loading streaming. Load the model outside zinf.Init (it is "
+                    "partitioned when the engine is built), or use a transformers release of zinf's 'test' extra.",
+                    getattr(sys.modules.get("transformers"), "__version__", "?"), missing[0])
+        return False
     _originals.update(from_pretrained=cls.__dict__["from_pretrained"], get_init_context=cls.__dict__["get_init_context"],
                       load=cls.__dict__["_load_pretrained_model"],
                       move_missing=cls._move_missing_keys_from_meta_to_device,
