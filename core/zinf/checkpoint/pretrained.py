@@ -78,15 +78,14 @@ def load_pretrained(model: nn.Module, source: str | os.PathLike | list[str] | di
     or an engine). Call it on every rank. See the module docstring."""
     start = time.perf_counter()
     with open_weights(source) as files:
-        report = _load(model, files, strict)
-    seconds = time.perf_counter() - start
-    log.info("zinf: loaded %d tensors in %.1f s: this rank read %s of the files' %s (%s/s)", len(report[2]), seconds,
-             format_bytes(files.bytes_read), format_bytes(report[3]), format_bytes(files.bytes_read / max(seconds, 1e-9)))
-    return LoadReport(missing_keys=report[0], unexpected_keys=report[1], loaded_keys=report[2],
-                      bytes_read=files.bytes_read, file_bytes=report[3], seconds=seconds, skipped=report[4])
+        report = _load(model, files, strict, start)
+    log.info("zinf: loaded %d tensors in %.1f s: this rank read %s of the files' %s (%s/s)", len(report.loaded_keys),
+             report.seconds, format_bytes(report.bytes_read), format_bytes(report.file_bytes),
+             format_bytes(report.bytes_read / max(report.seconds, 1e-9)))
+    return report
 
 
-def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str], list[str], list[str], int, list[str]]:
+def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> LoadReport:
     names, buffers = param_names(model), persistent_buffers(model)
     params = {id(p): p for p in model.parameters()}
     file_keys = set(files.keys())
@@ -101,7 +100,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str]
             missing.append(ns[0])
             continue
         used.add(key)
-        shape = _shape_of(params[pid])
+        shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
         if files.tensors[key].shape != shape:
             errors.append(f"size mismatch for {ns[0]}: the checkpoint has {list(files.tensors[key].shape)} ({key}), "
                           f"the model {list(shape)}")
@@ -144,13 +143,10 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool) -> tuple[list[str]
             b = buffers[n]
             b.copy_(files.read_range(key, 0, b.numel()).view(b.shape))
     heap.trim()
-    loaded = [n for pid in key_of for n in names[pid]] + list(buffer_key)
-    return missing, unexpected, loaded, sum(t.numel * t.dtype.itemsize for t in files.tensors.values()), skipped
-
-
-def _shape_of(p: nn.Parameter) -> tuple[int, ...]:
-    g = group_of(p)
-    return tuple(g.slots[g.index_of(p)].shape) if g is not None else tuple(p.shape)
+    return LoadReport(missing_keys=missing, unexpected_keys=unexpected,
+                      loaded_keys=[n for pid in key_of for n in names[pid]] + list(buffer_key),
+                      bytes_read=files.bytes_read, file_bytes=sum(t.numel * t.dtype.itemsize for t in files.tensors.values()),
+                      seconds=time.perf_counter() - start, skipped=skipped)
 
 
 def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:

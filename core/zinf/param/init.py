@@ -40,6 +40,15 @@ __all__ = ["Init"]
 log = logging.getLogger(__name__)
 
 
+# Tensor queries that read only metadata, which a released parameter's placeholder keeps (see [Note: releasing
+# memory] in flat_group.py): code that counts or inspects parameters while the model is built (a loader checking
+# shapes, ``sum(p.numel() ...)`` in ``configure_model``) gathers nothing.
+_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
+                       torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size,
+                       torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+                       torch.Tensor.is_floating_point})
+
+
 class _EditMode(TorchFunctionMode):
     """Gathers partitioned parameters that construction code touches, and writes edits back. See module doc."""
 
@@ -50,6 +59,8 @@ class _EditMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA:  # a placeholder answers these as the full parameter would: nothing to gather
+            return func(*args, **kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         touched: list[FlatParamGroup] = []
         for t in tensors:
@@ -167,10 +178,11 @@ class Init:
         group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device,
                                         storage_dtype=self.config.storage_dtype, agree=self._agree)
         self._pending.discard(module)
+        if group is None:
+            return
         offload = self.config.offload
-        if group is not None and offload.enabled and offload.params == "nvme":
+        if offload.enabled and offload.params == "nvme":
             if self._spill is None:
                 self._spill = SpillStore(offload.nvme_paths[0], self.comm.rank)
             group.spill_to(self._spill, placeholders=not self._agree)
-        if group is not None:
-            log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)
+        log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)
