@@ -17,11 +17,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from zinf.errors import CheckpointError
+from zinf.file_io import read_at
 
 __all__ = ["TensorFiles", "TensorInfo", "open_weights"]
 
@@ -57,8 +57,7 @@ class TensorFiles:
         self.tensors = tensors
         self.bytes_read = 0
         self._state = state  # an in-memory state dict: read from it directly
-        self._safe: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, int] = {}  # safetensors files, read with pread
         self._torch: dict[str, dict[str, torch.Tensor]] = dict(torch_files or {})  # memory-mapped torch files
 
     def keys(self) -> list[str]:
@@ -73,12 +72,11 @@ class TensorFiles:
         shape = info.shape
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
         r0, r1 = start // row, -(-end // row)
-        if not shape:  # a 0-d tensor
-            rows = self._whole(name).reshape(1)
-        elif info.offset >= 0 and self._state is None:
+        if info.offset >= 0 and self._state is None:  # safetensors (a 0-d tensor is one row of one element)
             rows = self._pread(info, r0 * row, r1 * row)
         else:
-            rows = self._whole(name)[r0:r1]
+            whole = self._state[name] if self._state is not None else self._torch[info.file][name]
+            rows = whole[r0:r1] if shape else whole.reshape(1)
         flat = rows.reshape(-1)[start - r0 * row : end - r0 * row]
         self.bytes_read += rows.numel() * rows.element_size()
         return flat
@@ -86,39 +84,14 @@ class TensorFiles:
     def _pread(self, info: TensorInfo, first: int, end: int) -> torch.Tensor:
         """Elements ``[first, end)`` of a safetensors tensor, read with one ``pread`` of their bytes."""
         out = torch.empty(end - first, dtype=info.dtype)
-        view = memoryview(out.view(torch.uint8).numpy())
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
-        start, done = info.offset + first * info.dtype.itemsize, 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got == 0:
-                raise CheckpointError(f"zinf: {info.file} ends before its tensors do (truncated?).")
-            done += got
+        if read_at(fd, out, info.offset + first * info.dtype.itemsize) < out.numel() * out.element_size():
+            raise CheckpointError(f"zinf: {info.file} ends before its tensors do (truncated?).")
         return out
 
-    def _whole(self, name: str) -> torch.Tensor:
-        if self._state is not None:
-            return self._state[name]
-        file = self.tensors[name].file
-        if file.endswith(".safetensors"):
-            return self._safe_file(file).get_tensor(name)
-        if file not in self._torch:
-            self._torch[file] = _load_torch(file)
-        return self._torch[file][name]
-
-    def _safe_file(self, file: str) -> Any:
-        if file not in self._safe:
-            from safetensors import safe_open
-
-            self._safe[file] = safe_open(file, framework="pt", device="cpu")
-        return self._safe[file]
-
     def close(self) -> None:
-        for f in self._safe.values():
-            f.__exit__(None, None, None)
-        self._safe.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

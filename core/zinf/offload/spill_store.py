@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zinf.file_io import read_at, write_at
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
 from zinf.offload.swap import OffloadSpaceError, align_up, check_dir
@@ -69,7 +70,6 @@ class SpillStore:
         self._where: dict[int, tuple[int, int]] = {}  # group id -> (offset, bytes)
         self._end = 0
         self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
-        self.bytes_written = self.bytes_read = 0
         self._heap = HeapTrimmer()
 
     # -- construction --------------------------------------------------------------------------------
@@ -85,19 +85,15 @@ class SpillStore:
         self._heap.count(nbytes * 3)  # the module's values, its fp32 master and shard were freed (see heap.py)
 
     def take(self, group: "FlatParamGroup") -> torch.Tensor:
-        """The engine's placement takes ``group``'s shard: read back into memory; the record is forgotten and its
-        disk space given back (a hole punched), and the file removed once no record is left."""
-        shard = self._read(group)
-        with self._lock:
-            offset, nbytes = self._where.pop(id(group))
-            empty = not self._where
-        _punch_hole(self._fd, offset, align_up(nbytes))
-        self._heap.count(nbytes)
-        if empty:
-            self.close()
+        """The engine's placement takes ``group``'s shard: read back into memory, then the record is forgotten."""
+        shard = self.read(group)
+        self._forget(id(group))
+        self._heap.count(shard.numel() * shard.element_size())
         return shard
 
     def _forget(self, key: int) -> None:
+        """A group's record is given up (taken, or its model dropped): its disk space goes back (a hole punched), and
+        the file is removed once no record is left."""
         with self._lock:
             where = self._where.pop(key, None)
             empty = not self._where
@@ -106,19 +102,12 @@ class SpillStore:
             if empty:
                 self.close()
 
-    def read(self, group: "FlatParamGroup") -> torch.Tensor:
-        """``group``'s shard, read (the record stays)."""
-        return self._read(group)
-
-    def holds(self, group: "FlatParamGroup") -> bool:
-        return id(group) in self._where
-
     # -- the store protocol ----------------------------------------------------------------------------
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         return True
 
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
-        return self._read(group).to(group.device)
+        return self.read(group).to(group.device)
 
     def done(self, group: "FlatParamGroup") -> None:
         return None
@@ -147,8 +136,7 @@ class SpillStore:
         except FileNotFoundError:
             pass
         cleanup.unregister([self.path])
-        log.debug("zinf.Init: spill file %s removed (%d MiB written, %d MiB read)", self.path,
-                  self.bytes_written >> 20, self.bytes_read >> 20)
+        log.debug("zinf.Init: spill file %s removed", self.path)
 
     def bytes_by_tier(self) -> dict[str, int]:
         with self._lock:
@@ -157,31 +145,22 @@ class SpillStore:
     # -- I/O ------------------------------------------------------------------------------------------
     def _write(self, group: "FlatParamGroup", shard: torch.Tensor) -> None:
         offset, nbytes = self._where[id(group)]
-        data = shard.detach().to("cpu", group.storage_dtype).contiguous().view(torch.uint8).numpy()
-        assert data.nbytes == nbytes, (group.name, data.nbytes, nbytes)
-        view = memoryview(data)
-        done = 0
+        data = shard.detach().to("cpu", group.storage_dtype).contiguous()
+        assert data.numel() * data.element_size() == nbytes, (group.name, data.numel(), nbytes)
         try:
-            while done < nbytes:
-                done += os.pwrite(self._fd, view[done:], offset + done)
+            write_at(self._fd, data, offset)
         except OSError as exc:
             raise OffloadSpaceError(
                 f"zinf.Init: writing {group.name}'s shard to {self.path} failed ({exc}). Free space on that drive "
                 "or name another in offload.nvme_paths.") from exc
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        self.bytes_written += nbytes
 
-    def _read(self, group: "FlatParamGroup") -> torch.Tensor:
+    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+        """``group``'s shard, read into memory (the record stays)."""
         offset, nbytes = self._where[id(group)]
         out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
-        view = memoryview(out.view(torch.uint8).numpy())
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:  # past the end: a record never written (placeholders) reads as zeros
-                view[done:] = bytes(nbytes - done)
-                break
-            done += got
+        got = read_at(self._fd, out, offset)
+        if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros
+            out.view(torch.uint8)[got:].zero_()
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        self.bytes_read += nbytes
         return out

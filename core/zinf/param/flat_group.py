@@ -234,8 +234,7 @@ class FlatParamGroup:
         built straight to NVMe whose shard holds its values exactly makes it now, from the shard its store took
         (see [Note: construction spill])."""
         if self.master is None and self.shard_only and self.trainable:
-            master, self.shard_only = self.store.read(self).to(torch.float32), False
-            return master
+            self.restore_master()
         assert self.master is not None, f"{self.name}: no master to hand over"
         master, self.master = self.master, None
         return master
@@ -263,11 +262,9 @@ class FlatParamGroup:
         """[Note: frozen groups] A frozen group trains again under a new engine: its fp32 master is widened from
         its shard (the frozen values are exactly the shard's)."""
         assert self.trainable and self.shard_only, f"{self.name}: restore_master"
-        if self.shard is None:  # built straight to NVMe (see [Note: construction spill])
-            self.master, self.shard_only = self.store.read(self).to(torch.float32), False
-            return
-        fp32 = self.storage_dtype == torch.float32
-        self.master, self.shard_only = (self.shard if fp32 else self.shard.to(torch.float32)), False
+        # the store's shard (the group's own on the device tier, the spill's or the placement's store when built straight
+        # to NVMe): an fp32 shard is the master itself, a 16-bit one is widened
+        self.master, self.shard_only = self.store.read(self).to(torch.float32), False
 
     def _keep_inexact_master(self, values: torch.Tensor) -> None:
         """Before the placement, a group built straight to NVMe whose new values the storage dtype cannot hold

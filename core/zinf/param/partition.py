@@ -29,12 +29,13 @@ def agree_with_rank0(values: Sequence[torch.Tensor], comm: Comm, what: str) -> b
     """[Note: initial values agree] Make ``values`` (full tensors every rank holds) equal rank 0's, as DDP does when
     it wraps a model: ranks seeded differently before building the model would otherwise each keep a slice of
     their own model, and train one that no rank ever built. A fingerprint (each tensor's bits read as integers,
-    summed in int64: exact and independent of the summation order) is compared across ranks with two all-reduces; only on a difference are the values
-    broadcast from rank 0. Returns True when they were. Every rank calls it with the same tensors (collective)."""
+    summed in int64: exact and independent of the summation order) is compared across ranks with two all-reduces;
+    only on a difference are the values broadcast from rank 0. Returns True when they were. Every rank calls it with
+    the same tensors (collective)."""
     global _warned_disagreement
     if comm.world == 1 or not values:
         return False
-    prints = torch.stack([_fingerprint(v) for v in values]).to(comm.device)  # int64: exact, in any summation order
+    prints = torch.stack([_fingerprint(v) for v in values]).to(comm.device)
     low, high = comm.all_reduce(prints.clone(), "min"), comm.all_reduce(prints.clone(), "max")
     if torch.equal(low, high):
         return False

@@ -1,0 +1,32 @@
+"""Positioned reads and writes of tensor bytes on a file descriptor, looping until done (a read or write may
+return short). Used where a file is read or written a piece at a time outside the async I/O engine: the
+construction spill (zinf/offload/spill_store.py) and weight files (zinf/checkpoint/tensor_files.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["read_at", "write_at"]
+
+
+def read_at(fd: int, out: torch.Tensor, offset: int) -> int:
+    """Fill contiguous host tensor ``out`` with the file's bytes from ``offset``; returns how many were read (fewer
+    than ``out``'s bytes only where the file ends first)."""
+    view = memoryview(out.view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def write_at(fd: int, data: torch.Tensor, offset: int) -> None:
+    """Write contiguous host tensor ``data``'s bytes at ``offset``."""
+    view = memoryview(data.view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
