@@ -8,11 +8,10 @@ the user's module inside ``engine.forward``, so inputs are cast to the compute d
 used outside their own module (tied weights, a LightningModule's own parameters read in
 ``training_step``) are detected. The user's module is never called re-entrantly by the adapter,
 which matters for the common ``training_step`` that calls ``self(x)``. The price is a ``module.``
-prefix on every name the engine records (sharded checkpoint layouts, ``full_state_dict``). The
-layouts keep it (they are what a resume checks, so checkpoints of every zinf version resume), and
-every part of a checkpoint records it as ``name_prefix`` (``AdapterEngine``): ``zinf consolidate``
-removes it, so its state dict loads into the user's module (see [Note: name prefix] in
-zinf/checkpoint/sharded.py). ``strip_prefix`` removes it wherever else names leave the adapter.
+prefix on every name inside the engine. ``AdapterEngine.name_prefix`` tells the engine, which removes it
+wherever names leave it (``full_state_dict``, checkpoint layouts and buffers, ``zinf consolidate``, exports):
+they carry the user's module's own names, and a checkpoint moves between front ends. ``strip_prefix`` removes
+it from names the adapter takes from elsewhere.
 """
 
 from __future__ import annotations
@@ -62,11 +61,9 @@ class StepRoot(nn.Module):
 
 
 class AdapterEngine(zinf.ZeroInfinityEngine):
-    """The engine over a ``StepRoot``: each checkpoint part records the root's prefix (``name_prefix``), which
-    ``zinf.checkpoint.consolidate`` removes; see [Note: the step root]."""
+    """The engine over a ``StepRoot``: names leave it without the root's prefix; see [Note: the step root]."""
 
-    def shard_state(self) -> dict[str, Any]:
-        return {**super().shard_state(), "name_prefix": PREFIX}
+    name_prefix = PREFIX
 
 
 def resolve_config(config: zinf.ZeroConfig | Mapping[str, Any] | None) -> zinf.ZeroConfig:

@@ -6,7 +6,7 @@ gathered just in time by module hooks, with no change to model code.
 
 import logging
 
-from zinf.checkpointing import ActivationMeter
+from zinf.recompute import ActivationMeter
 from zinf.config import CheckpointingConfig, LossScaleConfig, OverlapConfig, TilingConfig, ZeroConfig
 from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,

@@ -181,7 +181,7 @@ class TilingConfig(_Checked):
 
 @dataclass(kw_only=True)
 class CheckpointingConfig(_Checked):
-    """Activation checkpointing (see zinf/checkpointing.py): every module whose class name or qualified
+    """Activation checkpointing (see zinf/recompute.py): every module whose class name or qualified
     name pattern (``fnmatch``) is in ``modules`` keeps only its inputs from forward to backward and runs
     again during backward (its parameters gathered again through zinf's hooks). ``offload`` keeps those
     inputs in host memory (pinned, copied on a side stream with CUDA) instead of on the device."""

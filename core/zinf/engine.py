@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from zinf.config import ZeroConfig
-from zinf.errors import UnsupportedModelError
-from zinf.checkpoint.names import param_names, persistent_buffers
+from zinf.errors import PartlyLoadedError, UnsupportedModelError
+from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
-from zinf.checkpointing import ActivationCheckpointing
+from zinf.recompute import ActivationCheckpointing
 from zinf.fetch.comm import Comm, compute_device
 from zinf.fetch.gather import ParamFetcher
 from zinf.fetch.streams import install_rank_filter
@@ -37,7 +37,7 @@ from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
 from zinf.schedule.rounds import Rounds
 from zinf.schedule.tensors import map_tensors
-from zinf.tiling import merge_tiles, remap_optimizer, split_tiles, tile_linears, tile_spec
+from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.update.reduce import GradReducer
@@ -48,6 +48,10 @@ log = logging.getLogger("zinf")
 
 
 class ZeroInfinityEngine:
+    # a front end that wraps the user's module in a root of its own: the prefix that root adds to every name
+    # (removed wherever names leave the engine: full state dicts, checkpoint layouts, exports)
+    name_prefix = ""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: ZeroConfig | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -88,6 +92,7 @@ class ZeroInfinityEngine:
         self.global_step = 0
         self.num_backward = 0
         self.last_report: StepReport | None = None
+        self.load_failed: str | None = None  # set by a checkpoint load that failed part way
         self.hooks.on_backward_end.append(self._count_backward)
         if self.optimizer is not None:  # gradients land in shards a background step may still read
             self.hooks.on_backward_start.append(self.optimizer.before_backward)
@@ -102,6 +107,8 @@ class ZeroInfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.load_failed is not None:
+            raise PartlyLoadedError(self.load_failed)
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
@@ -210,116 +217,33 @@ class ZeroInfinityEngine:
         return GatheredParameters(self.params, modifier_rank=modifier_rank)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """An ordinary (unsharded, fp32) state dict of the model, built one group at a time."""
-        names = self._param_names()
-        out: dict[str, torch.Tensor] = {}
-        for g in self.groups:
-            full = g.gather_master_full(g.read_master())
-            if rank0_only and self.comm.rank != 0:
-                continue
-            for p, slot in zip(g.params, g.slots):
-                if p is None:
-                    continue
-                value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone().cpu()
-                for n in names[id(p)]:
-                    out[n] = value
-        if not rank0_only or self.comm.rank == 0:
-            for n, b in persistent_buffers(self.module).items():
-                out[n] = b.detach().clone().cpu()
-        merge_tiles(out, tile_spec(self.module))  # tiled layers under their nn.Linear names
-        return out
+        """An ordinary (unsharded, fp32) state dict of the user's module, built one group at a time (collective);
+        see zinf/checkpoint/model_state.py."""
+        return model_state.full_state_dict(self, rank0_only)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load an ordinary (unsharded) state dict, e.g. ``full_state_dict()`` of this or an untiled model, or
         ``zinf consolidate`` output: every rank takes its shard of each parameter. Called on every rank with
         the same values. With ``strict`` a missing or unexpected key is an error before anything changes."""
-        state = dict(state)
-        errors = split_tiles(state, tile_spec(self.module))
-        names = self._param_names()
-        buffers = persistent_buffers(self.module)
-        found: dict[int, str] = {}
-        missing = []
-        for g in self.groups:
-            for p, slot in zip(g.params, g.slots):
-                if p is None:
-                    continue
-                key = next((n for n in names[id(p)] if n in state), None)
-                if key is None:
-                    missing.append(names[id(p)][0])
-                elif tuple(state[key].shape) != tuple(slot.shape):
-                    errors.append(f"size mismatch for {key}: the state dict has {tuple(state[key].shape)}, "
-                                  f"the model {tuple(slot.shape)}")
-                else:
-                    found[id(p)] = key
-        missing += [n for n in buffers if n not in state]
-        known = {n for ns in names.values() for n in ns} | set(buffers)
-        unexpected = [k for k in state if k not in known]
-        if errors or (strict and (missing or unexpected)):
-            raise UnsupportedModelError("zinf: load_full_state_dict: " + "; ".join(
-                errors + ([f"missing keys {missing[:8]}"] if missing else []) + ([f"unexpected keys {unexpected[:8]}"] if unexpected else [])))
-        with torch.no_grad():
-            for g in self.groups:
-                full = torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)
-                for p, slot in zip(g.params, g.slots):
-                    if p is not None and id(p) in found:
-                        full[slot.offset : slot.offset + slot.numel] = state[found[id(p)]].reshape(-1).to(full)
-                    elif p is not None:  # not loaded (strict=False): keep this parameter's values
-                        full[slot.offset : slot.offset + slot.numel] = g.gather_master_full(g.read_master())[
-                            slot.offset : slot.offset + slot.numel]
-                lo = self.comm.rank * g.shard_numel
-                g.write_master(full[lo : lo + g.shard_numel].clone())
-            for n, b in buffers.items():
-                if n in state:
-                    b.copy_(state[n])
+        model_state.load_full_state_dict(self, state, strict)
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
         """Every rank writes its shard of weights and optimizer state under ``path`` (a directory); once every
         rank's file is on disk, ``path/commit.json`` makes this save the current one (see
         zinf/checkpoint/commit.py). Collective."""
-        save_sharded(self.comm, path, self.global_step, self.shard_state, client_state)
+        save_sharded(self, path, client_state)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what ``save_checkpoint`` wrote (same model, same world size); returns the client state."""
-        payload = load_sharded(self.comm, path, self.shard_layout())
-        self.load_shard_state(payload)
-        return payload["client_state"]
-
-    def shard_layout(self) -> list[dict[str, Any]]:
-        """The groups' layout as a checkpoint records it: sizes, parameter names, shapes and offsets."""
-        names = self._param_names()
-        return [{"numel": g.numel, "shard_numel": g.shard_numel,
-                 "params": [{"names": names.get(id(p), []), "shape": list(s.shape), "offset": s.offset}
-                            for p, s in zip(g.params, g.slots)]}
-                for g in self.groups]
-
-    def shard_state(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint: layout, fp32 masters, optimizer and loss-scaler state, step, buffers."""
-        return {
-            "layout": self.shard_layout(), "precision": self.config.precision,
-            "master": [g.read_master().detach().cpu() for g in self.groups],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "global_step": self.global_step,
-            "buffers": {n: b.detach().cpu() for n, b in self.module.named_buffers()},
-            "tiling": tile_spec(self.module),  # so consolidate can give tiled layers their nn.Linear names
-        }
-
-    def load_shard_state(self, state: dict[str, Any]) -> None:
-        """Restore what ``shard_state`` returned (checked against this engine's layout by the caller)."""
-        with torch.no_grad():
-            for g, master in zip(self.groups, state["master"]):
-                g.write_master(master.to(self.device))
-            buffers = dict(self.module.named_buffers())
-            for n, b in state["buffers"].items():
-                buffers[n].copy_(b)
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.global_step = state["global_step"]
-
-    def _param_names(self) -> dict[int, list[str]]:
-        return param_names(self.module)  # tied weights appear under every name, as in state_dict()
+        """Restore what ``save_checkpoint`` wrote, on any world size and placement (see [Note: resharding] in
+        zinf/checkpoint/model_state.py); returns the client state. Collective."""
+        self.load_failed = None
+        try:
+            loaded = load_sharded(self, path)
+        except PartlyLoadedError as exc:
+            self.load_failed = str(exc)
+            raise
+        self.global_step = loaded.global_step
+        return loaded.client_state
 
     def master_of(self, group: FlatParamGroup) -> torch.Tensor:
         """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""

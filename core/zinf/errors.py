@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ZinfError", "ConfigError", "UnsupportedModelError", "CollectiveMismatchError", "CollectiveTimeoutError",
+__all__ = ["ZinfError", "ConfigError", "UnsupportedModelError", "CollectiveMismatchError", "CollectiveTimeoutError", "PartlyLoadedError",
            "CheckpointError"]
 
 
@@ -30,3 +30,8 @@ class CollectiveTimeoutError(ZinfError):
 class CheckpointError(ZinfError):
     """A checkpoint is missing, incomplete, mixed from several saves, truncated, foreign, or does not fit the
     model/world it is loaded into; or a save failed (then the previous checkpoint is still the current one)."""
+
+
+class PartlyLoadedError(CheckpointError):
+    """A checkpoint load failed after some of the state had streamed in (a checksum failing in a tensor): the
+    engine's state is partly replaced, and the engine refuses to train until a load succeeds."""

@@ -152,7 +152,7 @@ def test_mixed_missing_and_leftover_files(tmp_path: Path) -> None:
         other, missing = r["other_save"], r["missing"]
         assert "rank 1's file" in other and "belongs to save step00000001-" in other and "at step 1" in other, other
         assert "commit.json names save step00000002-" in other and "at step 2" in other, other
-        assert "step00000002-" in missing and ".rank00001-of-00002.pt does not exist" in missing, missing
+        assert "step00000002-" in missing and ".rank00001-of-00002.safetensors does not exist" in missing, missing
         assert r["restored"] == 2, f"rank {rank}: {r['restored']}"
         assert r["after_load"] == sorted(["commit.json", "commit.lock", *r["step2"], *FOREIGN]), r["after_load"]
         assert r["after_save"] == sorted(["commit.json", "commit.lock", *r["step3"], *FOREIGN]), r["after_save"]

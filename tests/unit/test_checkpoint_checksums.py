@@ -1,4 +1,4 @@
-"""Corrupted bytes in a checkpoint tensor are an error naming the file and the tensor; nothing is loaded.
+"""Corrupted bytes in a checkpoint tensor are an error naming the file and the tensor; nothing is trained on.
 Zeroed data, a flipped exponent bit, a flipped lowest mantissa bit. One process, real files."""
 
 from __future__ import annotations
@@ -42,17 +42,18 @@ def test_a_corrupted_checkpoint_tensor_is_refused_and_nothing_is_loaded(tmp_path
     engine.step()
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     master = engine.master_of(engine.groups[1]).detach().cpu().contiguous()
-    files = sorted((tmp_path / "ckpt").glob("*.pt"))
+    files = sorted((tmp_path / "ckpt").glob("*.safetensors"))
     assert len(files) == 1
     _corrupt(files[0], master.numpy().tobytes(), how)
     fresh = _engine()
-    before = fresh.full_state_dict()
     with pytest.raises(CheckpointError) as err:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
     msg = str(err.value)
-    assert f"{files[0]} is corrupted: tensor master[1] ({master.numel() * 4} bytes, torch.float32) has CRC32C" in msg, msg
-    after = fresh.full_state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before), "a refused checkpoint changed the weights"
+    assert f"{files[0]} is corrupted: tensor master.00001 ({master.numel() * 4} bytes, torch.float32) fails its " \
+           "checksum" in msg, msg
+    # the state streams in group by group: a load that failed part way leaves an engine that refuses to train
+    with pytest.raises(CheckpointError, match="partly replaced"):
+        fresh(torch.randn(8, 32))
     with pytest.raises(CheckpointError, match="is corrupted: tensor master"):
         consolidate(tmp_path / "ckpt")
     engine.close()
@@ -67,17 +68,33 @@ def test_an_intact_checkpoint_loads(tmp_path: Path) -> None:
     assert set(consolidate(tmp_path / "ckpt")) == set(engine.full_state_dict())
 
 
-def test_a_changed_step_or_hyper_parameter_is_refused(tmp_path: Path) -> None:
-    """The zip format torch writes does not check its own CRCs on load: a changed value other than a tensor
-    (here written back through torch.save, as a flipped byte would read) must still be caught."""
+def _flip(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x01
+    file.write_bytes(data)
+
+
+def test_a_changed_record_or_header_is_refused(tmp_path: Path) -> None:
+    """The step, hyper-parameters and layout (the pickled record ``zinf.meta``) and the safetensors header are
+    covered by checksums too: a flipped byte in either is refused before anything is loaded."""
+    import json
+    import struct
+
     engine = _engine()
     engine.backward(engine(torch.randn(8, 32)).square().mean())
     engine.step()
     engine.save_checkpoint(str(tmp_path / "ckpt"))
-    (file,) = sorted((tmp_path / "ckpt").glob("*.pt"))
-    payload = torch.load(file, weights_only=False)
-    payload["optimizer"]["param_groups"][0]["lr"] = 10.0
-    torch.save(payload, file)
-    with pytest.raises(CheckpointError, match="its step, hyper-parameters or layout do not match their checksum"):
+    (file,) = sorted((tmp_path / "ckpt").glob("*.safetensors"))
+    good = file.read_bytes()
+    (length,) = struct.unpack("<Q", good[:8])
+    start, _ = json.loads(good[8 : 8 + length])["zinf.meta"]["data_offsets"]
+    _flip(file, 8 + length + start + 40)  # inside the pickled record
+    with pytest.raises(CheckpointError, match="is corrupted: tensor zinf.meta"):
         _engine().load_checkpoint(str(tmp_path / "ckpt"))
+    file.write_bytes(good)
+    _flip(file, 8 + good[8:].index(b'"F32"') + 2)  # inside the header: F32 -> F22, still JSON
+    with pytest.raises(CheckpointError, match="header does not match its checksum|not safetensors JSON|malformed"):
+        _engine().load_checkpoint(str(tmp_path / "ckpt"))
+    file.write_bytes(good)
+    assert _engine().load_checkpoint(str(tmp_path / "ckpt")) == {}
     engine.close()

@@ -337,7 +337,7 @@ _RECORDS = {
     ("schedule/hooks.py", "self.states[sub]"): "the hooks' own per-module record",
     ("schedule/rounds.py", "result"): "a round's result record, filled by the function that returns it",
     ("fetch/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
-    ("checkpointing.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
+    ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
     ("schedule/hooks.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
         "transformers' loading API: a loaded parameter is flagged _is_hf_initialized so that the model's own "

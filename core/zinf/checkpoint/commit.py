@@ -4,8 +4,8 @@ part is on disk, then one record written by rank 0 makes the new save the curren
 Layout of a checkpoint directory::
 
     commit.json                                        names the current save (replaced atomically)
-    step00000016-3fa9c1d2e4b5.rank00000-of-00002.pt    rank 0's part of that save
-    step00000016-3fa9c1d2e4b5.rank00001-of-00002.pt    rank 1's part
+    step00000016-3fa9c1d2e4b5.rank00000-of-00002.safetensors    rank 0's part of that save
+    step00000016-3fa9c1d2e4b5.rank00001-of-00002.safetensors    rank 1's part
 
 [Note: commit protocol]
 A save's tag is ``step<global step>-<random save id>``. Its parts carry the tag in their names, so writing
@@ -14,12 +14,23 @@ them never touches a file the current commit names, and each part records the co
 ABANDONED:
 
 1. rank 0 reads the current commit and draws the save id; every rank learns both (one all-gather);
-2. WRITING: each rank removes its leftovers (see [Note: leftovers]), writes its part, flushes and fsyncs
+2. WRITING: each rank removes its leftovers (see [Note: node-local storage]
+When nodes do not share the directory (each writes to its own disk under the same path), step 3 finds out:
+every rank reports which of the save's parts it sees. Ranks that see the same set share a directory; the
+commit record lists every part, and per rank the lowest rank of its directory (``storage``) and its host.
+Step 4 then writes ``commit.json`` in every directory: rank 0's first (the save is current from that rename
+on), then the first rank of each other directory. A load follows rank 0's record, shared with every rank, and
+each rank reads its own part from its own directory: on the same world size (another world size would need
+other nodes' files and is refused with the fix). A directory some ranks see only partly is refused at save
+time. Rank ``r``'s files are still owned by rank ``r`` (below), so each node removes only its own leftovers.
+
+[Note: leftovers]), writes its part, flushes and fsyncs
    it and the directory;
 3. every rank learns every rank's outcome (one all-gather). AGREED when all succeeded; otherwise every
    rank removes its part and raises the same CheckpointError (ABANDONED: the previous commit is current);
 4. rank 0 writes ``commit.json.tmp``, fsyncs it, renames it onto ``commit.json`` and fsyncs the directory:
-   the new save is current from the rename on. Every rank learns the outcome (one all-gather);
+   the new save is current from the rename on. Every rank learns the outcome (one all-gather; see [Note:
+   node-local storage] for directories that are not shared);
 5. COMMITTED: each rank removes the files it owns that the new commit does not name (the previous save).
 
 A kill at any instant leaves the previous commit or the new one current, each with all its parts on disk.
@@ -48,8 +59,9 @@ import logging
 import os
 import re
 import secrets
+import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -65,8 +77,8 @@ __all__ = ["Commit", "Save", "SaveState", "agreed_commit", "check_part", "raise_
 log = logging.getLogger("zinf")
 
 COMMIT = "commit.json"
-COMMIT_FORMAT = "zinf-commit-v1"
-_PART = re.compile(r"^step(?P<step>\d+)-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.pt(\.tmp)?$")
+COMMIT_FORMAT = "zinf-commit-v2"
+_PART = re.compile(r"^step(?P<step>\d+)-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.(pt|safetensors)(\.tmp)?$")
 _LEGACY = re.compile(r"^rank(?P<rank>\d{5})-of-\d{5}\.pt(?P<tmp>\.tmp)?$")
 
 
@@ -78,16 +90,32 @@ class Commit:
     save_id: str
     global_step: int
     world: int
+    # see [Note: node-local storage]: per rank, the lowest rank that sees the same directory (empty: one directory
+    # all ranks share), and the host each rank ran on
+    storage: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        return not any(self.storage)
 
     def file(self, rank: int) -> str:
-        return f"{self.tag}.rank{rank:05d}-of-{self.world:05d}.pt"
+        return f"{self.tag}.rank{rank:05d}-of-{self.world:05d}.safetensors"
 
     def files(self) -> list[str]:
         return [self.file(r) for r in range(self.world)]
 
+    def where(self, rank: int) -> str:
+        """Where rank ``rank``'s part is, for error messages (empty on shared storage)."""
+        if self.shared or rank >= len(self.storage):
+            return ""
+        return f" (on the storage of rank {self.storage[rank]}, host {self.hosts[rank] if self.hosts else '?'})"
+
     def part_record(self, rank: int) -> dict[str, Any]:
-        """What rank ``rank``'s part stores under its payload's ``"commit"`` key."""
-        return {**asdict(self), "rank": rank}
+        """What rank ``rank``'s part stores under its record's ``"commit"`` key (fixed before the save knows where
+        its parts landed)."""
+        return {"tag": self.tag, "save_id": self.save_id, "global_step": self.global_step, "world": self.world,
+                "rank": rank}
 
     def describe(self) -> str:
         return f"save {self.tag} at step {self.global_step} by {self.world} rank(s)"
@@ -106,10 +134,17 @@ def read_commit(directory: Path) -> Commit | None:
         raise CheckpointError(f"zinf checkpoint: cannot read {path} ({exc}).") from exc
     try:
         record = json.loads(text)
+        if record.get("format") == "zinf-commit-v1":
+            raise CheckpointError(
+                f"zinf checkpoint: {directory} was written by an earlier zinf (format zinf-sharded-v1, torch files per "
+                "rank). Load it with that zinf and save it again with this one, or consolidate it there ('zinf "
+                "consolidate') and load the weights with engine.load_full_state_dict.")
         if record.get("format") != COMMIT_FORMAT:
             raise ValueError(f"format {record.get('format')!r}, expected {COMMIT_FORMAT!r}")
         return Commit(tag=str(record["tag"]), save_id=str(record["save_id"]),
-                      global_step=int(record["global_step"]), world=int(record["world"]))
+                      global_step=int(record["global_step"]), world=int(record["world"]),
+                      storage=tuple(int(r) for r in record.get("storage", ())),
+                      hosts=tuple(str(h) for h in record.get("hosts", ())))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"zinf checkpoint: {path} is not a zinf commit record ({exc}); it was edited or "
                               "damaged. Restore it from a copy of the checkpoint, or load another checkpoint.") from exc
@@ -304,47 +339,66 @@ class Save:
             release_save_lock(self._lock)
             raise CheckpointError(self._failure(problems))
 
-    def write(self, build_payload: Callable[[], dict[str, Any]]) -> None:
-        """Write this rank's part aside and make it durable; a failure is kept for ``agree``, not raised."""
+    def write(self, write_part: Callable[[Path, dict[str, Any]], None]) -> None:
+        """Write this rank's part aside and make it durable (``write_part(file, commit record)`` creates ``file``,
+        which must not exist, and fsyncs it); a failure is kept for ``agree``, not raised."""
         assert self.state is SaveState.WRITING, self.state
         try:
             if self._clean:
                 remove_leftovers(self.directory, self.previous, self.comm.rank, self.comm.world, keep_legacy=True)
-            payload = build_payload()
-            payload["commit"] = self.new.part_record(self.comm.rank)
-            with open(self.part, "xb") as f:  # a fresh name: nothing current is ever overwritten
-                try:
-                    torch.save(payload, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                except BaseException:
-                    self.part.unlink(missing_ok=True)
-                    raise
+            write_part(self.part, self.new.part_record(self.comm.rank))
             _fsync_dir(self.directory)
         except Exception as exc:  # noqa: BLE001 - every rank raises it together in agree()
+            self.part.unlink(missing_ok=True)
             self.error, self.problem = exc, _describe(exc, self.part)
 
     def agree(self) -> None:
-        """WRITING -> AGREED when every rank's part is on disk; else every rank raises (ABANDONED)."""
+        """WRITING -> AGREED when every rank's part is on disk; else every rank raises (ABANDONED). Also learns
+        which ranks see which parts (see [Note: node-local storage])."""
         assert self.state is SaveState.WRITING, self.state
         problems = [(r, p) for r, p in enumerate(self.comm.all_gather_object(self.problem)) if p is not None]
         if problems:
             self._abandon()
             raise CheckpointError(self._failure(problems)) from self.error
+        # every part is on disk now: which can each rank see?
+        seen = [r for r in range(self.comm.world) if (self.directory / self.new.file(r)).exists()]
+        shared = self.comm.all_gather_object((seen, socket.gethostname()))
+        views = [tuple(v) for v, _ in shared]
+        if any(len(v) != self.comm.world for v in views):  # not one directory for all: each node's own storage
+            storage = tuple(min(r for r, w in enumerate(views) if w == v) for v in views)
+            self.new = replace(self.new, storage=storage, hosts=tuple(h for _, h in shared))
+            odd = [r for r, v in enumerate(views) if r not in v or any(views[k] != v for k in v)]
+            if odd:  # a directory that some ranks see only partly: neither shared nor node-local
+                self._abandon()
+                raise CheckpointError(
+                    f"zinf checkpoint: saving to {self.directory} failed and was not committed: ranks {odd} see other "
+                    "ranks' parts only partly (a directory shared by some ranks of a node and not others, or files "
+                    f"still arriving). {self.previous_note}. Save to one directory every rank shares, or to a "
+                    "directory on each node's own disk.")
         self.state = SaveState.AGREED
 
     def commit(self) -> None:
-        """AGREED -> COMMITTED: rank 0 makes this save current, then every rank removes the previous one."""
+        """AGREED -> COMMITTED: rank 0 makes this save current, then the first rank of every other node-local
+        directory, then every rank removes the previous save's files it owns."""
         assert self.state is SaveState.AGREED, self.state
-        if self.comm.rank == 0:
-            try:
-                _write_commit(self.directory, self.new)
-            except Exception as exc:  # noqa: BLE001 - every rank raises it together below
-                self.error, self.problem = exc, _describe(exc, self.directory / COMMIT)
-        problems = [(r, p) for r, p in enumerate(self.comm.all_gather_object(self.problem)) if p is not None]
-        if problems:
-            self._abandon()
-            raise CheckpointError(self._failure(problems)) from self.error
+        leaders = sorted(set(self.new.storage)) if not self.new.shared else [0]
+        for leader in leaders:  # rank 0's record first: from its rename on, the save is current
+            if self.comm.rank == leader:
+                try:
+                    _write_commit(self.directory, self.new)
+                except Exception as exc:  # noqa: BLE001 - every rank raises it together below
+                    self.error, self.problem = exc, _describe(exc, self.directory / COMMIT)
+            problems = [(r, p) for r, p in enumerate(self.comm.all_gather_object(self.problem)) if p is not None]
+            if problems and leader == 0:
+                self._abandon()
+                raise CheckpointError(self._failure(problems)) from self.error
+            if problems:  # rank 0's record names this save already: its parts must stay
+                self.state = SaveState.COMMITTED
+                release_save_lock(self._lock)
+                raise CheckpointError(
+                    f"zinf checkpoint: step {self.new.global_step} was committed on rank 0's storage, but writing "
+                    f"{COMMIT} on rank {leader}'s node-local storage failed ({problems[0][1][0]}). The save's files are "
+                    "all kept and a load follows rank 0's record; free space there and save again.") from self.error
         self.state = SaveState.COMMITTED
         tidy(self.directory, self.new, self.comm.rank, self.comm.world)
         release_save_lock(self._lock)
@@ -386,6 +440,8 @@ def _write_commit(directory: Path, commit: Commit) -> None:
     """Atomically make ``commit`` current: temporary file, fsync, rename, fsync of the directory."""
     final, tmp = directory / COMMIT, directory / f"{COMMIT}.tmp"
     record = {"format": COMMIT_FORMAT, **asdict(commit), "files": commit.files()}
+    if commit.shared:
+        del record["storage"], record["hosts"]
     try:
         with open(tmp, "w") as f:
             f.write(json.dumps(record, indent=2) + "\n")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zinf.checkpoint.model_state import slot_views
 from zinf.errors import ZinfError
 from zinf.tiling import TiledLinear
 
@@ -233,7 +234,7 @@ def _agree(engine: "ZeroInfinityEngine", error: BaseException | None, what: str)
 
 
 def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike, *, max_shard_size: int | str = "10GB",
-                     prefix: str = "", dtype: torch.dtype | None = None) -> list[Path]:
+                     prefix: str | None = None, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``engine``'s model to ``directory`` as Hugging Face safetensors (sharded above ``max_shard_size``).
 
     Collective: every rank must call it. Only rank 0 writes; it returns the paths written (shards, then
@@ -241,6 +242,7 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
     fp32 master weights and floating-point buffers; ``None`` keeps them as they are.
     """
     limit = parse_size(max_shard_size)
+    prefix = engine.name_prefix if prefix is None else prefix
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"save_safetensors: dtype={dtype!r} is not a floating-point torch.dtype. "
                          "Pass e.g. torch.bfloat16, torch.float16, or None to keep fp32.")
@@ -267,11 +269,11 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
             full = g.gather_master_full(engine.master_of(g))
             if writer is None:
                 continue
-            for p, slot in zip(g.params, g.slots):
+            for index, value in slot_views(full, [(s.offset, s.shape) for s in g.slots]):
+                p = g.params[index]
                 entry = plan.params.get(id(p)) if p is not None else None
                 if entry is None:
                     continue
-                value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 value = value.to(device="cpu", dtype=entry.dtype, copy=True)
                 if id(p) in plan.tile_index:
                     parts = assembling.setdefault(entry.name, {})

@@ -1,234 +1,217 @@
-"""One file per rank: its fp32 master shards, its optimizer state, the loss scaler and the step.
+"""Sharded checkpoints: one part per rank, made current together by ``commit.json``, loadable on any world size
+and placement.
 
-The files of one save become the current checkpoint together, through ``commit.json`` (see
-[Note: commit protocol] in zinf/checkpoint/commit.py): a save killed or failing on any rank leaves the
-previous checkpoint current, and a reader never mixes the files of two saves.
-
-Every tensor in a file is covered by a CRC32C recorded beside it and checked by every reader, so a
-flipped or zeroed byte is an error naming the file and the tensor, never weights loaded. Each file records
-the format, world size, rank, the group layout (names, sizes, parameter names and
-shapes) and the commit it belongs to, so loading into a different model or world size, or from a directory
-that mixes saves, fails with a message naming what differs instead of training on mismatched values.
-``consolidate`` rebuilds an ordinary, unsharded ``state_dict`` from the files alone (no process group
-needed), with tiled layers under their untiled names (see [Note: untiled names] in zinf/tiling.py) and
-without the prefix of a front end's wrapper (see [Note: name prefix]).
+The parts of one save become the current checkpoint together through ``commit.json`` (see [Note: commit
+protocol] in zinf/checkpoint/commit.py): a save killed or failing on any rank leaves the previous checkpoint
+current, and a reader never mixes the parts of two saves. Each part is a safetensors file with a checksum per
+chunk (see [Note: part file] in zinf/checkpoint/part_file.py) and a record of the format, world, rank, group
+layout and commit it belongs to, so a flipped byte, a truncated or foreign file, or a different model is an
+error naming the file, never weights loaded. A load on another world size or placement reads only the byte
+ranges of its new shards (see [Note: resharding] in zinf/checkpoint/model_state.py). ``consolidate`` and
+``iter_state`` rebuild the full state from the files alone (no process group), one group at a time, under the
+names of the user's module (tiled layers under their untiled names, see [Note: untiled names] in
+zinf/tiling.py).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from zinf import native
 from zinf.checkpoint.commit import Commit, Save, agreed_commit, check_part, raise_if_any, require_commit, tidy
-from zinf.errors import CheckpointError
-from zinf.fetch.comm import Comm
+from zinf.checkpoint.model_state import Loaded, check_fits, load_parts, slot_views, write_part
+from zinf.checkpoint.part_file import PartReader
+from zinf.errors import CheckpointError, PartlyLoadedError
 from zinf.tiling import merge_tiles
 
-__all__ = ["save_sharded", "load_sharded", "consolidate", "read_client_state", "CheckpointError"]
+if TYPE_CHECKING:
+    from zinf.engine import ZeroInfinityEngine
 
-FORMAT = "zinf-sharded-v1"
+__all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "open_checkpoint", "read_client_state", "Checkpoint",
+           "CheckpointError", "FORMAT"]
+
+FORMAT = "zinf-sharded-v2"
 
 
-# what an engine hands over (``ZeroInfinityEngine.shard_state``): this rank's part, without format fields
-STATE_KEYS = ("layout", "precision", "master", "optimizer", "loss_scaler", "global_step", "buffers", "tiling")
-
-
-def save_sharded(comm: Comm, path: str | os.PathLike, step: int, shard_state: Callable[[], dict[str, Any]],
-                 client_state: dict | None = None) -> Path:
-    """Every rank writes its part of a new checkpoint of ``step`` under ``path`` (a directory): ``shard_state()``
-    (``ZeroInfinityEngine.shard_state``) is called as the part is written, so an error reading the state (a failed
-    background step, a bad offload record) fails the save like any other; once all parts are on disk, rank 0
-    commits it and the previous checkpoint's files are removed. Collective; returns this rank's file. When any rank
-    fails (a full disk, say), every rank raises CheckpointError, nothing of the save is kept, and the previous
-    checkpoint stays current."""
-
-    def part() -> dict[str, Any]:
-        state = shard_state()
-        missing = [k for k in STATE_KEYS if k not in state]
-        assert not missing, f"shard state lacks {missing}"
-        return _with_checksums({"format": FORMAT, "world": comm.world, "rank": comm.rank, **state,
-                                "client_state": client_state or {}})
-
-    save = Save(Path(path), comm, step)
-    save.write(part)
+def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_state: Any = None) -> Path:
+    """Every rank writes its part of a new checkpoint of the engine's step under ``path`` (a directory), reading
+    its state one group at a time; once all parts are on disk, rank 0 commits it and the previous checkpoint's
+    files are removed. Collective; returns this rank's file. When any rank fails (a full disk, a failed background
+    step), every rank raises CheckpointError, nothing of the save is kept, and the previous checkpoint stays
+    current."""
+    save = Save(Path(path), engine.comm, engine.global_step)
+    save.write(lambda file, record: write_part(engine, file, record, client_state or {}, FORMAT))
     save.agree()
     save.commit()
     return save.part
 
 
-def _read(file: Path) -> dict[str, Any]:
-    try:
-        payload = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise CheckpointError(f"zinf checkpoint: {file} is truncated or not a checkpoint ({exc}).") from exc
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"zinf checkpoint: {file} is not a {FORMAT} file (foreign or from another version).")
-    _verify_checksums(payload, file)
-    return payload
+class Checkpoint:
+    """The current save of a checkpoint directory; each rank's part is opened (and checked to belong to that
+    save) on first use."""
+
+    def __init__(self, path: Path, commit: Commit) -> None:
+        self.path, self.commit = path, commit
+        self._parts: dict[int, PartReader] = {}
+
+    def part(self, rank: int) -> PartReader:
+        if rank not in self._parts:
+            file = self.path / self.commit.file(rank)
+            if not file.exists():
+                raise CheckpointError(
+                    f"zinf checkpoint: {file} does not exist, but {self.path / 'commit.json'} names it as rank {rank}'s "
+                    f"part of {self.commit.describe()}: the checkpoint is incomplete{self.commit.where(rank)}. Restore "
+                    "the file, or load another checkpoint.")
+            reader = PartReader(file, FORMAT)
+            try:
+                check_part(reader.meta.get("commit"), self.commit, rank, file)
+            except BaseException:
+                reader.close()
+                raise
+            self._parts[rank] = reader
+        return self._parts[rank]
+
+    def close(self) -> None:
+        for reader in self._parts.values():
+            reader.close()
+        self._parts.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a payload, with its path (``master[3]``, ``optimizer.state.5.exp_avg``), in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        yield path, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _tensors(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _tensors(v, f"{path}[{i}]")
-
-
-def _crc(t: torch.Tensor) -> int:
-    return native.crc32c(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)) if t.numel() else 0
-
-
-# the engine's own values besides tensors (step, hyper-parameters, layout, commit): checksummed as their pickle,
-# which is the same bytes for the same plain values in any process (the client state may hold sets or objects
-# whose pickle is not, so only its tensors are covered; the commit record is checked against commit.json)
-_META_KEYS = ("format", "world", "rank", "layout", "precision", "optimizer", "loss_scaler", "global_step", "tiling")
-
-
-def _skeleton(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))
-    if isinstance(value, dict):
-        return {k: _skeleton(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_skeleton(v) for v in value)
-    return value
-
-
-def _meta_crc(payload: dict[str, Any]) -> int:
-    meta = {k: _skeleton(payload.get(k)) for k in _META_KEYS}
-    return native.crc32c(pickle.dumps(meta, protocol=4))
-
-
-def _with_checksums(payload: dict[str, Any]) -> dict[str, Any]:
-    """Add the CRC32C of every tensor's bytes (``checksums``: path -> crc) and of the engine's other values
-    (``meta_checksum``), verified by every reader."""
-    payload["checksums"] = {path: _crc(t) for path, t in _tensors(payload)}
-    payload["meta_checksum"] = _meta_crc(payload)
-    return payload
-
-
-def _verify_checksums(payload: dict[str, Any], file: Path) -> None:
-    expected = payload.get("checksums")
-    if expected is None:
-        raise CheckpointError(f"zinf checkpoint: {file} carries no checksums (written by an earlier zinf); resume it "
-                              "with that version and save again, or consolidate it there and load the state dict.")
-    found = {path: t for path, t in _tensors({k: v for k, v in payload.items() if k not in ("checksums", "meta_checksum")})}
-    if set(found) != set(expected):
-        missing = sorted(set(expected) ^ set(found))[:4]
-        raise CheckpointError(f"zinf checkpoint: {file} is damaged: its tensors do not match its list of checksums "
-                              f"({missing}). Restore the file from a copy or load another checkpoint.")
-    meta = payload.get("meta_checksum")
-    if meta is not None and _meta_crc(payload) != meta:
-        raise CheckpointError(f"zinf checkpoint: {file} is corrupted: its step, hyper-parameters or layout do not match "
-                              "their checksum. Nothing was loaded; restore the file from a copy or load another checkpoint.")
-    for path, t in found.items():
-        actual = _crc(t)
-        if actual != expected[path]:
-            raise CheckpointError(
-                f"zinf checkpoint: {file} is corrupted: tensor {path} ({t.numel() * t.element_size()} bytes, "
-                f"{t.dtype}) has CRC32C {actual:#010x}, {expected[path]:#010x} was written. Nothing was loaded; restore "
-                "the file from a copy or load another checkpoint.")
-
-
-def _read_part(path: Path, commit: Commit, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s file of the save ``commit`` names, checked to belong to that save."""
-    file = path / commit.file(rank)
-    if not file.exists():
-        raise CheckpointError(f"zinf checkpoint: {file} does not exist, but {path / 'commit.json'} names it as rank "
-                              f"{rank}'s part of {commit.describe()}: the checkpoint is incomplete. Restore the file, "
-                              "or load another checkpoint.")
-    payload = _read(file)
-    check_part(payload.get("commit"), commit, rank, file)
-    return payload
-
-
-def load_sharded(comm: Comm, path: str | os.PathLike, layout: list[dict[str, Any]]) -> dict[str, Any]:
-    """This rank's part of the checkpoint that ``path/commit.json`` names, checked against ``layout`` (the
-    engine's ``shard_layout()``): the caller restores it (``ZeroInfinityEngine.load_shard_state``). Collective:
-    when any rank's file is missing, from another save or does not fit, every rank raises CheckpointError and
-    nothing is returned to change anything with."""
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The current save in ``path`` (no process group needed)."""
     path = Path(path)
+    return Checkpoint(path, require_commit(path))
+
+
+def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> Loaded:
+    """Restore the checkpoint that ``path/commit.json`` names into ``engine``, whatever world size and placement
+    wrote it; returns the step and client state for the engine to take. Collective. Every part this rank needs is opened and checked against the
+    model before anything changes; when any rank finds a problem, every rank raises CheckpointError. A checksum
+    failure while the state streams in (a byte flipped inside a tensor) raises PartlyLoadedError on every rank."""
+    path = Path(path)
+    comm = engine.comm
     commit = agreed_commit(path, comm)
     tidy(path, commit, comm.rank, comm.world, loading=True)  # files of a killed or failed save
-    payload, problem, error = None, None, None
+    checkpoint = Checkpoint(path, commit)
     try:
-        if commit.world != comm.world:
-            raise CheckpointError(
-                f"zinf checkpoint: {path} holds {commit.describe()}, loading on {comm.world} rank(s): a file for rank "
-                f"{comm.rank} of {comm.world} does not exist. Load on the same world size, or consolidate it "
-                "(zinf consolidate) and load the full state dict.")
-        payload = _read_part(path, commit, comm.rank)
-        mine = layout
-        if payload["layout"] != mine:
-            first = next(i for i, (a, b) in enumerate(zip(payload["layout"] + [None], mine + [None])) if a != b)
-            raise CheckpointError(f"zinf checkpoint: {path} was written for a different model (group {first} differs: "
-                                  f"{payload['layout'][first] if first < len(payload['layout']) else 'missing'}).")
-    except Exception as exc:  # noqa: BLE001 - every rank raises together, none is left waiting in a collective
-        error, problem = exc, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    raise_if_any(comm, problem, error)
-    assert payload is not None
-    return payload
+        problem, error, first = None, None, None
+        try:
+            if commit.world != comm.world and not commit.shared:
+                raise CheckpointError(
+                    f"zinf checkpoint: {path} holds {commit.describe()} on storage each node holds alone (see "
+                    f"{path / 'commit.json'}); loading on {comm.world} rank(s) would need other nodes' files. Copy "
+                    "every part into one shared directory to load it on another world size.")
+            if comm.rank == 0:
+                first = checkpoint.part(0).meta
+        except Exception as exc:  # noqa: BLE001 - every rank raises together, none is left waiting in a collective
+            error, problem = exc, _problem(exc)
+        problems = comm.all_gather_object((problem, first))
+        first = problems[0][1]
+        if first is None:  # rank 0 could not read its record (the same on every rank: rank 0's)
+            raise_if_any(comm, problem, error)
+        try:
+            check_fits(engine, first)
+            for rank in _sources(engine, first, commit):
+                checkpoint.part(rank)
+        except Exception as exc:  # noqa: BLE001
+            error, problem = exc, _problem(exc)
+        raise_if_any(comm, problem, error)
+        own = commit.world == comm.world and (not commit.shared or not getattr(engine.config, "broadcast_buffers", True))
+        try:
+            loaded = load_parts(engine, first, checkpoint.part, commit.world, buffers_from=comm.rank if own else 0)
+        except Exception as exc:  # noqa: BLE001
+            error, problem = exc, _problem(exc)
+        try:
+            raise_if_any(comm, problem, error)
+        except CheckpointError as exc:
+            raise PartlyLoadedError(f"zinf checkpoint: loading {path} failed part way ({exc}), so the model and optimizer "
+                                    "state are partly replaced. Load a checkpoint that loads completely before "
+                                    "training.") from exc
+        return loaded
+    finally:
+        checkpoint.close()
 
 
-def read_client_state(path: str | os.PathLike) -> dict:
+def _problem(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _sources(engine: "ZeroInfinityEngine", first: dict[str, Any], commit: Commit) -> list[int]:
+    """The old ranks whose parts this rank reads (its own alone on node-local storage: same world, same shards)."""
+    if not commit.shared:
+        return [engine.comm.rank]
+    needed: set[int] = {0}
+    if commit.world == engine.comm.world:
+        needed.add(engine.comm.rank)
+    for gi, g in enumerate(engine.groups):
+        size = first["layout"][gi]["shard_numel"]
+        lo = engine.comm.rank * g.shard_numel
+        hi = min(lo + g.shard_numel, g.numel)
+        if lo < hi:
+            needed.update(range(lo // size, min(commit.world, -(-hi // size))))
+    return sorted(needed)
+
+
+def read_client_state(path: str | os.PathLike) -> Any:
     """The ``client_state`` saved with the current checkpoint in ``path`` (the same on every rank; rank 0's)."""
-    path = Path(path)
-    return _read_part(path, require_commit(path), 0)["client_state"]
+    with open_checkpoint(path) as checkpoint:
+        return checkpoint.part(0).client_state()
 
 
-# [Note: name prefix]
-# A front end that wraps the user's model in a root module of its own (the Lightning and Fabric strategies hold
-# it as the root's child ``module``) has every name the engine records prefixed by that root. It records the
-# prefix in each part as ``name_prefix`` (an optional payload field, not part of the layout or its checksum, so
-# resuming is unchanged), and ``consolidate`` removes it: the state dict has the names of the model the user
-# built and loads into it with ``load_state_dict``. Lightning Trainer checkpoints of an earlier zinf, which
-# carry no ``name_prefix``, are recognised by the Trainer state in their client state.
-_LIGHTNING_ROOT = "module."
-_LIGHTNING_STATE = "pytorch-lightning_version"  # in every Trainer checkpoint's client state
+def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full fp32 state of the current checkpoint in ``path``, one tensor at a time under the user's module's
+    names: parameters group by group (each group gathered from the parts, one group in memory at a time; a tied
+    weight under each of its names), then persistent buffers. A tiled layer's weight comes whole, when its last
+    tile has been read. ``prefix``: a prefix to remove from every name."""
+    with open_checkpoint(path) as checkpoint:
+        first = checkpoint.part(0).meta
+        world = checkpoint.commit.world
+        tiles = first.get("tiling", {})
+        pending: dict[str, torch.Tensor] = {}
+
+        def named(name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+            if not _is_tile(name, tiles):
+                yield _strip(name, prefix), value
+                return
+            pending[name] = value  # a tile: kept until merge_tiles can build its layer's weight
+            merge_tiles(pending, tiles)
+            for key in [k for k in pending if not _is_tile(k, tiles)]:
+                yield _strip(key, prefix), pending.pop(key)
+
+        for gi, group in enumerate(first["layout"]):
+            flat = torch.cat([checkpoint.part(k).read(f"master.{gi:05d}") for k in range(world)])
+            spans = [(p["offset"], p["shape"]) for p in group["params"]]
+            for index, value in slot_views(flat, spans):
+                value = value.clone()
+                for name in group["params"][index]["names"]:
+                    yield from named(name, value)
+            del flat
+        buffers = checkpoint.part(0)
+        for name in first["buffers"]:
+            yield from named(name, buffers.read(f"buffer.{name}").clone())
+        if pending:
+            raise CheckpointError(f"zinf checkpoint: {path}: tiles {sorted(pending)[:4]} have no complete layer.")
 
 
-def _name_prefix(payload: dict[str, Any], names: list[str]) -> str:
-    recorded = payload.get("name_prefix")
-    if isinstance(recorded, str):
-        return recorded
-    client = payload.get("client_state")
-    if isinstance(client, dict) and _LIGHTNING_STATE in client and names and all(
-            n.startswith(_LIGHTNING_ROOT) for n in names):
-        return _LIGHTNING_ROOT
-    return ""
+def _is_tile(key: str, tiles: dict[str, Any]) -> bool:
+    return key.endswith(".weight") and any(key.startswith(f"{layer}.tiles." if layer else "tiles.") for layer in tiles)
+
+
+def _strip(name: str, prefix: str | None) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def consolidate(path: str | os.PathLike, *, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``, under
-    the names of the model the user built (see [Note: name prefix]): ``model.load_state_dict(state)`` takes it.
-    ``prefix``: remove this prefix from the names instead of the one the checkpoint records (``""``: keep the
-    names as the engine recorded them)."""
-    path = Path(path)
-    commit = require_commit(path)
-    payloads = [_read_part(path, commit, r) for r in range(commit.world)]
-    first = payloads[0]
-    out: dict[str, torch.Tensor] = {}
-    for gi, group in enumerate(first["layout"]):
-        flat = torch.cat([p["master"][gi] for p in payloads])
-        for param in group["params"]:
-            numel = int(torch.Size(param["shape"]).numel())
-            value = flat[param["offset"] : param["offset"] + numel].view(param["shape"]).clone()
-            for name in param["names"]:
-                out[name] = value
-    out.update(first["buffers"])
-    merge_tiles(out, first.get("tiling", {}))
-    if prefix is None:
-        prefix = _name_prefix(first, list(out))
-    if prefix:
-        out = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in out.items()}
-    return out
+    """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``, under the
+    names of the user's module: ``model.load_state_dict(state)`` takes it. Holds the whole model; to write a large
+    one to disk with bounded memory use ``zinf consolidate`` (or :func:`iter_state`)."""
+    return dict(iter_state(path, prefix=prefix))

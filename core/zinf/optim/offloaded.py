@@ -41,7 +41,7 @@ from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
-from zinf.offload.subgroups import SubGroup, hyper_index
+from zinf.offload.subgroups import STATES, SubGroup, hyper_index
 from zinf.param.fence import UpdateFence
 from zinf.report import StepTimers
 
@@ -226,6 +226,52 @@ class OffloadedAdam:
                                      for n, p in zip(self.steps[id(g)], g.params)]
         for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
             self.states.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
+
+    # -- portable state (see [Note: portable optimizer state] in zinf/optim/protocol.py) ----------------
+    def state_meta(self) -> dict[str, Any]:
+        self.wait()
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        scalars = [[None if not n else {"step": n} for n in self.steps[id(g)]] for g in self.groups]
+        return {"param_groups": hyper, "scalars": scalars}
+
+    def state_keys(self, group: "FlatParamGroup") -> list[str]:
+        return list(STATES) if any(n is not None for n in self.steps[id(group)]) else []
+
+    def group_state(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
+        if not self.state_keys(group):
+            return {}
+        self.wait()
+        return self.states.read_states(group)
+
+    def load_state_meta(self, meta: dict[str, Any]) -> None:
+        self.wait()
+        saved = meta["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
+        for pg, values in zip(self.optimizer.param_groups, saved):
+            pg.update({k: v for k, v in values.items() if k != "params"})
+        for g, scalars in zip(self.groups, meta["scalars"]):
+            extra = sorted({k for s in scalars if s for k in s} - {"step"})
+            if extra:
+                raise ValueError(f"zinf: the checkpoint's optimizer state has per-parameter {extra}, which the "
+                                 "offloaded CPU-Adam does not keep: it was written by another optimizer. Load it with "
+                                 "that optimizer (offload.optimizer='device').")
+            self.steps[id(g)] = [None if n is None else int(s["step"]) if s else 0
+                                 for n, s in zip(self.steps[id(g)], scalars)]
+
+    def load_group_state(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
+        if not self.state_keys(group):
+            return
+        unknown = sorted(set(states) - set(STATES))
+        if unknown:
+            raise ValueError(f"zinf: the checkpoint's optimizer state {unknown} is not Adam's; the offloaded CPU-Adam "
+                             "cannot continue it. Load it with the optimizer that wrote it (offload.optimizer='device').")
+        zeros = torch.zeros(group.shard_numel, dtype=torch.float32)
+        self.states.write_states(group, {k: states.get(k, zeros) for k in STATES})
+
+    def finish_load(self) -> None:
+        return None
 
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         out = {self.states.tier: {"optimizer_state": self.states.state_bytes()}}

@@ -8,7 +8,12 @@ store and leave every gradient shard zeroed. The engine holds one of them and ne
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["ShardOptimizer"]
 
@@ -35,6 +40,35 @@ class ShardOptimizer(Protocol):
         ...
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    # [Note: portable optimizer state]
+    # What a sharded checkpoint stores, the same for every optimizer and placement so that it loads on another
+    # world size or placement: per group, each state tensor as one flat fp32 vector over the group's shard
+    # (``group_state``: zeros where a parameter has no state), and per parameter its scalars (``state_meta``:
+    # ``{"step": n}`` for Adam; ``None`` where the optimizer never stepped it), which every rank holds alike.
+    def state_meta(self) -> dict[str, Any]:
+        """``{"param_groups": [hyper-parameters], "scalars": [per group: [per parameter: dict | None]]}``."""
+        ...
+
+    def state_keys(self, group: "FlatParamGroup") -> list[str]:
+        """The names of the state tensors ``group_state(group)`` returns (the same on every rank)."""
+        ...
+
+    def group_state(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
+        """This rank's state of ``group``: name -> fp32 tensor of ``group.shard_numel`` elements."""
+        ...
+
+    def load_state_meta(self, meta: dict[str, Any]) -> None:
+        """Restore hyper-parameters and per-parameter scalars (before ``load_group_state``)."""
+        ...
+
+    def load_group_state(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
+        """Restore ``group``'s state tensors, as ``group_state`` returned them (of this world's shard size)."""
+        ...
+
+    def finish_load(self) -> None:
+        """Every group's state has been given: apply what was collected."""
+        ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 

@@ -16,7 +16,7 @@ expanded) that is never stepped.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -103,6 +103,75 @@ class ShardedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
+    # -- portable state (see [Note: portable optimizer state] in zinf/optim/protocol.py) ----------------
+    def _members(self, group: FlatParamGroup) -> list[tuple[int, nn.Parameter]]:
+        """(slot index, shard parameter) of every optimizer parameter in ``group``."""
+        return [(group.index_of(full), shard) for shard, full in zip(self.shard_params, self.full_params)
+                if group_of(full) is group]
+
+    def state_meta(self) -> dict[str, Any]:
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        scalars = []
+        for g in self.groups:
+            per_param: list[dict[str, Any] | None] = [None] * len(g.slots)
+            for index, shard in self._members(g):
+                state = self.optimizer.state.get(shard)
+                if state:
+                    per_param[index] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                                        for k, v in state.items()
+                                        if not _is_elementwise(v, shard)}
+            scalars.append(per_param)
+        return {"param_groups": hyper, "scalars": scalars}
+
+    def state_keys(self, group: FlatParamGroup) -> list[str]:
+        keys: dict[str, None] = {}
+        for _, shard in self._members(group):
+            for k, v in self.optimizer.state.get(shard, {}).items():
+                if _is_elementwise(v, shard):
+                    keys[k] = None
+        return list(keys)
+
+    def group_state(self, group: FlatParamGroup) -> dict[str, torch.Tensor]:
+        out = {k: torch.zeros(group.shard_numel, dtype=torch.float32) for k in self.state_keys(group)}
+        for index, shard in self._members(group):
+            a, b = group.local_range(index)
+            for k, v in self.optimizer.state.get(shard, {}).items():
+                if k in out and b > a:
+                    out[k][a:b] = v.detach().reshape(-1).to("cpu", torch.float32)
+        return out
+
+    def load_state_meta(self, meta: dict[str, Any]) -> None:
+        saved = meta["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
+        self._loading: dict[int, dict[str, Any]] = {}
+        self._loading_hyper = saved
+        for g, scalars in zip(self.groups, meta["scalars"]):
+            for index, shard in self._members(g):
+                if scalars[index]:
+                    self._loading[id(shard)] = dict(scalars[index])
+
+    def load_group_state(self, group: FlatParamGroup, states: dict[str, torch.Tensor]) -> None:
+        for index, shard in self._members(group):
+            if id(shard) in self._loading:
+                a, b = group.local_range(index)
+                self._loading[id(shard)].update({k: v[a:b].clone().view(shard.shape) for k, v in states.items()})
+
+    def finish_load(self) -> None:
+        """Hand the collected state to the torch optimizer's own ``load_state_dict`` (which casts each value as it
+        does for its own checkpoints: ``step`` stays a host float tensor, moments follow the parameter)."""
+        ids = {id(p): i for i, p in enumerate(p for pg in self.optimizer.param_groups for p in pg["params"])}
+        state = {ids[pid]: {k: torch.tensor(float(v)) if k == "step" and not isinstance(v, torch.Tensor) else v
+                            for k, v in values.items()}
+                 for pid, values in self._loading.items()}
+        groups, start = [], 0
+        for pg, hyper in zip(self.optimizer.param_groups, self._loading_hyper):
+            groups.append({**hyper, "params": list(range(start, start + len(pg["params"])))})
+            start += len(pg["params"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        del self._loading, self._loading_hyper
+
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for state in self.optimizer.state.values():
@@ -111,3 +180,8 @@ class ShardedOptimizer:
                     kinds = out.setdefault(tier_of(v), {})
                     kinds["optimizer_state"] = kinds.get("optimizer_state", 0) + v.untyped_storage().nbytes()
         return out
+
+
+def _is_elementwise(value: Any, shard: torch.Tensor) -> bool:
+    """Whether an optimizer state value is per element of its parameter (a moment) rather than a scalar (a step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape

@@ -225,7 +225,7 @@ class ModuleHooks:
     @contextlib.contextmanager
     def recompute_scope(self, module: nn.Module) -> Iterator[None]:
         """Gather ``module``'s own groups around a recomputation that bypasses its ``__call__`` (see
-        zinf/checkpointing.py), as its pre- and post-hooks would."""
+        zinf/recompute.py), as its pre- and post-hooks would."""
         self._forward_pre(module, ())
         try:
             yield
