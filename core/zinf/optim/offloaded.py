@@ -41,7 +41,7 @@ from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
-from zinf.offload.subgroups import STATES, SubGroup, hyper_index
+from zinf.offload.subgroups import SubGroup, hyper_index
 from zinf.param.fence import UpdateFence
 from zinf.report import StepTimers
 
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["OffloadedAdam", "check_offloadable"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state proper; the stores also hold the fp32 master
 
 log = logging.getLogger(__name__)
 
@@ -235,13 +237,14 @@ class OffloadedAdam:
         return {"param_groups": hyper, "scalars": scalars}
 
     def state_keys(self, group: "FlatParamGroup") -> list[str]:
-        return list(STATES) if any(n is not None for n in self.steps[id(group)]) else []
+        return list(MOMENTS) if any(n is not None for n in self.steps[id(group)]) else []
 
     def group_state(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         if not self.state_keys(group):
             return {}
         self.wait()
-        return self.states.read_states(group)
+        states = self.states.read_states(group)
+        return {k: states[k] for k in MOMENTS}  # the master is saved with the parameters
 
     def load_state_meta(self, meta: dict[str, Any]) -> None:
         self.wait()
@@ -263,12 +266,12 @@ class OffloadedAdam:
     def load_group_state(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         if not self.state_keys(group):
             return
-        unknown = sorted(set(states) - set(STATES))
+        unknown = sorted(set(states) - set(MOMENTS))
         if unknown:
             raise ValueError(f"zinf: the checkpoint's optimizer state {unknown} is not Adam's; the offloaded CPU-Adam "
                              "cannot continue it. Load it with the optimizer that wrote it (offload.optimizer='device').")
         zeros = torch.zeros(group.shard_numel, dtype=torch.float32)
-        self.states.write_states(group, {k: states.get(k, zeros) for k in STATES})
+        self.states.write_states(group, {k: states.get(k, zeros) for k in MOMENTS})
 
     def finish_load(self) -> None:
         return None
