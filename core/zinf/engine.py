@@ -79,6 +79,7 @@ class ZeroInfinityEngine:
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
         self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds)
+        self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
                               if self.config.activation_checkpointing.modules else None)
@@ -210,7 +211,8 @@ class ZeroInfinityEngine:
         return GatheredParameters(self.params, modifier_rank=modifier_rank)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """An ordinary (unsharded, fp32) state dict of the model, built one group at a time."""
+        """An ordinary (unsharded, fp32) state dict of the model, built one group at a time; its buffers are rank
+        0's (with ``rank0_only=False`` on every rank too, unless ``broadcast_buffers`` is off: then each rank's own)."""
         names = self._param_names()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
@@ -224,8 +226,11 @@ class ZeroInfinityEngine:
                 for n in names[id(p)]:
                     out[n] = value
         if not rank0_only or self.comm.rank == 0:
-            for n, b in persistent_buffers(self.module).items():
-                out[n] = b.detach().clone().cpu()
+            buffers = {n: b.detach().clone() for n, b in persistent_buffers(self.module).items()}
+            if not rank0_only and self.config.broadcast_buffers:  # rank 0's on every rank, as rank 0 saves them
+                self.comm.broadcast_coalesced(list(buffers.values()), src=0)
+            for n, b in buffers.items():
+                out[n] = b.cpu()
         merge_tiles(out, tile_spec(self.module))  # tiled layers under their nn.Linear names
         return out
 
@@ -349,7 +354,7 @@ class ZeroInfinityEngine:
         seconds, counts = self.timers.take()
         # NVMe read waits of parameter shards and waits for a group's background update happen inside the
         # all-gather time (the gather needs the shard)
-        waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0) + seconds.get("rounds", 0.0)
+        waits = sum(seconds.get(k, 0.0) for k in ("all_gather", "reduce_scatter", "rounds", "broadcast_buffers"))
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
