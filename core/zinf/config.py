@@ -217,6 +217,11 @@ class ZeroConfig(_Checked):
         "auto" (default) serves every rank's gathers, so training stays exact, and gathers the nearest
         module every rank calls as one unit from then on (logged); "error" raises a
         CollectiveMismatchError on every rank that names the modules (no hang, no wrong step).
+    broadcast_buffers: module buffers (BatchNorm running statistics, counters) as DDP's default keeps them
+        (its argument of the same name): rank 0's are broadcast to every rank when the engine is built and at
+        the start of a forward that follows a grad-enabled forward (so the first eval forward after training
+        sees rank 0's statistics on every rank, and a full state dict holds rank 0's); False keeps each
+        rank's own, updated by its own batches only. See [Note: buffers like DDP] in zinf/schedule/buffers.py.
     collective_timeout_s: how long a collective may wait for the other ranks, in seconds, before the run
         stops with an error naming the rank that stopped answering, where torch allows it (0 = torch's
         default timeout).
@@ -230,6 +235,7 @@ class ZeroConfig(_Checked):
     cast_forward_inputs: bool = True
     unit_modules: list[str] = field(default_factory=list)
     divergence: str = "auto"
+    broadcast_buffers: bool = True
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -83,6 +83,7 @@ class ZeroInfinityEngine:
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
         self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds)
+        self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
                               if self.config.activation_checkpointing.modules else None)
@@ -218,7 +219,8 @@ class ZeroInfinityEngine:
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """An ordinary (unsharded, fp32) state dict of the user's module, built one group at a time (collective);
-        see zinf/checkpoint/model_state.py."""
+        its buffers are rank 0's (with ``rank0_only=False`` on every rank too, unless ``broadcast_buffers`` is off:
+        then each rank's own). See zinf/checkpoint/model_state.py."""
         return model_state.full_state_dict(self, rank0_only)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -273,7 +275,7 @@ class ZeroInfinityEngine:
         seconds, counts = self.timers.take()
         # NVMe read waits of parameter shards and waits for a group's background update happen inside the
         # all-gather time (the gather needs the shard)
-        waits = seconds.get("all_gather", 0.0) + seconds.get("reduce_scatter", 0.0) + seconds.get("rounds", 0.0)
+        waits = sum(seconds.get(k, 0.0) for k in ("all_gather", "reduce_scatter", "rounds", "broadcast_buffers"))
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand

@@ -135,7 +135,8 @@ class ParsedStep:
     def step_ms(self) -> float:
         """The training thread's time: compute + the waits outside it + the optimizer step (the other categories
         are parts of these or ran on the background thread)."""
-        return sum(self.ms.get(k, 0.0) for k in ("compute", "all_gather", "reduce_scatter", "optimizer"))
+        return sum(self.ms.get(k, 0.0) for k in ("compute", "all_gather", "reduce_scatter", "optimizer",
+                                                 "broadcast_buffers"))
 
 
 def parse_summary(line: str) -> ParsedStep | None:

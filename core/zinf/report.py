@@ -1,4 +1,5 @@
-"""Where a step's time and memory go: compute, all-gather, reduce-scatter, optimizer; bytes per tier."""
+"""Where a step's time and memory go: compute, all-gather, reduce-scatter, optimizer, buffer broadcast; bytes per
+tier."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ class StepTimers:
 
 
 # the categories summary() prints, in order; the optional ones only when the step timed them
-SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "nvme_read", "nvme_write",
-                      "background_nvme_read", "background_nvme_write", "optimizer_wait")
+SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "broadcast_buffers", "nvme_read",
+                      "nvme_write", "background_nvme_read", "background_nvme_write", "optimizer_wait")
 OPTIONAL_CATEGORIES = frozenset(SUMMARY_CATEGORIES[4:])
 NVME_CATEGORIES = ("nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
 
@@ -87,7 +88,9 @@ class StepReport:
     (reads of parameter shards fall inside the all-gather waits; optimizer-state I/O inside
     ``optimizer``), ``background_nvme_read`` / ``background_nvme_write`` the background optimizer step's
     (hidden unless a gather waits for that step: ``optimizer_wait``, inside ``all_gather``), and counts hold
-    ``nvme_read_bytes`` / ``nvme_written_bytes``.
+    ``nvme_read_bytes`` / ``nvme_written_bytes``. ``broadcast_buffers`` (with several ranks and a model with
+    buffers) is the forward's wait for rank 0's buffers (see [Note: buffers like DDP] in zinf/schedule/buffers.py),
+    outside ``compute`` like the other waits.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 
@@ -109,8 +112,8 @@ class StepReport:
     def metrics(self) -> dict[str, float]:
         """A flat ``{"zinf/<name>": value}`` dict for experiment loggers (Lightning, Accelerate trackers):
         ``zinf/<category>`` seconds for every timed category (always compute, all_gather, reduce_scatter and
-        optimizer, 0.0 when not timed; forward, backward, and nvme_read / nvme_write / background_nvme_read /
-        background_nvme_write / optimizer_wait where present); ``zinf/bytes_<tier>`` resident bytes per
+        optimizer, 0.0 when not timed; forward, backward, broadcast_buffers, and nvme_read / nvme_write /
+        background_nvme_read / background_nvme_write / optimizer_wait where present); ``zinf/bytes_<tier>`` resident bytes per
         tier (device, cpu, nvme) and ``zinf/peak_gathered_bytes``; ``zinf/nvme_read_bytes`` /
         ``zinf/nvme_written_bytes``, ``zinf/prefetched_gathers`` / ``zinf/demand_gathers``;
         ``zinf/grad_norm`` and ``zinf/loss_scale`` when set; ``zinf/io_hidden_share`` with NVMe I/O;

@@ -143,3 +143,16 @@ def test_numpy_numbers_are_taken_as_the_numbers_they_are() -> None:
         zinf.ZeroConfig.from_dict({"overlap": {"prefetch_modules": np.float64(2.5)}})
     with pytest.raises(ConfigError, match="'gradient_clipping' = np.True_ is not allowed"):
         zinf.ZeroConfig.from_dict({"gradient_clipping": np.bool_(True)})
+
+
+def test_broadcast_buffers() -> None:
+    assert ZeroConfig().broadcast_buffers is True  # DDP's default
+    assert ZeroConfig.from_dict({"broadcast_buffers": False}).broadcast_buffers is False
+    structured = OmegaConf.merge(OmegaConf.structured(ZeroConfig), OmegaConf.from_dotlist(["broadcast_buffers=false"]))
+    assert ZeroConfig.from_dict(structured).broadcast_buffers is False
+    with pytest.raises(ConfigError, match=r"'broadcast_buffers' = 'no' is not allowed; expected true or false \(bool\), got str"):
+        ZeroConfig.from_dict({"broadcast_buffers": "no"})
+    with pytest.raises(ConfigError, match=r"'broadcast_buffers' = 0 is not allowed; expected true or false \(bool\), got int"):
+        ZeroConfig.from_dict({"broadcast_buffers": 0})
+    with pytest.raises(ConfigError, match=r"unknown key 'broadcast_buffer'. Did you mean 'broadcast_buffers'"):
+        ZeroConfig.from_dict({"broadcast_buffer": True})

@@ -68,3 +68,15 @@ def test_summary_keeps_format(skipped: bool) -> None:
     line = _report(skipped=skipped).summary()
     assert line.startswith("step 3 | compute 500.0 ms | all_gather 100.0 ms")
     assert "cpu 0.0 MiB" in line and ("skipped (overflow)" in line) == skipped and "io_hidden" not in line
+
+
+def test_broadcast_buffers_is_shown_when_timed_and_counted_in_the_step() -> None:
+    from zinf.inspect_cli import parse_summary
+
+    seconds = {"compute": 0.5, "all_gather": 0.1, "reduce_scatter": 0.05, "optimizer": 0.2, "broadcast_buffers": 0.01}
+    line = _report(seconds=seconds).summary()
+    assert "optimizer 200.0 ms | broadcast_buffers 10.0 ms" in line
+    assert _report(seconds=seconds).metrics()["zinf/broadcast_buffers"] == 0.01
+    assert "broadcast_buffers" not in _report().summary() and "zinf/broadcast_buffers" not in _report().metrics()
+    parsed = parse_summary("zinf: " + line)  # zinf report: a wait on the training thread, outside compute
+    assert parsed is not None and math.isclose(parsed.step_ms, 860.0)

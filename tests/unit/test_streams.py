@@ -107,7 +107,7 @@ def test_labels() -> None:
     assert label("all_gather", "layers.3") == "zinf::all_gather(layers.3)"
     assert [label(k, "m") for k in KINDS] == [
         "zinf::h2d(m)", "zinf::all_gather(m)", "zinf::reduce_scatter(m)", "zinf::d2h(m)",
-        "zinf::nvme_read(m)", "zinf::nvme_write(m)", "zinf::optimizer(m)"]
+        "zinf::nvme_read(m)", "zinf::nvme_write(m)", "zinf::optimizer(m)", "zinf::broadcast_buffers(m)"]
     with pytest.raises(ValueError, match="unknown region kind 'allgather'.*all_gather"):
         label("allgather", "m")  # type: ignore[arg-type]
 

@@ -76,7 +76,10 @@ def full_state_dict(engine: "ZeroInfinityEngine", rank0_only: bool = True) -> di
                 for n in names[id(p)]:
                     out[n] = value
     if keep:
-        out.update({n: b.detach().clone().cpu() for n, b in _user_buffers(engine).items()})
+        buffers = {n: b.detach().clone() for n, b in _user_buffers(engine).items()}
+        if not rank0_only and engine.config.broadcast_buffers:  # rank 0's on every rank, as rank 0 saves them
+            engine.comm.broadcast_coalesced(list(buffers.values()), src=0)
+        out.update({n: b.cpu() for n, b in buffers.items()})
     merge_tiles(out, _user_tiles(engine))  # tiled layers under their nn.Linear names
     return out
 

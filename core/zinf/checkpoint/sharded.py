@@ -125,7 +125,7 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> Loade
         except Exception as exc:  # noqa: BLE001
             error, problem = exc, _problem(exc)
         raise_if_any(comm, problem, error)
-        own = commit.world == comm.world and (not commit.shared or not getattr(engine.config, "broadcast_buffers", True))
+        own = commit.world == comm.world and (not commit.shared or not engine.config.broadcast_buffers)
         try:
             loaded = load_parts(engine, first, checkpoint.part, commit.world, buffers_from=comm.rank if own else 0)
         except Exception as exc:  # noqa: BLE001

@@ -7,7 +7,7 @@ with ``async_op=True`` the returned work object is waited on where the result is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ __all__ = ["Comm", "default_device", "compute_device"]
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALIGN_BYTES = 16  # the widest element (complex128): a slot at this boundary views as any dtype
 
 
 def default_device() -> torch.device:
@@ -89,3 +90,24 @@ class Comm:
         if self.world > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
         return tensor
+
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Every tensor takes rank ``src``'s values, in one broadcast whatever their dtypes and devices: their
+        bytes are packed into one flat buffer on ``self.device`` (each at a ``_ALIGN_BYTES`` boundary, so a slot
+        reads back as its dtype), sent, and copied back into the tensors on the other ranks. A broadcast moves
+        bytes, so the values arrive bit for bit. ``src`` is a rank of this group."""
+        if self.world == 1 or not tensors:
+            return
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        offsets, total = [], 0
+        for n in nbytes:
+            offsets.append(total)
+            total += -(-n // _ALIGN_BYTES) * _ALIGN_BYTES
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            for t, offset, n in zip(tensors, offsets, nbytes):
+                flat[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        self.broadcast(flat, src)
+        if self.rank != src:
+            for t, offset, n in zip(tensors, offsets, nbytes):
+                t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))

@@ -303,8 +303,10 @@ class InFlight:
 
 # ---- names shared by profiler traces and debug logs -------------------------------------------------
 
-Kind = Literal["h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer"]
-KINDS: tuple[str, ...] = ("h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer")
+Kind = Literal["h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer",
+               "broadcast_buffers"]
+KINDS: tuple[str, ...] = ("h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer",
+                          "broadcast_buffers")
 
 
 def label(kind: Kind, name: str) -> str:

@@ -1,11 +1,12 @@
 """Every hook zinf puts on a model, registered here and kept as handles so that ``remove()`` undoes them.
 
-Per module call (forward): pre-hook -> gather the module's groups (and its known external groups),
-prefetch the next modules' groups from the trace; post-hook -> release them, and hook the outputs so
-that the module's backward is announced. Per module call (backward): the first output gradient ->
-gather the module's groups again and hold them until their gradients have arrived. Per parameter:
-post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group is
-complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
+Per pass: the root's pre-hook first gives every rank rank 0's buffers when DDP would (see [Note: buffers
+like DDP] in zinf/schedule/buffers.py). Per module call (forward): pre-hook -> gather the module's groups
+(and its known external groups), prefetch the next modules' groups from the trace; post-hook -> release
+them, and hook the outputs so that the module's backward is announced. Per module call (backward): the
+first output gradient -> gather the module's groups again and hold them until their gradients have arrived.
+Per parameter: post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group
+is complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
 zinf/schedule/rounds.py) and the group released. The end of backward flushes what is left.
 See [Note: flat layout] and [Note: releasing memory] in zinf/param/flat_group.py.
 
@@ -51,6 +52,7 @@ from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
 from zinf.report import StepTimers
+from zinf.schedule.buffers import BufferSync
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
@@ -164,6 +166,7 @@ class ModuleHooks:
         self.busy = 0  # > 0 while a hook body runs; see _engine_code
         self.on_backward_start: list[Callable[[], None]] = []
         self.on_backward_end: list[Callable[[], None]] = []
+        self.buffers = BufferSync(model, comm, timers, config.broadcast_buffers)
         for module, state in self.states.items():
             if any(fnmatch.fnmatchcase(state.name, p) or type(module).__name__ == p for p in config.unit_modules):
                 self._make_unit(module)
@@ -240,6 +243,7 @@ class ModuleHooks:
         if trace is None or _in_backward():
             return
         self.pass_trace = None
+        self.buffers.after_forward()
         flags = _TRACE_DIVERGED if trace.diverged else 0
         flags = self._sync(self._pass_post, flags)
         self.fetcher.sweep()
@@ -264,6 +268,7 @@ class ModuleHooks:
                         "(rebuild it to change them).")
         self.pass_trace = self.traces["forward" if grad else "eval"]
         self._pass_post = Post.END_FORWARD if grad else Post.END_EVAL
+        self.buffers.before_forward()  # before the pass's first gather: see [Note: buffers like DDP]
 
     def unwind(self) -> None:
         """A forward pass raised: release what its calls hold and forget the pass (see [Note: balanced hooks])."""

@@ -7,8 +7,11 @@ need, the collectives would pair different groups across ranks, silently or with
 the backend. So no rank issues a pass's gather or reduce-scatter on its own. Whenever a rank needs
 groups gathered (a module's pre-hook, a prefetch), or reaches the end of a pass, it posts a small
 message, and every rank's messages are exchanged by one all-gather of fixed size (a *round*).
-Rounds only ever pair with rounds, because nothing else is issued inside a pass. After a round every
-rank knows what every other rank asked for, and does the same thing next:
+Rounds only ever pair with rounds, because zinf issues nothing else inside a pass (its buffer broadcast
+comes before the pass's first round: [Note: buffers like DDP] in zinf/schedule/buffers.py); a model's own
+collectives (SyncBatchNorm's on a GPU) pair because every rank issues them at the same point of the same
+control flow, which they need anyway. After a round every rank knows what every other rank asked for, and
+does the same thing next:
 
 - it starts the gathers of every group any rank asked for, in rank order (a rank that did not ask
   takes part with its own shard; what it gathered for others is released at the end of the pass);
