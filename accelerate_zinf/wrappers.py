@@ -36,9 +36,9 @@ def _to_fp32(x: Any) -> Any:
 def refuse_partitioned_state_dict(engine: zinf.ZeroInfinityEngine) -> None:
     """Make ``module.state_dict()`` of a partitioned model an error instead of a dict of empty placeholders.
 
-    Code written for DDP saves ``model.state_dict()`` on the main process only (transformers' Trainer in
-    ``save_model`` and its checkpoints does): under zinf that would write files without weights, silently.
-    Inside ``engine.gathered_parameters()`` every parameter is whole and ``state_dict()`` works.
+    Code written for DDP saves ``model.state_dict()`` on the main process only: under zinf that would write files
+    without weights, silently. Inside ``engine.gathered_parameters()`` every parameter is whole and ``state_dict()``
+    works. (transformers' Trainer saves this way too; zinf/integrations/trainer.py gathers for it on every rank.)
     """
     from zinf.param.flat_group import GroupState
 
@@ -46,9 +46,9 @@ def refuse_partitioned_state_dict(engine: zinf.ZeroInfinityEngine) -> None:
         if any(g.state is not GroupState.GATHERED for g in engine.groups):
             raise RuntimeError(
                 "zinf: state_dict() of a model partitioned by zinf has no weights (each rank holds a slice). Call "
-                "accelerator.get_state_dict(model) or accelerator.save_model(model, dir) on every rank instead. With "
-                "transformers' Trainer use save_strategy='no' and trainer.accelerator.save_model(trainer.model_wrapped, "
-                "dir), or read the weights inside `with model.engine.gathered_parameters():`.")
+                "accelerator.get_state_dict(model) or accelerator.save_model(model, dir) on every rank instead (with "
+                "transformers' Trainer: trainer.save_model(dir) on every rank), or read the weights inside "
+                "`with model.engine.gathered_parameters():`.")
 
     engine.module.register_state_dict_post_hook(check)
 

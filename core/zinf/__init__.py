@@ -12,6 +12,7 @@ from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,
                          UnsupportedModelError, ZinfError)
 from zinf.checkpoint.pretrained import LoadReport, load_pretrained
+from zinf.integrations import trainer as _trainer
 from zinf.integrations import transformers as _transformers
 from zinf.param.gathered import GatheredParameters
 from zinf.param.init import Init
@@ -20,6 +21,7 @@ from zinf.tiling import TiledLinear, tile_linears
 
 logging.getLogger("zinf").addHandler(logging.NullHandler())
 _transformers.watch()  # from_pretrained under zinf.Init / zinf launch builds a partitioned model (integrations/)
+_trainer.watch()  # transformers' Trainer saves and resumes a model trained by zinf (integrations/trainer.py)
 
 __version__ = "0.1.0"
 

@@ -10,9 +10,8 @@ what it trained as a user would: the next-token logits of a prompt with the adap
 the prompts (each rank completes a different one). Rank 0 writes them, with the logged per-step losses
 and every rank's completion, to ``RESULT_JSON``.
 
-Saving: with Trainer's default ``save_strategy="steps"`` a checkpoint is written when training ends (at
-``max_steps``, whatever ``save_steps`` is), by rank 0 alone, which zinf refuses (docs/accelerate.md); this run
-saves nothing (``save_strategy="no"``).
+Saving is Trainer's default (``save_strategy="steps"``): a checkpoint is written when training ends (at
+``max_steps``, whatever ``save_steps`` is), ``OUTPUT_DIR/checkpoint-8``.
 """
 
 import json
@@ -49,7 +48,7 @@ def main() -> None:
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     args = SFTConfig(output_dir=output_dir, max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                      learning_rate=1e-2, seed=0, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
-                     disable_tqdm=True, save_strategy="no")
+                     disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     trainer.train()
 

@@ -1,7 +1,8 @@
 """``zinf.integrations.transformers.enable`` as a launcher calls it (``zinf launch``: before the script, so before
 transformers' model code is imported), in a fresh interpreter: ``from_pretrained`` is wrapped once (the import hook
 and ``enable`` both install; wrapping the wrappers recursed forever), the launcher's ``start`` runs before the
-model is built when there is no process group yet, and the model comes out partitioned."""
+model is built when there is no process group yet, and the model comes out partitioned. Trainer's save and load steps
+are wrapped by the same kind of import hook."""
 
 from __future__ import annotations
 
@@ -43,3 +44,28 @@ def test_enable_before_transformers_is_imported_wraps_once_and_starts_the_ranks(
     proc = processes.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.startswith("partitioned"), proc.stdout
+
+
+_TRAINER_SCRIPT = """
+import sys
+import zinf
+from zinf.integrations import trainer as hooks
+
+assert "transformers.trainer" not in sys.modules
+from transformers import Seq2SeqTrainer, Trainer
+
+assert hooks.install()  # a second install (a launcher's, say) wraps nothing again
+for name in hooks._WRAPPED:
+    assert getattr(Trainer, name).__module__ == "zinf.integrations.trainer", name
+    assert getattr(Seq2SeqTrainer, name) is getattr(Trainer, name), name
+    assert hooks._originals[name].__module__ == "transformers.trainer", name
+print("wrapped", len(hooks._WRAPPED))
+"""
+
+
+def test_trainer_methods_are_wrapped_once_when_transformers_trainer_is_imported() -> None:
+    """zinf imported first (as ``zinf launch`` does): importing transformers' Trainer wraps
+    its save and load steps once, for its subclasses too, the originals kept (zinf/integrations/trainer.py)."""
+    proc = processes.run([sys.executable, "-c", _TRAINER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("wrapped 5"), proc.stdout

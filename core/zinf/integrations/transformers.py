@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,10 +32,11 @@ import torch.distributed as dist
 from zinf.checkpoint.pretrained import load_pretrained
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
+from zinf.integrations.after_import import when_imported
 from zinf.param.init import Init
 from zinf.param.registry import group_of
 
-__all__ = ["install", "watch", "enable", "disable", "loading"]
+__all__ = ["install", "watch", "enable", "disable", "enabled", "loading"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +61,11 @@ def disable() -> None:
     _launch.update(config=None, start=None)
 
 
+def enabled() -> bool:
+    """Whether a launcher has called ``enable`` in this process (``zinf launch``: the script's models train on zinf)."""
+    return _launch["config"] is not None
+
+
 def loading() -> bool:
     """Whether a zinf ``from_pretrained`` is running (in this thread / task)."""
     return _LOADING.get()
@@ -71,35 +74,9 @@ def loading() -> bool:
 _MODULE = "transformers.modeling_utils"
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``transformers.modeling_utils`` is imported, lets the other finders find it and
-    wraps its loader so that ``install`` runs right after the module has executed."""
-
-    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        loader = spec.loader
-
-        class _Installing(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                install()
-
-        return importlib.util.spec_from_file_location(name, spec.origin, loader=_Installing())
-
-
 def watch() -> None:
     """Install the wrappers now if transformers' model code is loaded, else as soon as it is."""
-    if _MODULE in sys.modules:
-        install()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    when_imported(_MODULE, install)
 
 
 def install() -> bool:

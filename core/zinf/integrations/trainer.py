@@ -1,0 +1,202 @@
+"""transformers' ``Trainer`` (and TRL's trainers, its subclasses) saves, resumes and loads its best model when the
+model it trains is a zinf engine (``zinf launch``), with the script unchanged.
+
+[Note: Trainer checkpoints under zinf]
+Trainer has branches of its own for DeepSpeed and FSDP only; every other model takes paths where the main process
+alone reads or writes whole weights, which a partitioned model does not have. zinf wraps the five methods on those
+paths that touch weights or optimizer state; each runs on every rank in Trainer (checked against transformers 5.x,
+the ``test`` extra), so the wrappers may issue collectives, and each defers to the original unless the trainer's
+model is a zinf engine (``trainer.model_wrapped.engine``) or, before ``prepare``, a launcher enabled zinf:
+
+- ``_save`` (``save_model``, its checkpoints and ``push_to_hub``'s local save): every rank gathers the weights one
+  group at a time into a state dict that the saving rank keeps, the whole model's fp32 masters (cast to each
+  parameter's dtype) or, for a peft model, only what peft saves (the adapter: the frozen base is not gathered); then
+  Trainer's own ``_save`` hands it to ``save_pretrained``: ``config.json`` + ``model.safetensors`` (sharded as
+  transformers shards, tied weights once), or ``adapter_config.json`` + ``adapter_model.safetensors``, plus the
+  tokenizer and ``training_args.bin``. The saving rank holds that state dict in host memory (as DeepSpeed's
+  ``stage3_gather_16bit_weights_on_model_save`` does).
+- ``_save_optimizer_and_scheduler``: ``engine.save_checkpoint(checkpoint-N/zinf)`` on every rank (fp32 masters,
+  optimizer state with its hyper-parameters, loss scaler, step; one part per rank), and the LR scheduler's
+  ``scheduler.pt`` from the saving rank. No ``optimizer.pt``: the optimizer state is in the shards.
+- ``_load_from_checkpoint`` runs before ``prepare``, when the model may already be partitioned (a ``from_pretrained``
+  under ``zinf launch``): it loads nothing when the checkpoint holds zinf shards; the engine restores the weights
+  from them after ``prepare``. A checkpoint without them (written without zinf) is refused with the fix.
+- ``_load_optimizer_and_scheduler`` runs after ``prepare`` (where Trainer's DeepSpeed branch loads its engine's
+  checkpoint): ``engine.load_checkpoint(checkpoint-N/zinf)`` restores weights and optimizer state on every rank,
+  then the LR scheduler from ``scheduler.pt``.
+- ``_load_best_model``: ``engine.load_checkpoint`` of the best checkpoint's shards (weights, and as with
+  DeepSpeed the optimizer state of that step).
+
+RNG files, ``trainer_state.json``, the data skip on resume and checkpoint rotation are Trainer's, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from zinf.engine import ZeroInfinityEngine
+from zinf.errors import CheckpointError
+from zinf.integrations import transformers as hf_models
+from zinf.integrations.after_import import when_imported
+from zinf.param.gathered import GatheredParameters
+
+__all__ = ["install", "watch", "engine_of", "SHARDS_DIR"]
+
+log = logging.getLogger(__name__)
+
+SHARDS_DIR = "zinf"  # zinf's shards inside a checkpoint-N directory
+_MODULE = "transformers.trainer"
+_WRAPPED = ("_save", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+            "_load_best_model")
+_originals: dict[str, Any] = {}
+
+
+def watch() -> None:
+    """Wrap ``Trainer``'s methods now if ``transformers.trainer`` is loaded, else as soon as it is."""
+    when_imported(_MODULE, install)
+
+
+def install() -> bool:
+    """Wrap ``Trainer``'s save and load steps once; False when transformers is not installed or has none of them."""
+    if _originals:
+        return True
+    try:
+        from transformers import trainer as module
+    except ImportError:
+        return False
+    if _originals:  # that import ran watch()'s hook, which installed them
+        return True
+    cls = module.Trainer
+    missing = [n for n in _WRAPPED if n not in cls.__dict__]
+    if missing:
+        log.warning("zinf: transformers %s has no Trainer.%s; Trainer checkpoints of a zinf model are not supported "
+                    "with it (use a transformers release of zinf's 'test' extra, or save_strategy='no').",
+                    getattr(sys.modules.get("transformers"), "__version__", "?"), missing[0])
+        return False
+    _originals.update({n: cls.__dict__[n] for n in _WRAPPED})
+    cls._save = _save
+    cls._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
+    cls._load_from_checkpoint = _load_from_checkpoint
+    cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    cls._load_best_model = _load_best_model
+    return True
+
+
+def engine_of(trainer: Any) -> ZeroInfinityEngine | None:
+    """The zinf engine that trains ``trainer``'s model (its prepared model's ``.engine``), or None."""
+    engine = getattr(trainer.model_wrapped, "engine", None)
+    return engine if isinstance(engine, ZeroInfinityEngine) else None
+
+
+def _shards(checkpoint: str) -> str:
+    return os.path.join(checkpoint, SHARDS_DIR)
+
+
+# -- saving ------------------------------------------------------------------------------------------------------
+def _save(self: Any, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    engine = engine_of(self)
+    if engine is not None and state_dict is None:
+        state_dict = _adapter_state_dict(self) if _is_peft(self.model) else _full_state_dict(self, engine)
+    return _originals["_save"](self, output_dir, state_dict=state_dict)
+
+
+def _full_state_dict(trainer: Any, engine: ZeroInfinityEngine) -> dict[str, torch.Tensor]:
+    """The model's weights for the saving rank(s), ``{}`` on the others; every rank must call it."""
+    state = engine.full_state_dict(rank0_only=not trainer.args.save_on_each_node)
+    if not trainer.args.should_save:
+        return {}
+    dtypes = {n: p.dtype for n, p in trainer.model.named_parameters(remove_duplicate=False)}
+    return {n: v.to(dtypes.get(n, v.dtype)) for n, v in state.items()}
+
+
+def _adapter_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
+    """What a peft model's ``save_pretrained`` saves (its adapters, under the model's own names), gathered for the
+    saving rank(s), ``{}`` on the others; only the groups holding those parameters are gathered. Every rank must call
+    it (the choice depends on the model alone, so all ranks gather the same groups)."""
+    from peft.utils import get_peft_model_state_dict
+
+    model = trainer.model
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    chosen = {id(v) for adapter in model.peft_config
+              for v in get_peft_model_state_dict(model, state_dict=named, adapter_name=adapter).values()}
+    names = [n for n, v in named.items() if id(v) in chosen]
+    with GatheredParameters([named[n] for n in names if isinstance(named[n], nn.Parameter)]):
+        if not trainer.args.should_save:
+            return {}
+        return {n: named[n].detach().clone().cpu() for n in names}
+
+
+def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
+    engine = engine_of(self)
+    if engine is None:
+        return _originals["_save_optimizer_and_scheduler"](self, output_dir)
+    engine.save_checkpoint(_shards(output_dir))
+    if self.args.should_save:
+        from transformers.trainer import SCHEDULER_NAME
+        from transformers.trainer_pt_utils import reissue_pt_warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        reissue_pt_warnings(caught)
+    return None
+
+
+# -- loading -----------------------------------------------------------------------------------------------------
+def _load_from_checkpoint(self: Any, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    if engine_of(self) is None and not hf_models.enabled():
+        return _originals["_load_from_checkpoint"](self, resume_from_checkpoint, model)
+    if not os.path.isfile(os.path.join(_shards(resume_from_checkpoint), "commit.json")):
+        raise CheckpointError(
+            f"zinf: {resume_from_checkpoint} holds no zinf shards ({SHARDS_DIR}/commit.json), so it was not written by a "
+            "Trainer on zinf and its optimizer state cannot be restored into the engine. Resume from a checkpoint "
+            "written under zinf launch, or start a new run from its weights: from_pretrained(<that directory>) "
+            "without resume_from_checkpoint.")
+    log.info("zinf: resuming from %s: the weights come from its zinf shards once the engine is built",
+             resume_from_checkpoint)
+    return None
+
+
+def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> None:
+    engine = engine_of(self)
+    if engine is None or checkpoint is None:
+        return _originals["_load_optimizer_and_scheduler"](self, checkpoint)
+    engine.load_checkpoint(_shards(checkpoint))
+    from transformers.trainer import SCHEDULER_NAME
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+
+    scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+    if os.path.isfile(scheduler):
+        with warnings.catch_warnings(record=True) as caught:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        reissue_pt_warnings(caught)
+    return None
+
+
+def _load_best_model(self: Any) -> None:
+    engine = engine_of(self)
+    if engine is None:
+        return _originals["_load_best_model"](self)
+    best = self.state.best_model_checkpoint
+    if not os.path.isfile(os.path.join(_shards(best), "commit.json")):
+        log.warning("zinf: the best checkpoint %s holds no zinf shards (save_only_model=True?); the model keeps "
+                    "its last weights", best)
+        return None
+    log.info("zinf: loading the best model from %s (score: %s)", best, self.state.best_metric)
+    engine.load_checkpoint(_shards(best))
+    return None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftMixedModel, PeftModel
+
+    return isinstance(model, (PeftModel, PeftMixedModel))
