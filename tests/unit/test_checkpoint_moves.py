@@ -70,3 +70,17 @@ def test_front_end_moves(tmp_path: Path) -> None:
     back = _engine({}, seed=2, root=True)
     back.load_checkpoint(str(tmp_path / "b"))
     _same(plain, back)
+
+
+def test_an_earlier_format_is_refused_with_the_fix(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from zinf.errors import CheckpointError
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "commit.json").write_text(json.dumps({"format": "zinf-commit-v1", "tag": "step1-ab",
+                                                              "save_id": "ab", "global_step": 1, "world": 1}))
+    with pytest.raises(CheckpointError, match="earlier zinf.*save it again"):
+        _engine({}).load_checkpoint(str(tmp_path / "old"))
