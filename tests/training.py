@@ -135,3 +135,16 @@ def zinf_worker(rank: int, world: int, recipe: Recipe) -> dict[str, Any]:
               "rerecords": {k: t.num_rerecords for k, t in engine.hooks.traces.items()}}
     engine.close()
     return result
+
+
+def train_global(engine: zinf.ZeroInfinityEngine, data: list, rank: int, world: int) -> list[float]:
+    """One step per global batch of ``data``, each rank on its slice; returns the global losses (the mean over ranks)."""
+    out = []
+    for x, y in data:
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out.append(total.item() / world)
+    return out

@@ -12,22 +12,8 @@ import argparse
 import json
 
 import torch
-from torch.utils.data import Dataset
+from token_data import Tokens
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
-
-class Tokens(Dataset):
-    def __init__(self, n: int, block: int, vocab: int) -> None:
-        g = torch.Generator().manual_seed(7)
-        start = torch.randint(0, vocab, (n, 1), generator=g)
-        stride = torch.randint(1, 5, (n, 1), generator=g)
-        self.seq = (start + stride * torch.arange(block)) % vocab
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.seq[i], "labels": self.seq[i]}
 
 
 def main() -> None:

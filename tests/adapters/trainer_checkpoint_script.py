@@ -15,22 +15,8 @@ import argparse
 import json
 
 import torch
-from torch.utils.data import Dataset
+from token_data import Tokens
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-
-class Tokens(Dataset):
-    def __init__(self, n: int, block: int, vocab: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, vocab, (n, 1), generator=g)
-        stride = torch.randint(1, 5, (n, 1), generator=g)
-        self.seq = (start + stride * torch.arange(block)) % vocab
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.seq[i], "labels": self.seq[i]}
 
 
 def main() -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
+from training import train_global
 from zinf.errors import CheckpointError
 
 pytestmark = pytest.mark.distributed
@@ -30,31 +30,19 @@ def _engine() -> zinf.ZeroInfinityEngine:
     return zinf.initialize(model, make_optimizer(model), zinf.ZeroConfig(gradient_clipping=1.0))
 
 
-def _train(engine: zinf.ZeroInfinityEngine, data: list, rank: int, world: int) -> list[float]:
-    out = []
-    for x, y in data:
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out.append(total.item() / world)
-    return out
-
-
 def _save_and_resume(rank: int, world: int, root: str, per_node: int) -> dict:
     ckpt = _node_dir(root, rank, per_node)
     data = batches("gpt", 6, 8)
     first = _engine()
-    _train(first, data[:2], rank, world)
+    train_global(first, data[:2], rank, world)
     first.save_checkpoint(ckpt, client_state={"at": 2})
-    _train(first, data[2:3], rank, world)
+    train_global(first, data[2:3], rank, world)
     first.save_checkpoint(ckpt, client_state={"at": 3})  # replaces the first save on every node
-    straight = _train(first, data[3:], rank, world)
+    straight = train_global(first, data[3:], rank, world)
     first.close()
     second = _engine()
     client, step = second.load_checkpoint(ckpt), second.global_step
-    return {"straight": straight, "resumed": _train(second, data[3:], rank, world), "client": client, "step": step}
+    return {"straight": straight, "resumed": train_global(second, data[3:], rank, world), "client": client, "step": step}
 
 
 def _load_on_other_world(rank: int, world: int, root: str) -> str:

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
-from training import Recipe, reference
+from training import Recipe, reference, train_global
 
 pytestmark = pytest.mark.distributed
 
@@ -42,14 +41,7 @@ def _phase(rank: int, world: int, work: str, runs: list[dict]) -> list[dict]:
         opened: list[int] = []
         client = _load(engine, run["load"], opened) if run.get("load") else None
         step = engine.global_step
-        losses = []
-        for x, y in batches("gpt", run["start"] + run["steps"], BATCH)[run["start"]:]:
-            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+        losses = train_global(engine, batches("gpt", run["start"] + run["steps"], BATCH)[run["start"]:], rank, world)
         if run.get("save"):
             engine.save_checkpoint(run["save"], client_state={"next": run["start"] + run["steps"]})
         out.append({"losses": losses, "step": step, "client": client, "opened": sorted(opened)})
