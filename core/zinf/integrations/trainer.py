@@ -8,13 +8,12 @@ paths that touch weights or optimizer state; each runs on every rank in Trainer 
 the ``test`` extra), so the wrappers may issue collectives, and each defers to the original unless the trainer's
 model is a zinf engine (``trainer.model_wrapped.engine``) or, before ``prepare``, a launcher enabled zinf:
 
-- ``_save`` (``save_model``, its checkpoints and ``push_to_hub``'s local save): every rank gathers the weights one
-  group at a time into a state dict that the saving rank keeps, the whole model's fp32 masters (cast to each
-  parameter's dtype) or, for a peft model, only what peft saves (the adapter: the frozen base is not gathered); then
-  Trainer's own ``_save`` hands it to ``save_pretrained``: ``config.json`` + ``model.safetensors`` (sharded as
-  transformers shards, tied weights once), or ``adapter_config.json`` + ``adapter_model.safetensors``, plus the
-  tokenizer and ``training_args.bin``. The saving rank holds that state dict in host memory (as DeepSpeed's
-  ``stage3_gather_16bit_weights_on_model_save`` does).
+- ``_save`` (``save_model``, its checkpoints and ``push_to_hub``'s local save): Trainer's own ``_save`` writes
+  ``config.json``, the generation config, the tokenizer and ``training_args.bin``; the weights are streamed by
+  ``zinf.checkpoint.save_safetensors`` (every rank gathers one group at a time, rank 0 writes each shard when it is
+  complete: memory one group plus one shard, never the whole model), in the parameters' dtype, tied weights once,
+  as ``model.safetensors`` or shards + index. For a peft model only what peft saves is gathered (the adapter, not
+  the frozen base) and handed to Trainer's ``_save``: ``adapter_config.json`` + ``adapter_model.safetensors``.
 - ``_save_optimizer_and_scheduler``: ``engine.save_checkpoint(checkpoint-N/zinf)`` on every rank (fp32 masters,
   optimizer state with its hyper-parameters, loss scaler, step; one part per rank), and the LR scheduler's
   ``scheduler.pt`` from the saving rank. No ``optimizer.pt``: the optimizer state is in the shards.
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zinf.checkpoint.export import save_safetensors
 from zinf.engine import ZeroInfinityEngine
 from zinf.errors import CheckpointError
 from zinf.integrations import transformers as hf_models
@@ -102,18 +102,23 @@ def _shards(checkpoint: str) -> str:
 # -- saving ------------------------------------------------------------------------------------------------------
 def _save(self: Any, output_dir: str | None = None, state_dict: dict | None = None) -> None:
     engine = engine_of(self)
-    if engine is not None and state_dict is None:
-        state_dict = _adapter_state_dict(self) if _is_peft(self.model) else _full_state_dict(self, engine)
-    return _originals["_save"](self, output_dir, state_dict=state_dict)
+    if engine is None or state_dict is not None:
+        return _originals["_save"](self, output_dir, state_dict=state_dict)
+    if _is_peft(self.model):
+        return _originals["_save"](self, output_dir, state_dict=_adapter_state_dict(self))
+    # Trainer's own _save writes the config, generation config, tokenizer and training arguments (with an empty
+    # weights file, as its DeepSpeed branch does), then the weights are streamed in their place
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    _originals["_save"](self, output_dir, state_dict={})
+    save_safetensors(engine, output_dir, dtype=_weights_dtype(self.model))
+    return None
 
 
-def _full_state_dict(trainer: Any, engine: ZeroInfinityEngine) -> dict[str, torch.Tensor]:
-    """The model's weights for the saving rank(s), ``{}`` on the others; every rank must call it."""
-    state = engine.full_state_dict(rank0_only=not trainer.args.save_on_each_node)
-    if not trainer.args.should_save:
-        return {}
-    dtypes = {n: p.dtype for n, p in trainer.model.named_parameters(remove_duplicate=False)}
-    return {n: v.to(dtypes.get(n, v.dtype)) for n, v in state.items()}
+def _weights_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``save_pretrained`` would write the weights in: the model's floating parameters' (fp32 when they
+    differ)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 def _adapter_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
