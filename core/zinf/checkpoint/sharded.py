@@ -189,7 +189,9 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
                 yield _strip(key, prefix), pending.pop(key)
 
         for gi, group in enumerate(first["layout"]):
-            flat = torch.cat([checkpoint.part(k).read(f"master.{gi:05d}") for k in range(world)])
+            shards = [checkpoint.part(k).read(f"master.{gi:05d}") for k in range(world)]
+            flat = shards[0] if world == 1 else torch.cat(shards)  # one copy of the group in memory, not two
+            del shards
             spans = [(p["offset"], p["shape"]) for p in group["params"]]
             for index, value in slot_views(flat, spans):
                 value = value.clone()
