@@ -27,10 +27,9 @@ disk, then renamed (``os.replace``) once complete, the index last: a crash never
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -41,8 +40,6 @@ from zinf.errors import ConfigError, ZinfError
 from zinf.file_io import write_at
 
 __all__ = ["FileLayout", "SAFETENSORS", "TORCH", "ShardPlan", "plan_shards", "ShardWriter", "parse_size", "written_dtype"]
-
-log = logging.getLogger("zinf")
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -106,9 +103,9 @@ class ShardPlan:
 
     specs: list[TensorSpec]
     tied: dict[str, str]  # alias -> kept name
-    shards: list[list[TensorSpec]] = field(default_factory=list)
-    shard_of: dict[str, int] = field(default_factory=dict)
-    by_name: dict[str, TensorSpec] = field(default_factory=dict)
+    shards: list[list[TensorSpec]]
+    shard_of: dict[str, int]  # name -> index in shards
+    by_name: dict[str, TensorSpec]
 
     @property
     def total_bytes(self) -> int:
@@ -119,21 +116,21 @@ def plan_shards(specs: Sequence[TensorSpec], tied: dict[str, str], limit_bytes: 
                 duplicate_hint: str = "") -> ShardPlan:
     """Plan the shards of ``specs`` (names and source dtypes, in the order they will arrive; each tied weight once),
     cast to ``dtype`` where :func:`written_dtype` says so, greedily under ``limit_bytes``."""
-    plan = ShardPlan([TensorSpec(s.name, written_dtype(s.dtype, dtype), s.shape) for s in specs], dict(tied))
+    written = [TensorSpec(s.name, written_dtype(s.dtype, dtype), s.shape) for s in specs]
+    shards: list[list[TensorSpec]] = []
+    shard_of: dict[str, int] = {}
     size = 0
-    for spec in plan.specs:
-        if spec.name in plan.shard_of:
+    for spec in written:
+        if spec.name in shard_of:
             raise ValueError(f"two different tensors would both be written as {spec.name!r}.{duplicate_hint}")
-        if not plan.shards or size + spec.nbytes > limit_bytes:
-            plan.shards.append([])
+        if not shards or size + spec.nbytes > limit_bytes:
+            shards.append([])
             size = 0
-        plan.shards[-1].append(spec)
-        plan.shard_of[spec.name] = len(plan.shards) - 1
-        plan.by_name[spec.name] = spec
+        shards[-1].append(spec)
+        shard_of[spec.name] = len(shards) - 1
         size += spec.nbytes
-    if not plan.shards:  # a model with no tensors still gets its (empty) file
-        plan.shards = [[]]
-    return plan
+    return ShardPlan(written, dict(tied), shards or [[]],  # a model with no tensors still gets its (empty) file
+                     shard_of, {s.name: s for s in written})
 
 
 class _StreamedShard:
