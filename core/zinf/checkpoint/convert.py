@@ -204,8 +204,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     needed. Options are checked (:func:`resolve_target`) before anything is read or written."""
     target = resolve_target(out, format=format, dtype=dtype, max_shard_size=max_shard_size, config=config)
     specs, tied = state_specs(checkpoint)
-    plan = plan_shards(specs, tied, target.limit_bytes, target.dtype,
-                       duplicate_hint=" The checkpoint's record is inconsistent; consolidate it with the zinf that wrote it.")
+    hint = " The checkpoint's record is inconsistent; consolidate it with the zinf that wrote it."
+    plan = plan_shards(specs, tied, target.limit_bytes, target.dtype, duplicate_hint=hint)
     log.info("zinf consolidate: %s -> %s: %d tensors, %s, %d %s file(s)", checkpoint, target.out, len(plan.specs),
              _size(plan.total_bytes), len(plan.shards), target.layout.format)
     target.out.parent.mkdir(parents=True, exist_ok=True)

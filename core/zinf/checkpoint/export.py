@@ -46,7 +46,8 @@ class _Sources:
     buffers: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
-def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str, dtype: torch.dtype | None) -> tuple[_Sources, ShardPlan]:
+def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str,
+          dtype: torch.dtype | None) -> tuple[_Sources, ShardPlan]:
     """Names and shapes of every tensor to write, in writing order (groups, then buffers), and their shards."""
 
     def strip(name: str) -> str:

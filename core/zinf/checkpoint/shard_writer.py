@@ -39,7 +39,8 @@ from zinf.checkpoint.safetensors_header import TensorSpec, build_header, widest_
 from zinf.errors import ConfigError, ZinfError
 from zinf.file_io import write_at
 
-__all__ = ["FileLayout", "SAFETENSORS", "TORCH", "ShardPlan", "plan_shards", "ShardWriter", "parse_size", "written_dtype"]
+__all__ = ["FileLayout", "SAFETENSORS", "TORCH", "ShardPlan", "plan_shards", "ShardWriter", "parse_size",
+           "written_dtype"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -139,11 +140,15 @@ class _StreamedShard:
     def __init__(self, tmp: Path, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
         ordered = widest_first(specs)
         head, offsets = build_header(ordered, metadata)
-        self.tmp, self.specs = tmp, {s.name: s for s in specs}
+        self.tmp = tmp
         self.offsets = {name: len(head) + at for name, at in offsets.items()}
         self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as for any file
-        os.write(self.fd, head)
-        os.ftruncate(self.fd, len(head) + sum(s.nbytes for s in ordered))
+        try:
+            os.write(self.fd, head)
+            os.ftruncate(self.fd, len(head) + sum(s.nbytes for s in ordered))
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, value: torch.Tensor) -> None:
         write_at(self.fd, value.contiguous().view(-1).view(torch.uint8), self.offsets[name])
@@ -171,7 +176,8 @@ class ShardWriter:
         if single_file is not None and len(plan.shards) != 1:
             raise ZinfError(f"a single file ({single_file}) was asked for a plan of {len(plan.shards)} shards")
         self.plan, self.layout = plan, layout
-        self.files = [single_file] if single_file is not None else [directory / n for n in layout.names(len(plan.shards))]
+        names = layout.names(len(plan.shards))
+        self.files = [single_file] if single_file is not None else [directory / n for n in names]
         self.index_file = directory / layout.index if len(self.files) > 1 else None
         self.tied_json = json.dumps(plan.tied, sort_keys=True) if plan.tied else None
         self.aliases: dict[str, list[str]] = {}

@@ -223,11 +223,12 @@ def state_specs(path: str | os.PathLike, *, prefix: str | None = None) -> tuple[
                 if not names:
                     continue
                 if _is_tile(param["names"][0], tiles):
-                    layer = next(name for name in tiles if param["names"][0].startswith(f"{name}.tiles." if name else "tiles."))
+                    layer = next(n for n in tiles if param["names"][0].startswith(f"{n}.tiles." if n else "tiles."))
                     name = _strip(f"{layer}.weight" if layer else "weight", prefix)
                     if name not in merged:
                         merged.add(name)
-                        specs.append(TensorSpec(name, torch.float32, (sum(tiles[layer]["out"]), sum(tiles[layer]["in"]))))
+                        grid = tiles[layer]
+                        specs.append(TensorSpec(name, torch.float32, (sum(grid["out"]), sum(grid["in"]))))
                     continue
                 specs.append(TensorSpec(names[0], torch.float32, param["shape"]))
                 tied.update((alias, names[0]) for alias in names[1:])
