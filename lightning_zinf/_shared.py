@@ -132,8 +132,8 @@ def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def module_names(state: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
     """``state`` under the names ``module`` gives its parameters and buffers: as it is when it already uses
-    them (a Lightning checkpoint, ``convert_to_lightning_checkpoint`` output), else with the step root's prefix
-    removed (names taken from the engine, e.g. ``engine.full_state_dict()``). A module with a child named
+    them (a Lightning checkpoint, ``convert_to_lightning_checkpoint`` output, ``engine.full_state_dict()``), else
+    with the step root's prefix removed (names recorded under the root elsewhere). A module with a child named
     ``module`` keeps the names it gave."""
     own = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     own |= {n for n, _ in module.named_buffers(remove_duplicate=False)}

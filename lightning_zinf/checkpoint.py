@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from zinf.checkpoint import consolidate, read_client_state
 
-from lightning_zinf._shared import PREFIX
-
 __all__ = ["convert_to_lightning_checkpoint", "consolidate_state_dict"]
 
 log = logging.getLogger(__name__)
@@ -25,8 +23,10 @@ log = logging.getLogger(__name__)
 
 def consolidate_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full fp32 ``state_dict`` of the LightningModule (or Fabric module) saved in ``checkpoint_dir``, under
-    its own names (checkpoints of an earlier zinf record no prefix; every one made here has the step root's)."""
-    return consolidate(checkpoint_dir, prefix=PREFIX)
+    its own names: a checkpoint records the user's module's names, the step root's prefix already removed (see
+    [Note: the step root] in lightning_zinf/_shared.py), so nothing is stripped here. To write it to disk with
+    bounded memory (safetensors, the Hugging Face layout) use ``zinf consolidate``."""
+    return consolidate(checkpoint_dir)
 
 
 def convert_to_lightning_checkpoint(checkpoint_dir: str | os.PathLike,

@@ -61,9 +61,7 @@ def _main(argv: list[str]) -> int:
     info.add_argument("--size-mib", type=int, default=256, help="test file size per path (default 256)")
     rep = sub.add_parser("report", help="summarise the 'zinf: step ...' lines of a training log")
     rep.add_argument("logfile")
-    cons = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one state_dict file")
-    cons.add_argument("checkpoint_dir")
-    cons.add_argument("output")
+    _consolidate_arguments(sub)
     sub.add_parser("launch", help="run an Accelerate script on zinf: zinf launch --config run.yaml train.py [args]")
     from zinf.plan.cli import PARSER_OPTIONS as plan_options, add_arguments as plan_arguments, run as run_plan
 
@@ -80,13 +78,61 @@ def _main(argv: list[str]) -> int:
         from zinf.inspect_cli import report
 
         return report(args.logfile, sys.stdout, sys.stderr)
-    import torch
+    return _consolidate(args)
 
-    from zinf.checkpoint import consolidate
 
-    state = consolidate(args.checkpoint_dir)
-    torch.save(state, args.output)
-    sys.stdout.write(f"wrote {len(state)} tensors to {args.output}\n")
+_CONSOLIDATE = """\
+Write the current save of a sharded checkpoint (CKPT) as model files (OUT), from the files alone:
+
+  zinf consolidate CKPT model.pt                       one torch file: a state_dict under the model's names
+  zinf consolidate CKPT OUT --config path/to/model     the Hugging Face layout: from_pretrained(OUT) loads it
+  zinf consolidate CKPT OUT --format safetensors       model.safetensors, or shards and an index (weights only)
+  zinf consolidate CKPT OUT --format torch             pytorch_model.bin, or shards and an index
+
+The tensors stream one group at a time: a directory output holds one group in memory (plus one shard for torch
+shards); a single torch file (OUT ending in .pt, .pth or .bin) holds the whole model in memory, so for a large
+model write a directory. A directory is built next to OUT and moved into place when complete; OUT is left as it
+was when anything fails. A tied weight is written once in safetensors (transformers re-ties it from the config)
+and under every name in torch files; tiled layers come out under their untiled names."""
+
+
+def _consolidate_arguments(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    cons = sub.add_parser("consolidate", help="write a sharded checkpoint as a state_dict file, safetensors or torch "
+                          "shards, or the Hugging Face layout (streamed)", description=_CONSOLIDATE,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    cons.add_argument("checkpoint_dir", metavar="CKPT", help="the checkpoint directory (engine.save_checkpoint's path)")
+    cons.add_argument("output", metavar="OUT", help="a file ending in .pt/.pth/.bin, or a directory (created when "
+                      "missing; one holding only an earlier export's files is replaced)")
+    cons.add_argument("--format", help="torch, safetensors or hf (default: torch for a .pt/.pth/.bin file; for a "
+                      "directory, hf with --config, else safetensors)")
+    cons.add_argument("--dtype", help="fp32 (default), bf16 or fp16: parameters and floating-point buffers are cast")
+    cons.add_argument("--max-shard-size", metavar="SIZE", help="the largest shard of a directory output, e.g. 500MB, "
+                      "2GiB (default 5GB)")
+    cons.add_argument("--config", metavar="PATH", help="the model's config.json, or a directory holding it (and "
+                      "generation_config.json): copied into OUT, its dtype set to the written one (--format hf)")
+    cons.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    import logging
+
+    from zinf.checkpoint.convert import export_checkpoint
+
+    logger = logging.getLogger("zinf")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    if not args.quiet:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        done = export_checkpoint(args.checkpoint_dir, args.output, format=args.format, dtype=args.dtype,
+                                 max_shard_size=args.max_shard_size, config=args.config)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    sys.stdout.write(f"wrote {done.num_tensors} tensors ({done.num_bytes} bytes) in {len(done.files)} file(s) to "
+                     f"{args.output}\n")
     return 0
 
 

@@ -1,19 +1,19 @@
-"""A short Lightning run on ``zero_infinity`` that leaves checkpoints for test_consolidate_keys.py.
+"""A short Lightning run on ``zero_infinity`` that leaves a checkpoint for test_consolidate_keys.py.
 
     python consolidate_driver.py --steps 6 --out DIR
 
 The LightningModule holds the model as a child named ``module`` (the name the strategy's step root
 gives the LightningModule, so a prefix removed twice or not at all shows), a parameter of its own and a
-buffer. Written under ``DIR``: ``ckpt`` (``trainer.save_checkpoint``), ``legacy`` (the same state saved
-the way an earlier zinf did, without ``name_prefix``) and, on rank 0, ``trained.pt``: the engine's full
-state dict after training, under the LightningModule's names.
+buffer. Written under ``DIR``: ``ckpt`` (``trainer.save_checkpoint``) and, on rank 0, ``trained.pt``: the
+engine's full state dict after training (``strategy.engine.full_state_dict()``, as it is), and
+``module_names.json``: the names of the LightningModule's own ``state_dict()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -21,12 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models.py, tests/dist_utils.py
 
 import lightning.pytorch as pl  # noqa: E402
+import lightning_zinf  # noqa: E402,F401  (registers "zero_infinity")
 from models import batches, build, make_optimizer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import zinf  # noqa: E402
-from lightning_zinf._shared import strip_prefix  # noqa: E402
 
 GLOBAL_BATCH = 8
 
@@ -68,14 +67,10 @@ def main() -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Wrapped(), loader)
     trainer.save_checkpoint(out / "ckpt")
-    engine = trainer.strategy.engine
-    # what an earlier zinf wrote: the engine's own shard state, without the step root's name_prefix
-    engine.shard_state = types.MethodType(zinf.ZeroInfinityEngine.shard_state, engine)
-    trainer.save_checkpoint(out / "legacy")
-    del engine.shard_state
-    full = engine.full_state_dict()  # collective; rank 0 gets the values
+    full = trainer.strategy.engine.full_state_dict()  # collective; rank 0 gets the values
     if trainer.global_rank == 0:
-        torch.save(strip_prefix(full), out / "trained.pt")
+        torch.save(full, out / "trained.pt")
+        (out / "module_names.json").write_text(json.dumps(list(trainer.lightning_module.state_dict())))
 
 
 if __name__ == "__main__":

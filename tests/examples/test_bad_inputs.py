@@ -91,3 +91,31 @@ def test_zinf_commands_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[
     monkeypatch.delenv("ZINF_TRACEBACK", raising=False)
     assert main([a.format(tmp=tmp_path) for a in args]) == code
     assert names in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("args,names", [
+    (("{tmp}/out", "--dtype", "fp8"), "--dtype 'fp8' is not a dtype it writes. Pass fp32, bf16 or fp16"),
+    (("{tmp}/out", "--format", "onnx"), "--format 'onnx' is not one of torch, safetensors, hf"),
+    (("{tmp}/out", "--format", "hf"), "--format hf needs --config PATH"),
+    (("{tmp}/out", "--config", "{tmp}/nope"), "--config '{tmp}/nope' does not exist"),
+    (("{tmp}/out", "--config", "{tmp}"), "is a directory without config.json"),
+    (("{tmp}/out", "--max-shard-size", "5XB"), "--max-shard-size='5XB' is not a size"),
+    (("{tmp}/model.pt", "--max-shard-size", "1GB"), "--max-shard-size needs a directory as OUT"),
+    (("{tmp}/model.pt", "--format", "hf"), "--format hf writes a directory"),
+    (("{tmp}/model.safetensors",), "names a .safetensors file"),
+    (("{tmp}/a_file", "--format", "safetensors"), "'{tmp}/a_file' exists and is a file"),
+    (("{tmp}/taken",), "already holds files it would not write (notes.txt)"),
+])
+def test_zinf_consolidate_options_are_checked_before_anything_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...],
+        names: str) -> None:
+    from zinf.cli import main
+
+    monkeypatch.delenv("ZINF_TRACEBACK", raising=False)
+    (tmp_path / "a_file").write_text("keep me")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("keep me")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert main(["consolidate", str(tmp_path / "ckpt"), *(a.format(tmp=tmp_path) for a in args)]) == 2
+    assert names.format(tmp=tmp_path) in _one_line(capsys.readouterr().err)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before

@@ -29,11 +29,12 @@ import os
 import pickle
 import struct
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from zinf import native
+from zinf.checkpoint.safetensors_header import DTYPES_BY_NAME, TensorSpec, build_header, widest_first
 from zinf.errors import CheckpointError
 from zinf.file_io import read_at, write_at
 
@@ -44,31 +45,6 @@ META = "zinf.meta"
 CLIENT_STATE = "zinf.client_state"
 CHECKSUMS = "zinf.checksums"
 _FORMAT_KEY = "zinf_format"
-
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.uint32: "U32"}
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
-
-
-class TensorSpec:
-    """A tensor's name, dtype and shape: what a part's header records before the bytes are written."""
-
-    __slots__ = ("name", "dtype", "shape")
-
-    def __init__(self, name: str, dtype: torch.dtype, shape: Iterable[int]) -> None:
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"zinf checkpoint: tensor {name} has dtype {dtype}, which a checkpoint cannot hold "
-                                  f"(supported: {', '.join(str(d) for d in _DTYPES)}).")
-        self.name, self.dtype, self.shape = name, dtype, tuple(int(s) for s in shape)
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
-
 
 def _chunks(nbytes: int) -> int:
     return (nbytes + CHUNK - 1) // CHUNK
@@ -93,21 +69,15 @@ class PartWriter:
             raise CheckpointError(f"zinf checkpoint: duplicate tensor names in a part ({sorted(names)[:4]} ...)")
         chunk_count = sum(_chunks(s.nbytes) for s in specs) + 1  # + the header's own (not the checksums')
         specs.append(TensorSpec(CHECKSUMS, torch.uint32, (chunk_count,)))
-        ordered = sorted(specs, key=lambda s: -s.dtype.itemsize)  # stable: same-width tensors keep their order
-        header: dict[str, Any] = {"__metadata__": {_FORMAT_KEY: format_name}}
-        self._offset: dict[str, int] = {}
+        ordered = widest_first(specs)
+        head, self._offset = build_header(ordered, {_FORMAT_KEY: format_name})
         self._first_chunk: dict[str, int] = {}
         self._spec = {s.name: s for s in specs}
-        pos, chunk = 0, 0
-        for s in ordered:
-            header[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
-            self._offset[s.name] = pos
-            pos += s.nbytes
+        chunk = 0
         for s in ordered:  # checksum order: file order (the checksums' own chunk stays 0), then the header
             self._first_chunk[s.name] = chunk
             chunk += _chunks(s.nbytes) if s.name != CHECKSUMS else 0
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-(len(text)) % 8)
+        text = head[8:]
         self._data_start = 8 + len(text)
         self._crcs = torch.zeros(chunk_count, dtype=torch.uint32)
         self._crcs[-1] = native.crc32c(text)
@@ -115,7 +85,7 @@ class PartWriter:
         self._pending = set(self._spec) - {CHECKSUMS}
         self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(self._fd, struct.pack("<Q", len(text)) + text)
+            os.write(self._fd, head)
             self.write(META, meta_bytes)
             self.write(CLIENT_STATE, client_bytes)
         except BaseException:
@@ -205,7 +175,7 @@ class PartReader:
                 if name == "__metadata__":
                     continue
                 a, b = info["data_offsets"]
-                self._entries[name] = (_BY_NAME[info["dtype"]], tuple(info["shape"]), int(a), int(b))
+                self._entries[name] = (DTYPES_BY_NAME[info["dtype"]], tuple(info["shape"]), int(a), int(b))
                 end = max(end, int(b))
         except (KeyError, TypeError, ValueError) as exc:
             raise self._bad(f"damaged (a header entry is malformed: {exc})") from exc
@@ -236,6 +206,11 @@ class PartReader:
 
     def names(self) -> list[str]:
         return [n for n in self._entries if n not in (META, CLIENT_STATE, CHECKSUMS)]
+
+    def spec(self, name: str) -> TensorSpec:
+        """Tensor ``name``'s dtype and shape, from the header (nothing read)."""
+        dtype, shape, _, _ = self._entries[name]
+        return TensorSpec(name, dtype, shape)
 
     def numel(self, name: str) -> int:
         dtype, _, a, b = self._entries[name]

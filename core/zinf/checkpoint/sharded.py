@@ -24,14 +24,15 @@ import torch
 from zinf.checkpoint.commit import Commit, Save, agreed_commit, check_part, raise_if_any, require_commit, tidy
 from zinf.checkpoint.model_state import Loaded, check_fits, load_parts, slot_views, write_part
 from zinf.checkpoint.part_file import PartReader
+from zinf.checkpoint.safetensors_header import TensorSpec
 from zinf.errors import CheckpointError, PartlyLoadedError
 from zinf.tiling import merge_tiles
 
 if TYPE_CHECKING:
     from zinf.engine import ZeroInfinityEngine
 
-__all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "open_checkpoint", "read_client_state", "Checkpoint",
-           "CheckpointError", "FORMAT"]
+__all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "state_specs", "open_checkpoint",
+           "read_client_state", "Checkpoint", "CheckpointError", "FORMAT"]
 
 FORMAT = "zinf-sharded-v2"
 
@@ -188,7 +189,9 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
                 yield _strip(key, prefix), pending.pop(key)
 
         for gi, group in enumerate(first["layout"]):
-            flat = torch.cat([checkpoint.part(k).read(f"master.{gi:05d}") for k in range(world)])
+            shards = [checkpoint.part(k).read(f"master.{gi:05d}") for k in range(world)]
+            flat = shards[0] if world == 1 else torch.cat(shards)  # one copy of the group in memory, not two
+            del shards
             spans = [(p["offset"], p["shape"]) for p in group["params"]]
             for index, value in slot_views(flat, spans):
                 value = value.clone()
@@ -200,6 +203,39 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
             yield from named(name, buffers.read(f"buffer.{name}").clone())
         if pending:
             raise CheckpointError(f"zinf checkpoint: {path}: tiles {sorted(pending)[:4]} have no complete layer.")
+
+
+def state_specs(path: str | os.PathLike, *, prefix: str | None = None) -> tuple[list[TensorSpec], dict[str, str]]:
+    """What :func:`iter_state` yields, from rank 0's record alone (no tensor is read): every tensor's name, dtype
+    (fp32 for parameters, a buffer's own) and shape, a tied weight once under its first name, in the order
+    ``iter_state`` yields them (a tiled layer's weight at its first tile's place: ``iter_state`` yields it after
+    its last); and alias -> first name for the other names of each tied weight."""
+    with open_checkpoint(path) as checkpoint:
+        part = checkpoint.part(0)
+        first = part.meta
+        tiles = first.get("tiling", {})
+        specs: list[TensorSpec] = []
+        tied: dict[str, str] = {}
+        merged: set[str] = set()
+        for group in first["layout"]:
+            for param in group["params"]:
+                names = [_strip(n, prefix) for n in param["names"]]
+                if not names:
+                    continue
+                if _is_tile(param["names"][0], tiles):
+                    layer = next(n for n in tiles if param["names"][0].startswith(f"{n}.tiles." if n else "tiles."))
+                    name = _strip(f"{layer}.weight" if layer else "weight", prefix)
+                    if name not in merged:
+                        merged.add(name)
+                        grid = tiles[layer]
+                        specs.append(TensorSpec(name, torch.float32, (sum(grid["out"]), sum(grid["in"]))))
+                    continue
+                specs.append(TensorSpec(names[0], torch.float32, param["shape"]))
+                tied.update((alias, names[0]) for alias in names[1:])
+        for name in first["buffers"]:
+            stored = part.spec(f"buffer.{name}")
+            specs.append(TensorSpec(_strip(name, prefix), stored.dtype, stored.shape))
+        return specs, tied
 
 
 def _is_tile(key: str, tiles: dict[str, Any]) -> bool:
