@@ -3,13 +3,14 @@ without importing the library itself (transformers' model code and its ``Trainer
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 from typing import Any, Callable, Sequence
 
-__all__ = ["when_imported"]
+__all__ = ["when_imported", "wrap_once"]
 
 _CALLBACKS: dict[str, list[Callable[[], object]]] = {}
 
@@ -47,3 +48,18 @@ def when_imported(name: str, callback: Callable[[], object]) -> None:
     _CALLBACKS.setdefault(name, []).append(callback)
     if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
+
+
+def wrap_once(originals: dict[str, Any], name: str, wrap: Callable[[Any], bool]) -> bool:
+    """Import module ``name`` and call ``wrap(module)``, unless ``originals`` (the wrapper's record of what it replaced)
+    says that was done; False when the module cannot be imported. Importing it may itself run a ``when_imported``
+    hook that wraps: then nothing is wrapped twice."""
+    if originals:
+        return True
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return False
+    if originals:  # that import ran the hook, which wrapped already
+        return True
+    return wrap(module)

@@ -44,7 +44,7 @@ from zinf.checkpoint.export import save_safetensors
 from zinf.engine import ZeroInfinityEngine
 from zinf.errors import CheckpointError
 from zinf.integrations import transformers as hf_models
-from zinf.integrations.after_import import when_imported
+from zinf.integrations.after_import import when_imported, wrap_once
 from zinf.param.gathered import GatheredParameters
 
 __all__ = ["install", "watch", "engine_of", "SHARDS_DIR"]
@@ -65,14 +65,10 @@ def watch() -> None:
 
 def install() -> bool:
     """Wrap ``Trainer``'s save and load steps once; False when transformers is not installed or has none of them."""
-    if _originals:
-        return True
-    try:
-        from transformers import trainer as module
-    except ImportError:
-        return False
-    if _originals:  # that import ran watch()'s hook, which installed them
-        return True
+    return wrap_once(_originals, _MODULE, _wrap)
+
+
+def _wrap(module: Any) -> bool:
     cls = module.Trainer
     missing = [n for n in _WRAPPED if n not in cls.__dict__]
     if missing:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from zinf.checkpoint.pretrained import load_pretrained
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
-from zinf.integrations.after_import import when_imported
+from zinf.integrations.after_import import when_imported, wrap_once
 from zinf.param.init import Init
 from zinf.param.registry import group_of
 
@@ -81,14 +81,10 @@ def watch() -> None:
 
 def install() -> bool:
     """Wrap ``PreTrainedModel``'s loading steps once; False when transformers is not installed."""
-    if _originals:
-        return True
-    try:
-        from transformers import modeling_utils
-    except ImportError:
-        return False
-    if _originals:  # that import ran watch()'s hook, which installed them: wrapping again would wrap the wrappers
-        return True
+    return wrap_once(_originals, _MODULE, _wrap)
+
+
+def _wrap(modeling_utils: Any) -> bool:
     cls = modeling_utils.PreTrainedModel
     missing = [n for n in _WRAPPED if n not in cls.__dict__]
     if missing:  # a transformers release whose loading steps zinf does not know
