@@ -45,16 +45,13 @@ def main() -> None:
     p.add_argument("--ranks-list", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--passes", type=int, default=2)
     cli.add_common(p, out="bench_out/ranks_curve", steps=8, warmup=2, global_batch=8)
+    cli.smoke_defaults(p, model="gpt:tiny", ranks_list=[1, 2], steps=2, warmup=1, passes=1, global_batch=2,
+                       systems="zinf-mem,ds-cpu")
     args = p.parse_args()
     if args.plot:
         meta, rows = tables.read_raw(args.plot)
         print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
         return
-    if args.smoke:
-        args.model, args.ranks_list, args.steps, args.warmup, args.passes, args.global_batch, args.peak_n = \
-            "gpt:tiny", [1, 2], 2, 1, 1, 2, 512
-        if args.systems == p.get_default("systems"):
-            args.systems = "plain,zinf-mem,ds-cpu"
     system_names = cli.system_list(args)
     meta = cli.prepare(args)
     meta.update(model=args.model, ranks_list=args.ranks_list, global_batch=args.global_batch, steps=args.steps,

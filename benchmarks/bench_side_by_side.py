@@ -54,13 +54,14 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2, help="processes of every system but plain PyTorch")
     p.add_argument("--passes", type=int, default=3)
     cli.add_common(p, out="bench_out/side_by_side", steps=10, warmup=3, global_batch=8)
+    # --smoke: seconds, one rank each (bench_ranks_curve.py --smoke runs two); any option given still wins
+    cli.smoke_defaults(p, models="gpt:tiny", steps=2, warmup=1, passes=1, global_batch=2, ranks=1,
+                       systems="plain,ddp,fsdp2-offload,zinf-nvme,ds-cpu,ds-nvme")
     args = p.parse_args()
     if args.plot:
         meta, rows = tables.read_raw(args.plot)
         print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
         return
-    if args.smoke:
-        args.models, args.steps, args.warmup, args.passes, args.global_batch, args.peak_n = "gpt:tiny", 2, 1, 1, 2, 512
     system_names = cli.system_list(args)
     meta = cli.prepare(args)
     meta.update(global_batch=args.global_batch, ranks=args.ranks, steps=args.steps, warmup=args.warmup,

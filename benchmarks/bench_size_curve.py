@@ -47,15 +47,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 64])
     p.add_argument("--ranks", type=int, default=2, help="processes of every system but plain PyTorch")
     cli.add_common(p, out="bench_out/size_curve", steps=3, warmup=1, global_batch=2)
+    cli.smoke_defaults(p, model="gpt:tiny", layers=[1, 2], steps=2, warmup=1, systems="zinf-cpu,ds-nvme")
     args = p.parse_args()
     if args.plot:
         meta, rows = tables.read_raw(args.plot)
         print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
         return
-    if args.smoke:
-        args.model, args.layers, args.steps, args.warmup, args.peak_n = "gpt:tiny", [1, 2], 2, 1, 512
-        if args.systems == p.get_default("systems"):
-            args.systems = "plain,zinf-nvme,ds-nvme"
     system_names = cli.system_list(args)
     meta = cli.prepare(args)
     meta.update(model=args.model, layers=args.layers, global_batch=args.global_batch, ranks=args.ranks,

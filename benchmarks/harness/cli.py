@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 
 import torch
 
@@ -57,3 +58,10 @@ def prepare(args: argparse.Namespace) -> dict:
     meta = describe(args.device, args.peak_n, args.ds_python)
     meta["disk"] = f"{args.work_dir}: {shutil.disk_usage(args.work_dir).free / 2**30:.0f} GiB free"
     return meta
+
+
+def smoke_defaults(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """Under ``--smoke``, these become the defaults (a tiny model, 2 steps, a small peak matmul); options given
+    on the command line still win."""
+    if "--smoke" in sys.argv[1:]:
+        p.set_defaults(peak_n=512, **defaults)

@@ -60,6 +60,20 @@ def parse(name: str) -> ModelSpec:
     return spec
 
 
+def import_model_code(spec: ModelSpec) -> None:
+    """Import the model's code (and what it imports, torch._dynamo among it) now: a construction context that
+    patches torch (deepspeed.zero.Init patches Tensor.__new__) must not be active while those modules load."""
+    if spec.family == "gpt":
+        if EXAMPLES not in sys.path:
+            sys.path.insert(0, EXAMPLES)
+        import gpt  # noqa: F401
+    elif spec.family == "gpt2":
+        from transformers import GPT2LMHeadModel  # noqa: F401
+    else:
+        from transformers import LlamaForCausalLM  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+
 def build(spec: ModelSpec) -> nn.Module:
     """The model, built in the current device / init context (zinf.Init, deepspeed.zero.Init, meta)."""
     if spec.family == "gpt":

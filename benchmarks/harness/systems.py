@@ -133,6 +133,7 @@ def _deepspeed(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
               "zero_optimization": {"stage": 3, "offload_param": dict(tier), "offload_optimizer": dict(tier)},
               "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    models.import_model_code(spec)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = models.build(spec)
