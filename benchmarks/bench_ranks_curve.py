@@ -20,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import cli, plots, tables  # noqa: E402
-from harness.launch import run_system  # noqa: E402
 
 STEM = "ranks_curve"
 
@@ -52,6 +51,8 @@ def main() -> None:
         meta, rows = tables.read_raw(args.plot)
         print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
         return
+    from harness.launch import run_system  # torch and the models: not needed to redraw
+
     system_names = cli.system_list(args)
     meta = cli.prepare(args)
     meta.update(model=args.model, ranks_list=args.ranks_list, global_batch=args.global_batch, steps=args.steps,

@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import cli, plots, tables  # noqa: E402
-from harness.launch import run_system  # noqa: E402
 
 STEM = "size_curve"
 
@@ -47,12 +46,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 64])
     p.add_argument("--ranks", type=int, default=2, help="processes of every system but plain PyTorch")
     cli.add_common(p, out="bench_out/size_curve", steps=3, warmup=1, global_batch=2)
-    cli.smoke_defaults(p, model="gpt:tiny", layers=[1, 2], steps=2, warmup=1, systems="zinf-cpu,ds-nvme")
+    cli.smoke_defaults(p, model="gpt:tiny", layers=[1, 2], steps=2, warmup=1, ranks=1, systems="zinf-cpu,ds-nvme")
     args = p.parse_args()
     if args.plot:
         meta, rows = tables.read_raw(args.plot)
         print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
         return
+    from harness.launch import run_system  # torch and the models: not needed to redraw
+
     system_names = cli.system_list(args)
     meta = cli.prepare(args)
     meta.update(model=args.model, layers=args.layers, global_batch=args.global_batch, ranks=args.ranks,

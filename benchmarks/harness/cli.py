@@ -7,10 +7,7 @@ import os
 import shutil
 import sys
 
-import torch
-
 from harness import systems
-from harness.machine import describe
 from harness.watchdog import Limits
 
 DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
@@ -23,7 +20,7 @@ def add_common(p: argparse.ArgumentParser, *, out: str, steps: int, warmup: int,
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the median")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per run, split over its ranks")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--out", default=out, help="where the JSON, CSV, markdown tables and PNG plots go")
     p.add_argument("--work-dir", help="NVMe swap directories and the runs' logs (default OUT/work; put it on the "
                                       "disk you mean to measure)")
@@ -52,6 +49,11 @@ def limits(args: argparse.Namespace) -> Limits:
 
 def prepare(args: argparse.Namespace) -> dict:
     """Make the output and work directories; describe the machine and measure its matmul peak."""
+    import torch
+
+    from harness.machine import describe
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.work_dir = args.work_dir or os.path.join(args.out, "work")
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work_dir, exist_ok=True)

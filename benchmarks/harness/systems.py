@@ -9,11 +9,12 @@ CPU Adam when offloaded: it refuses a client optimizer with ZeRO-Offload) and bu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a run is set up, so that listing the systems stays light
+    import torch
 
-from harness import models
+    from harness import models
 
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -58,6 +59,8 @@ class Run:
     def __init__(self, model: torch.nn.Module, call: Callable, backward: Callable, step: Callable, spec: models.ModelSpec,
                  breakdown: Callable[[], dict | None] = lambda: None, finish: Callable[[], None] = lambda: None,
                  close: Callable[[], None] = lambda: None) -> None:
+        from harness import models
+
         self.model, self.call, self._backward, self._step = model, call, backward, step
         self.loss = models.loss_fn(spec)
         self.breakdown, self.finish, self.close = breakdown, finish, close
@@ -70,6 +73,10 @@ class Run:
 
 
 def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
+    import torch
+
+    from harness import models
+
     kind = SYSTEMS[name].kind
     if kind == "zinf":
         return _zinf(name, spec, ctx)
@@ -104,7 +111,10 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
 
 
 def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
+    import torch
     import zinf
+
+    from harness import models
 
     offload = dict(ZINF_OFFLOAD[name])
     if SYSTEMS[name].nvme:
@@ -126,6 +136,9 @@ def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
 
 def _deepspeed(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     import deepspeed
+    import torch
+
+    from harness import models
 
     tier = {"device": "nvme", "nvme_path": ctx.nvme_dir} if SYSTEMS[name].nvme else {"device": "cpu"}
     tier["pin_memory"] = ctx.device.type == "cuda"
