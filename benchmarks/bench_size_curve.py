@@ -36,7 +36,7 @@ def render(meta: dict, rows: list[dict], out: str) -> str:
         f.write(text + "\n")
     plots.size_curve(rows, os.path.join(out, STEM + ".png"),
                      f"{meta['model']} growing in depth; global batch {meta['global_batch']}, {meta['ranks']} rank(s), "
-                     f"fp32, {meta['cpu'][:50]}", meta["limit_gib"])
+                     f"fp32, {meta['cpu'][:50]}", meta["limit_gib"], meta["ranks"])
     return text
 
 
@@ -71,7 +71,7 @@ def main() -> None:
             if row["status"] != "ok":
                 racing.remove(system)
             step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
-            print(f"L={layers:<3} {row['numel'] / 1e9:7.3f}B {row['label']:<44} {step}  "
+            print(f"L={layers:<3} {row['numel'] / 1e6:9.1f}M {row['label']:<44} {step}  "
                   f"peak RSS/rank {row.get('peak_rss_per_rank_gib', 0):.2f} GiB", flush=True)
             tables.write_raw(args.out, STEM, meta, rows)
         if not racing:

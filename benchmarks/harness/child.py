@@ -77,7 +77,9 @@ def main(spec: dict) -> None:
             out["ds_version"] = deepspeed.__version__
         print("RESULT " + json.dumps(out), flush=True)
     if dist.is_initialized():
+        phase("destroy_process_group")
         dist.destroy_process_group()
+    phase("exit")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,16 @@ def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps:
                peak_rss_total_gib=out.peak_rss_bytes / GIB)
     res = out.result or {}
     row["disk_peak_gib"] = max(out.peak_disk_bytes, res.get("disk_bytes_end", 0)) / GIB
-    if not out.ok:
-        row.update(status="killed" if out.killed else "failed", error=out.error_line(), where=out.phase,
+    # a rank that dies after training and measuring (while closing or exiting) leaves valid measurements: the row
+    # counts as run, and says how the process ended
+    after = ("close", "destroy_process_group", "exit")
+    late = out.result is not None and out.killed is None and all(
+        rc == 0 or ph in after for rc, ph in zip(out.returncodes, out.phases))
+    if late and not out.ok:
+        row["exit_error"] = f"rank(s) {[r for r, rc in enumerate(out.returncodes) if rc != 0]} exited with " \
+                            f"{[rc for rc in out.returncodes if rc != 0]} during {out.phases}: {out.error_line()}"
+    elif not out.ok:
+        row.update(status="killed" if out.killed else "failed", error=out.killed or out.error_line(), where=out.phase,
                    detail=out.status())
         return row
     measured = res["times"][warmup:] or res["times"][-1:]

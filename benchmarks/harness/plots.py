@@ -46,14 +46,15 @@ def side_by_side(rows: list[dict], path: str, title: str) -> None:
         ax.set_xlabel("model")
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper right")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="lower center", ncol=min(5, max(1, len(names))))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * ((len(names) + 4) // 5), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def size_curve(rows: list[dict], path: str, title: str, limit_gib: float | None) -> None:
+def size_curve(rows: list[dict], path: str, title: str, limit_gib: float | None, ranks: int = 1) -> None:
     """Step time and peak RSS per rank against the parameter count, one line per system, log-log; an x marks
     the first size a system did not train (at the memory it had reached when it failed or was killed)."""
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5.5))
@@ -69,8 +70,11 @@ def size_curve(rows: list[dict], path: str, title: str, limit_gib: float | None)
             ax_m.plot([bad[0]["numel"]], [bad[0].get("peak_rss_per_rank_gib") or 0.01], color=color, **FAILED_MARK)
             if ok:
                 ax_t.plot([bad[0]["numel"]], [ok[-1]["step_s"]], color=color, **FAILED_MARK)
-    if limit_gib:
-        ax_m.axhline(limit_gib, color="gray", linestyle="--", linewidth=1, label=f"watchdog limit ({limit_gib} GiB, all ranks)")
+    if limit_gib:  # the watchdog bounds the sum over a run's ranks: per rank that is the limit over the ranks
+        ax_m.axhline(limit_gib, color="gray", linestyle="--", linewidth=1, label=f"watchdog limit, 1 process ({limit_gib} GiB)")
+        if ranks > 1:
+            ax_m.axhline(limit_gib / ranks, color="gray", linestyle=":", linewidth=1,
+                         label=f"watchdog limit / {ranks} ranks ({limit_gib / ranks:.1f} GiB)")
     for ax, ylabel in ((ax_t, "step time (s, median after warm-up)"), (ax_m, "peak host RSS per rank (GiB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")

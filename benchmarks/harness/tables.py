@@ -61,6 +61,13 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _status(r: dict) -> str:
+    """``ok``, ``ok; exit: <error>`` (measured, then a rank died closing), or ``<status> during <phase>: <error>``."""
+    if r["status"] == "ok":
+        return "ok" + (_cell(f"; exit: {r['exit_error']}")[:160] if r.get("exit_error") else "")
+    return _cell(f"{r['status']}" + (f" during {r['where']}" if r.get("where") else "") + f": {r.get('error', '')}")[:160]
+
+
 def ratio_table(rows: list[dict]) -> str:
     """One line per run; ratios are step-time ratios (this system's step / the baseline's step on the same model:
     below 1.00x this system is faster). DDP and FSDP2 baselines are taken at the same rank count."""
@@ -74,7 +81,7 @@ def ratio_table(rows: list[dict]) -> str:
         for base, _ in RATIO_BASELINES:
             b = by.get((r["model"], base, 1 if base == "plain" else r["ranks"]))
             ratios.append(f"{r['step_s'] / b['step_s']:.2f}x" if ok and b and b["status"] == "ok" else "-")
-        status = "ok" if ok else _cell(f"{r['status']}: {r.get('error', '')}")[:160]
+        status = _status(r)
         lines.append("| " + " | ".join([
             r["model"], f"{r['numel'] / 1e6:.1f}M", r["label"], str(r["ranks"]),
             _num(r.get("step_s"), ".3f"), _num(r.get("tokens_per_s"), ",.0f"),
@@ -119,8 +126,7 @@ def curve_table(rows: list[dict], x_key: str, x_label: str) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in sorted(rows, key=lambda r: (r["system"], r[x_key])):
         ok = r["status"] == "ok"
-        status = "ok" if ok else _cell(f"{r['status']}" + (f" during {r['where']}" if r.get("where") else "")
-                                       + f": {r.get('error', '')}")[:160]
+        status = _status(r)
         lines.append(f"| {r['label']} | {r[x_key]:,} | {r['numel'] / 1e6:,.1f}M | {_num(r.get('step_s'), '.3f')} | "
                      f"{_num(r.get('tokens_per_s'), ',.0f')} | {_num(r.get('peak_rss_per_rank_gib'), '.2f')} | "
                      f"{_num(r.get('device_peak_gib') or None, '.2f')} | {_num(r.get('disk_peak_gib') or None, '.3f')} | "

@@ -92,6 +92,7 @@ class RunOutcome:
     returncodes: list[int | None]
     result: dict | None  # rank 0's RESULT line
     phase: str  # rank 0's last PHASE
+    phases: list[str]  # each rank's last PHASE
     killed: str | None  # the reason, when the watchdog killed the run
     peak_rss_bytes: int  # all ranks together
     peak_rss_per_rank_bytes: list[int]
@@ -193,6 +194,7 @@ def run_ranks(cmd: list[str], envs: list[dict[str, str]], *, limits: Limits, log
     if disk_dir is not None and os.path.isdir(disk_dir):
         peak_disk = max(peak_disk, dir_bytes(disk_dir))
     log.close()
-    return RunOutcome(returncodes=[p.returncode for p in procs], result=result or None, phase=phases[0], killed=killed,
+    return RunOutcome(returncodes=[p.returncode for p in procs], result=result or None, phase=phases[0],
+                      phases=[phases[r] for r in range(len(procs))], killed=killed,
                       peak_rss_bytes=peak, peak_rss_per_rank_bytes=per_rank, peak_disk_bytes=peak_disk, wall_s=wall,
                       tails=[tails[r] for r in range(len(procs))])
