@@ -101,7 +101,7 @@ def ranks_curve(rows: list[dict], path: str, title: str) -> None:
                 ax.axhline(r["step_s"], color="black", linestyle=":", label=f"{r['label']}: {r['step_s']:.3f} s")
             continue
         ax.plot([r["ranks"] for r in ok], [r["step_s"] for r in ok], "o-", color=plt.cm.tab10(j % 10),
-                label=rs[0]["label"])
+                label=rs[0]["label"] + ("" if ok else f" ({rs[0]['status']}: no run finished)"))
     ax.set_xticks(rank_counts, [str(n) for n in rank_counts])
     ax.set_xlabel("ranks (processes; same global batch)")
     ax.set_ylabel("step time (s, median after warm-up)")

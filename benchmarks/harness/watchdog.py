@@ -154,6 +154,26 @@ def run_ranks(cmd: list[str], envs: list[dict[str, str]], *, limits: Limits, log
         t = threading.Thread(target=reader, daemon=True)
         t.start()
         readers.append(t)
+    try:
+        return _watch(procs, phases, tails, result, readers, log, start, limits=limits, disk_dir=disk_dir,
+                      sample_s=sample_s, progress_every_s=progress_every_s)
+    finally:  # an exception or Ctrl-C in the watchdog leaves no rank behind
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        log.close()
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _watch(procs: list[subprocess.Popen], phases: dict[int, str], tails: dict[int, list[str]], result: dict,
+           readers: list[threading.Thread], log, start: float, *, limits: Limits, disk_dir: str | None,
+           sample_s: float, progress_every_s: float) -> RunOutcome:
     per_rank = [0] * len(procs)
     peak, peak_disk, killed, last_print, disk_probe = 0, 0, None, start, 0.0
     while any(p.poll() is None for p in procs):
@@ -177,10 +197,7 @@ def run_ranks(cmd: list[str], envs: list[dict[str, str]], *, limits: Limits, log
         if reason:
             killed = reason
             for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill(p)
             for p in procs:
                 p.wait()
             break
@@ -193,7 +210,6 @@ def run_ranks(cmd: list[str], envs: list[dict[str, str]], *, limits: Limits, log
     wall = time.perf_counter() - start
     if disk_dir is not None and os.path.isdir(disk_dir):
         peak_disk = max(peak_disk, dir_bytes(disk_dir))
-    log.close()
     return RunOutcome(returncodes=[p.returncode for p in procs], result=result or None, phase=phases[0],
                       phases=[phases[r] for r in range(len(procs))], killed=killed,
                       peak_rss_bytes=peak, peak_rss_per_rank_bytes=per_rank, peak_disk_bytes=peak_disk, wall_s=wall,
