@@ -7,12 +7,14 @@ what guessing scores) and the best-possible line (the synthetic language's entro
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 __all__ = ["plot_loss"]
 
@@ -22,16 +24,19 @@ def plot_loss(path: str, losses: Sequence[float], *, chance: float, floor: float
     if not losses:
         raise ValueError("plot_loss: no losses to draw (the job ran 0 steps); run at least one train.steps")
     steps = range(1, len(losses) + 1)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5.3))
     ax.plot(steps, list(losses), color="tab:blue", linewidth=1.5, label="training loss (mean over ranks)")
     ax.axhline(chance, color="tab:red", linestyle="--", linewidth=1.2, label=f"chance: ln(vocab) = {chance:.3f}")
     ax.axhline(floor, color="tab:green", linestyle="--", linewidth=1.2, label=f"best possible: entropy = {floor:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats per token)")
     ax.set_xlim(1, max(2, len(losses)))
-    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    finite = [x for x in losses if math.isfinite(x)]
+    ax.set_ylim(0, 1.08 * max([chance, *finite]))
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    # below the axes: a curve that starts at chance would run under a legend drawn inside them
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=9, frameon=False)
     ax.set_title(title or "zinf: GPT on a synthetic Markov language")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
