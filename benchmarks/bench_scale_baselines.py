@@ -27,21 +27,14 @@ import json
 import os
 import resource
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
-GIB = 1 << 30
-
-
-def phase(text: str) -> None:
-    print("PHASE " + text, flush=True)
+sys.path.insert(0, HERE)
+from harness.watchdog import GIB, Limits, free_port, phase, run_ranks  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
@@ -128,53 +121,6 @@ def child(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_rss(pids: list[int]) -> int:
-    """Resident bytes of these processes and all their descendants (from /proc/<pid>/status VmRSS)."""
-    seen, todo, total = set(), list(pids), 0
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return total
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
-def dir_bytes(path: str) -> int:
-    total = 0
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
-    return total
-
-
 def numel_of(layers: int, embd: int, vocab: int, block: int) -> int:
     per_layer = 12 * embd * embd + 13 * embd
     return vocab * embd + block * embd + layers * per_layer + 2 * embd
@@ -198,79 +144,25 @@ def run_once(args: argparse.Namespace, layers: int) -> dict:
            + (" +CPUOffloadPolicy" if args.cpu_offload else ""),
            "layers": layers, "embd": args.embd, "vocab": args.vocab,
            "numel": numel_of(layers, args.embd, args.vocab, args.block)}
-    procs, phases, logs = [], {}, {}
-    start = time.perf_counter()
-    log = open(os.path.join(args.logdir, f"{args.baseline}-L{layers}.log"), "w")
+    envs = []
     for r in range(ranks):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(max(1, args.threads // ranks)))
         if args.baseline == "deepspeed":
             env["DS_ACCELERATOR"] = "cpu"
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-        procs.append(p)
-        phases[r] = "startup"
-        logs[r] = []
-
-        def reader(r: int = r, p: subprocess.Popen = p) -> None:
-            for line in p.stdout:
-                log.write(f"[{r} {time.perf_counter() - start:7.1f}s] {line}")
-                log.flush()
-                if line.startswith("PHASE "):
-                    phases[r] = line[6:].strip()
-                elif line.startswith("RESULT "):
-                    row.update(json.loads(line[7:]))
-                else:
-                    logs[r].append(line.rstrip())
-                    del logs[r][:-40]
-
-        threading.Thread(target=reader, daemon=True).start()
-    peak, peak_disk, killed, last_print = 0, 0, None, 0.0
-    disk_probe = 0.0
-    while any(p.poll() is None for p in procs):
-        rss = tree_rss([p.pid for p in procs])
-        peak = max(peak, rss)
-        now = time.perf_counter()
-        reason = None
-        if rss > args.limit_gib * GIB:
-            reason = f"RSS {rss / GIB:.1f} GiB > {args.limit_gib} GiB"
-        elif mem_available() < args.min_avail_gib * GIB:
-            reason = f"MemAvailable under {args.min_avail_gib} GiB (RSS {rss / GIB:.1f} GiB)"
-        elif now - start > args.cap_min * 60:
-            reason = f"wall-clock cap {args.cap_min} min"
-        if args.baseline == "deepspeed" and now - disk_probe > 5:
-            disk_probe = now
-            peak_disk = max(peak_disk, dir_bytes(nvme))
-            if shutil.disk_usage(args.nvme).free < 3 * GIB:
-                reason = "disk free under 3 GiB"
-        if reason:
-            killed = f"killed ({reason}) during {phases[0]}"
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            for p in procs:
-                p.wait()
-            break
-        if now - last_print > 30:
-            last_print = now
-            print(f"  ... {now - start:6.0f}s {phases[0]:<40} RSS {rss / GIB:6.2f} GiB (peak {peak / GIB:.2f})", flush=True)
-        time.sleep(0.2)
-    row["wall"] = time.perf_counter() - start
-    row["peak_rss_gib"] = peak / GIB
+        envs.append(env)
+    limits = Limits(rss_gib=args.limit_gib, min_avail_gib=args.min_avail_gib, cap_s=args.cap_min * 60)
+    out = run_ranks(cmd, envs, limits=limits, log_path=os.path.join(args.logdir, f"{args.baseline}-L{layers}.log"),
+                    disk_dir=nvme if args.baseline == "deepspeed" else None)
+    row.update(out.result or {})
+    row["wall"] = out.wall_s
+    row["peak_rss_gib"] = out.peak_rss_bytes / GIB
     if args.baseline == "deepspeed":
-        row["nvme_peak_gb"] = max(peak_disk, dir_bytes(nvme)) / 1e9
+        row["nvme_peak_gb"] = out.peak_disk_bytes / 1e9
         shutil.rmtree(nvme, ignore_errors=True)
-    rcs = [p.returncode for p in procs]
-    if killed:
-        row["status"] = killed
-    elif "times" in row and all(rc == 0 for rc in rcs):
-        row["status"] = "ok"
+    row["status"] = out.status()
+    if out.ok:
         row["step"] = statistics.median(row["times"])
-    else:
-        row["status"] = f"failed (rc {rcs}) during {phases[0]}: " + " | ".join(logs[0][-3:])
-    log.close()
     with open(args.results, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(fmt(row), flush=True)

@@ -39,7 +39,7 @@ from zinf.report import io_hidden_share
 sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig  # noqa: E402
 from job_config import JobConfig, load_job_config  # noqa: E402
-from png_plot import GREEN, RED, line_plot  # noqa: E402
+from loss_plot import plot_loss  # noqa: E402
 from synthetic_language import MarkovLanguage  # noqa: E402
 
 try:
@@ -238,8 +238,7 @@ def write_outputs(out_dir: str, mean_losses: list[float], rank0_losses: list[flo
         for i, (loss, loss0, s, share) in enumerate(zip(mean_losses, rank0_losses, step_seconds, io_shares)):
             w.writerow([i + 1, f"{loss:.6f}", f"{loss0:.6f}", f"{s:.4f}", f"{tokens_per_step / s:.1f}",
                         "" if share is None else f"{share:.4f}"])
-    line_plot(os.path.join(out_dir, "loss.png"), mean_losses,
-              hlines=[(language.chance, "chance", RED), (language.floor, "floor", GREEN)])
+    plot_loss(os.path.join(out_dir, "loss.png"), mean_losses, chance=language.chance, floor=language.floor)
 
 
 def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_per_step: int, train_s: float,

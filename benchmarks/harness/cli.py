@@ -1,0 +1,69 @@
+"""The options every comparison script takes, and what they turn into (limits, the machine's description)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from harness import systems
+from harness.watchdog import Limits
+
+DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
+
+
+def add_common(p: argparse.ArgumentParser, *, out: str, steps: int, warmup: int, global_batch: int) -> None:
+    p.add_argument("--systems", default=",".join(systems.SYSTEMS),
+                   help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
+    p.add_argument("--global-batch", type=int, default=global_batch, help="sequences per step, split over the ranks")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the median")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per run, split over its ranks")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
+    p.add_argument("--out", default=out, help="where the JSON, CSV, markdown tables and PNG plots go")
+    p.add_argument("--work-dir", help="NVMe swap directories and the runs' logs (default OUT/work; put it on the "
+                                      "disk you mean to measure)")
+    p.add_argument("--ds-python", default=os.environ.get("ZINF_BENCH_DS_PYTHON", DEFAULT_DS_PYTHON),
+                   help="the DeepSpeed venv's python (DeepSpeed is never a zinf dependency); absent: DeepSpeed rows "
+                        "say 'skipped'")
+    p.add_argument("--limit-gib", type=float, default=21.0, help="watchdog: kill a run whose ranks' RSS passes this")
+    p.add_argument("--min-avail-gib", type=float, default=1.0, help="watchdog: kill a run when MemAvailable drops under")
+    p.add_argument("--cap-min", type=float, default=25.0, help="watchdog: wall-clock cap per run, minutes")
+    p.add_argument("--peak-n", type=int, default=4096, help="matrix size of the fp32 torch.mm that measures the peak")
+    p.add_argument("--smoke", action="store_true", help="seconds: a tiny model, 2 steps (CI)")
+    p.add_argument("--plot", metavar="JSON", help="only redraw the plots and tables from this raw JSON, run nothing")
+
+
+def system_list(args: argparse.Namespace) -> list[str]:
+    names = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in names if s not in systems.SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(systems.SYSTEMS)}")
+    return names
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    return Limits(rss_gib=args.limit_gib, min_avail_gib=args.min_avail_gib, cap_s=args.cap_min * 60)
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """Make the output and work directories; describe the machine and measure its matmul peak."""
+    import torch
+
+    from harness.machine import describe
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.work_dir = args.work_dir or os.path.join(args.out, "work")
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.work_dir, exist_ok=True)
+    meta = describe(args.device, args.peak_n, args.ds_python)
+    meta["disk"] = f"{args.work_dir}: {shutil.disk_usage(args.work_dir).free / 2**30:.0f} GiB free"
+    return meta
+
+
+def smoke_defaults(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """Under ``--smoke``, these become the defaults (a tiny model, 2 steps, a small peak matmul); options given
+    on the command line still win."""
+    if "--smoke" in sys.argv[1:]:
+        p.set_defaults(peak_n=512, **defaults)

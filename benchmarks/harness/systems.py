@@ -1,0 +1,154 @@
+"""The training systems compared, each set up in one rank of a run: plain PyTorch, DDP, FSDP2 (with and without
+CPUOffloadPolicy), DeepSpeed ZeRO-3 (CPU / NVMe offload) and zinf in each placement.
+
+Every system trains the same model from seed 0 with AdamW(lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
+0.01) in fp32 on its rank's rows of the same global batch. DeepSpeed takes its optimizer from its config (its
+CPU Adam when offloaded: it refuses a client optimizer with ZeRO-Offload) and builds the model under
+``deepspeed.zero.Init``, as zinf builds it under ``zinf.Init``; the others build it whole on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # torch is imported where a run is set up, so that listing the systems stays light
+    import torch
+
+    from harness import models
+
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+@dataclass(frozen=True)
+class System:
+    label: str
+    kind: str  # "plain", "torch" (DDP / FSDP2), "deepspeed", "zinf"
+    nvme: bool = False
+
+
+SYSTEMS: dict[str, System] = {
+    "plain": System("plain PyTorch (1 process)", "plain"),
+    "ddp": System("DDP", "torch"),
+    "fsdp2": System("FSDP2", "torch"),
+    "fsdp2-offload": System("FSDP2 + CPUOffloadPolicy", "torch"),
+    "ds-cpu": System("DeepSpeed ZeRO-3, params+optimizer on CPU", "deepspeed"),
+    "ds-nvme": System("DeepSpeed ZeRO-3, params+optimizer on NVMe", "deepspeed", nvme=True),
+    "zinf-mem": System("zinf in memory", "zinf"),
+    "zinf-optcpu": System("zinf, optimizer on CPU", "zinf"),
+    "zinf-cpu": System("zinf, params+optimizer on CPU", "zinf"),
+    "zinf-nvme": System("zinf, params+optimizer on NVMe", "zinf", nvme=True),
+}
+
+ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
+                "zinf-nvme": {"params": "nvme", "optimizer": "nvme"}}
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    device: torch.device
+    global_batch: int
+    nvme_dir: str
+
+
+class Run:
+    """One system, set up: ``train_step(idx, tgt)`` runs forward, backward and the optimizer step and returns the
+    loss; ``breakdown()`` is zinf's StepReport of that step as flat metrics (None for the others)."""
+
+    def __init__(self, model: torch.nn.Module, call: Callable, backward: Callable, step: Callable, spec: models.ModelSpec,
+                 breakdown: Callable[[], dict | None] = lambda: None, finish: Callable[[], None] = lambda: None,
+                 close: Callable[[], None] = lambda: None) -> None:
+        from harness import models
+
+        self.model, self.call, self._backward, self._step = model, call, backward, step
+        self.loss = models.loss_fn(spec)
+        self.breakdown, self.finish, self.close = breakdown, finish, close
+
+    def train_step(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(self.call, idx, tgt)
+        self._backward(loss)
+        self._step()
+        return loss
+
+
+def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
+    import torch
+
+    from harness import models
+
+    kind = SYSTEMS[name].kind
+    if kind == "zinf":
+        return _zinf(name, spec, ctx)
+    if kind == "deepspeed":
+        return _deepspeed(name, spec, ctx)
+    torch.manual_seed(0)
+    with ctx.device:
+        model = models.build(spec)
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        call = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    elif name.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        kw: dict = {"mesh": init_device_mesh(ctx.device.type, (ctx.world,))}
+        if name == "fsdp2-offload":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+        for block in models.blocks(model, spec):
+            fully_shard(block, **kw)
+        call = fully_shard(model, **kw)
+    else:
+        call = model
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Run(model, call, lambda loss: loss.backward(), step, spec)
+
+
+def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
+    import torch
+    import zinf
+
+    from harness import models
+
+    offload = dict(ZINF_OFFLOAD[name])
+    if SYSTEMS[name].nvme:
+        offload["nvme_paths"] = [ctx.nvme_dir]
+    config = zinf.ZeroConfig.from_dict({"offload": offload})
+    torch.manual_seed(0)
+    with zinf.Init(config):
+        model = models.build(spec)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine = zinf.initialize(model, opt, config)
+
+    def breakdown() -> dict | None:
+        report = engine.report()
+        return None if report is None else report.metrics()
+
+    return Run(model, engine, engine.backward, engine.step, spec, breakdown=breakdown, finish=engine.synchronize,
+               close=engine.close)
+
+
+def _deepspeed(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
+    import deepspeed
+    import torch
+
+    from harness import models
+
+    tier = {"device": "nvme", "nvme_path": ctx.nvme_dir} if SYSTEMS[name].nvme else {"device": "cpu"}
+    tier["pin_memory"] = ctx.device.type == "cuda"
+    config = {"train_micro_batch_size_per_gpu": ctx.global_batch // ctx.world, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+              "zero_optimization": {"stage": 3, "offload_param": dict(tier), "offload_optimizer": dict(tier)},
+              "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    models.import_model_code(spec)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = models.build(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return Run(model, engine, engine.backward, engine.step, spec)
