@@ -72,7 +72,7 @@ def train(cfg: JobConfig) -> int:
     # zinf's messages carry their own "zinf:" prefix; other ranks only warn, and say which rank they are
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
-    logging.getLogger("zinf.offload.placement").addFilter(quick_progress_lines)
+    logging.getLogger("zinf.placement").addFilter(quick_progress_lines)
 
     model_cfg = cfg.model  # a GPTConfig, checked
     language = MarkovLanguage(model_cfg.vocab, branching=cfg.data.branching, seed=cfg.data.seed)

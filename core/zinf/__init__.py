@@ -15,7 +15,7 @@ from zinf.checkpoint.pretrained import LoadReport, load_pretrained
 from zinf.integrations import trainer as _trainer
 from zinf.integrations import transformers as _transformers
 from zinf.param.gathered import GatheredParameters
-from zinf.param.init import Init
+from zinf.init import Init
 from zinf.report import StepReport
 from zinf.tiling import TiledLinear, tile_linears
 

@@ -23,11 +23,11 @@ from zinf.errors import PartlyLoadedError, UnsupportedModelError
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
-from zinf.fetch.comm import Comm, compute_device
-from zinf.fetch.gather import ParamFetcher
-from zinf.fetch.streams import install_rank_filter
-from zinf.fetch.watchdog import CollectiveWatchdog
-from zinf.offload.placement import Placement
+from zinf.runtime.comm import Comm, compute_device
+from zinf.runtime.gather import ParamFetcher
+from zinf.runtime.streams import install_rank_filter
+from zinf.runtime.watchdog import CollectiveWatchdog
+from zinf.placement import Placement
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.gathered import GatheredParameters
@@ -40,7 +40,7 @@ from zinf.schedule.tensors import map_tensors
 from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
-from zinf.update.reduce import GradReducer
+from zinf.runtime.reduce import GradReducer
 
 __all__ = ["ZeroInfinityEngine", "initialize"]
 
@@ -82,7 +82,11 @@ class ZeroInfinityEngine:
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
-        self.hooks = ModuleHooks(model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds)
+        optimizer = self.placement.optimizer  # gradients land in shards a background step may still read
+        self.hooks = ModuleHooks(
+            model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
+            on_backward_start=([optimizer.before_backward] if optimizer is not None else []) + [self.placement.before_backward],
+            on_backward_end=[self._count_backward] + ([optimizer.after_backward] if optimizer is not None else []))
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
@@ -94,11 +98,6 @@ class ZeroInfinityEngine:
         self.num_backward = 0
         self.last_report: StepReport | None = None
         self.load_failed: str | None = None  # set by a checkpoint load that failed part way
-        self.hooks.on_backward_end.append(self._count_backward)
-        if self.optimizer is not None:  # gradients land in shards a background step may still read
-            self.hooks.on_backward_start.append(self.optimizer.before_backward)
-            self.hooks.on_backward_end.append(self.optimizer.after_backward)
-        self.hooks.on_backward_start.append(self.placement.before_backward)
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)

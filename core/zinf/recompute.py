@@ -10,8 +10,8 @@ detached copies with the same ``requires_grad``. With ``offload: true`` the held
 memory (pinned and copied on a side stream with CUDA, waited for by an event before the copy back),
 and the live tensors are dropped once the first run has used them, so the device holds nothing of the
 block between forward and backward. The device tensors a side-stream copy reads are kept alive by its
-:class:`~zinf.fetch.streams.BufferFence` until compute has waited for the copy, at the end of the first
-run (see [Note: streams] in zinf/fetch/streams.py; no ``record_stream``).
+:class:`~zinf.runtime.streams.BufferFence` until compute has waited for the copy, at the end of the first
+run (see [Note: streams] in zinf/runtime/streams.py; no ``record_stream``).
 
 The recomputation does not go through the block's ``__call__``, so the block's own parameters (if it
 holds any directly) are gathered around it by ``ModuleHooks.recompute_scope``; its submodules' hooks
@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zinf.config import CheckpointingConfig
 from zinf.errors import UnsupportedModelError
-from zinf.fetch.streams import BufferFence
+from zinf.runtime.streams import BufferFence
 
 if TYPE_CHECKING:
     from zinf.schedule.hooks import ModuleHooks

@@ -37,6 +37,12 @@ module is imported, so the checks run without torch, Lightning or Accelerate doi
    for every edge inside it, the shortest cycle through that edge (duplicates removed), so every
    import that takes part in a cycle is shown, with the lines of the import statements.
 
+   Packages, not only modules (``test_no_package_cycle``): with each subpackage of zinf (``zinf.param``,
+   ``zinf.offload``, ...) taken as one node and every import between two of them as an edge (the same edges
+   as above; top-level modules such as ``zinf.engine`` and the packages' ``__init__`` re-exports of the
+   top-level ``zinf`` are not subpackages), the graph has no cycle: the packages form layers (``runtime``
+   under ``param`` under ``offload`` under ``optim``, ...), so each can be read knowing only those below.
+
 2. No late attribute assignment in zinf (``test_no_late_attribute_assignment``): an object sets its
    own attributes (``self.x = ...``, ``cls.x = ...``), never another object's: ``group.param_store =
    store``, ``self.pool.x = ...`` (the object is ``self.pool``) and ``setattr(group, "x", ...)`` (a
@@ -336,7 +342,7 @@ _RECORDS = {
     ("schedule/hooks.py", "state"): "the hooks' own per-module record",
     ("schedule/hooks.py", "self.states[sub]"): "the hooks' own per-module record",
     ("schedule/rounds.py", "result"): "a round's result record, filled by the function that returns it",
-    ("fetch/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
+    ("runtime/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
     ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
     ("schedule/hooks.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
@@ -471,3 +477,33 @@ def test_engine_branch_rule() -> None:
               "from zinf.optim.sharded import ShardedOptimizer\n"
               "self.optimizer.step()\n")
     assert sorted(line for line, _ in _engine_branches(ast.parse(source))) == [1, 3, 3, 5, 6]
+
+
+def _package_graph(graph: Graph, top: str) -> Graph:
+    """``graph`` with each module of a subpackage of ``top`` merged into that subpackage's node; other modules
+    (top-level modules, the top package itself) dropped."""
+    subpackages = {name for name in graph if name.count(".") == 1 and name.startswith(f"{top}.")
+                   and any(other.startswith(f"{name}.") for other in graph)}
+
+    def node(name: str) -> str | None:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) >= 2 and ".".join(parts[:2]) in subpackages else None
+
+    merged: Graph = {p: {} for p in subpackages}
+    for importer, targets in graph.items():
+        a = node(importer)
+        for target, edges in targets.items():
+            b = node(target)
+            if a is not None and b is not None and a != b:
+                merged[a].setdefault(b, []).extend(e for e in edges if e not in merged[a].get(b, []))
+    return merged
+
+
+def test_no_package_cycle(graph: Graph) -> None:
+    packages = _package_graph(graph, "zinf")
+    assert {"zinf.param", "zinf.runtime", "zinf.offload", "zinf.optim"} <= set(packages), sorted(packages)
+    cycles = _cycles(packages)
+    report = "\n".join(_describe(packages, chain) for chain in cycles)
+    if cycles:
+        print(report)
+    assert not cycles, f"{len(cycles)} cycle(s) between zinf's packages:\n{report}"

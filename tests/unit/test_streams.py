@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import zinf.fetch.streams as streams_mod
-from zinf.fetch.streams import (KINDS, BufferFence, NullEvent, NullStream, RankFilter, Streams, install_rank_filter,
+import zinf.runtime.streams as streams_mod
+from zinf.runtime.streams import (KINDS, BufferFence, NullEvent, NullStream, RankFilter, Streams, install_rank_filter,
                                 label, log_all_ranks, region)
 
 
@@ -212,7 +212,7 @@ def test_install_rank_filter_covers_child_loggers_once(rank: list[int], caplog: 
 
 
 def test_one_spelling_per_device() -> None:
-    from zinf.fetch.comm import compute_device
+    from zinf.runtime.comm import compute_device
 
     assert compute_device("cpu:0") == compute_device(torch.device("cpu")) == torch.device("cpu")
     assert compute_device("meta") != compute_device("cpu")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zinf.fetch.watchdog import _is_timeout
+from zinf.runtime.watchdog import _is_timeout
 
 
 def test_only_backend_timeouts_count() -> None:

@@ -70,7 +70,7 @@ import torch
 from zinf.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from zinf.fetch.comm import Comm
+    from zinf.runtime.comm import Comm
 
 __all__ = ["Commit", "Save", "SaveState", "agreed_commit", "check_part", "raise_if_any", "require_commit", "tidy"]
 

@@ -33,7 +33,7 @@ from zinf.checkpoint.pretrained import load_pretrained
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.integrations.after_import import when_imported, wrap_once
-from zinf.param.init import Init
+from zinf.init import Init
 from zinf.param.registry import group_of
 
 __all__ = ["install", "watch", "enable", "disable", "enabled", "loading"]

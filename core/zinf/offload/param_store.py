@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from zinf.fetch.streams import BufferFence, region, streams_for
+from zinf.runtime.streams import BufferFence, region, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.swap import Record, SwapSpace
@@ -29,7 +29,7 @@ __all__ = ["CpuShardStore", "NvmeShardStore", "SlotState"]
 def _copy_in(group: "FlatParamGroup", host: torch.Tensor) -> tuple[torch.Tensor, BufferFence]:
     """``host`` (a pinned shard) on ``group``'s device, copied on the copy_in stream, and the fence that gates
     the reuse of ``host``; the all_gather stream is made to wait for the copy. See [Note: streams] in
-    zinf/fetch/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op."""
+    zinf/runtime/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op."""
     streams = streams_for(group.device)
     if host.device == group.device:
         shard = host
@@ -215,7 +215,7 @@ class NvmeShardStore:
     ``writer`` (a new slot starts STAGED); STAGED -> FILLED in ``commit``. A write to the file may be in
     flight beside any state but READING and STAGED. ``fetch`` copies the buffer to the device on the copy_in
     stream and keeps that copy's fence on the slot: the buffer goes back to the pool, or is staged again,
-    only after the fence is waited for (see [Note: streams] in zinf/fetch/streams.py).
+    only after the fence is waited for (see [Note: streams] in zinf/runtime/streams.py).
     """
 
     tier = "nvme"

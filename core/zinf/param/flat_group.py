@@ -32,7 +32,6 @@ again gets the master back, widened from the shard (``restore_master``).
 
 from __future__ import annotations
 
-import enum
 import math
 import weakref
 from dataclasses import dataclass
@@ -41,8 +40,9 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
-from zinf.fetch.comm import Comm
-from zinf.fetch.streams import InFlight, region, streams_for
+from zinf.runtime.comm import Comm
+from zinf.runtime.gather import GroupState
+from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.param.fence import UpdateFence
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, ShardStore
@@ -65,20 +65,6 @@ class ShardSpill(ShardStore, Protocol):
 
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None: ...
     def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
-
-
-class GroupState(enum.Enum):
-    """Which tensors hold memory.
-
-    SHARDED: the shard (and the fp32 master, unless frozen: see [Note: frozen groups]) only; parameters'
-    ``.data`` are placeholders.
-    GATHERING: an all-gather into the full buffer is in flight; parameters still placeholders.
-    GATHERED: the full buffer holds the whole flat vector; parameters are views into it.
-    """
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
 
 
 @dataclass(frozen=True)
@@ -326,7 +312,7 @@ class FlatParamGroup:
         return self.padded_numel * self.full.element_size()
 
     def start_gather(self) -> None:
-        """Issue the all-gather on the all_gather stream (see [Note: streams] in zinf/fetch/streams.py): the full
+        """Issue the all-gather on the all_gather stream (see [Note: streams] in zinf/runtime/streams.py): the full
         buffer is allocated on compute, and the stream waits for compute and for the store's copy-in (``fetch``
         makes it wait for its H2D fence) first. The shard is kept (in ``_work``) until compute has waited."""
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of, groups_of, register_group, unregister
 

@@ -1,6 +1,6 @@
 """Where a group's compute-dtype parameter shard lives between uses: the store protocol, and the device tier.
 
-One store per engine, chosen once from ``offload.params`` (zinf/offload/placement.py) and built complete
+One store per engine, chosen once from ``offload.params`` (zinf/placement.py) and built complete
 by its constructor; groups only call ``fetch`` / ``done`` around their all-gather, ``writer`` /
 ``commit`` when their shard is rewritten (an optimizer step, an edit) and ``read`` when a frozen group's values
 are read outside training (see [Note: frozen groups] in zinf/param/flat_group.py). The host and NVMe stores live in
@@ -29,7 +29,7 @@ class ShardStore(Protocol):
     def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
         """``group``'s shard on the compute device, the source of its all-gather. A store that copies it there (host
         or NVMe tiers, on CUDA) does so on the copy-in stream and makes the all-gather stream wait for that copy;
-        the host buffer it copied from is reused only after the copy's fence (see zinf/fetch/streams.py)."""
+        the host buffer it copied from is reused only after the copy's fence (see zinf/runtime/streams.py)."""
         ...
 
     def done(self, group: "FlatParamGroup") -> None:

@@ -114,7 +114,7 @@ class Machine:
 
 
 def available_ram() -> int:
-    from zinf.offload.placement import _available_ram
+    from zinf.placement import _available_ram
 
     return _available_ram()
 
@@ -261,7 +261,7 @@ def _measure_allgather() -> float:
     """Bytes received per second by this rank in an all-gather of 64 MiB over the process group that is up."""
     import torch.distributed as dist
 
-    from zinf.fetch.comm import default_device
+    from zinf.runtime.comm import default_device
 
     dev = default_device()
     world = dist.get_world_size()
@@ -277,7 +277,7 @@ def _measure_latency() -> float:
     """Seconds of one small all-reduce over the process group that is up (the fixed cost of a collective)."""
     import torch.distributed as dist
 
-    from zinf.fetch.comm import default_device
+    from zinf.runtime.comm import default_device
 
     x = torch.ones(1, device=default_device())
     dist.all_reduce(x)

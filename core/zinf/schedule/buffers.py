@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zinf.fetch.comm import Comm
-from zinf.fetch.streams import region
+from zinf.runtime.comm import Comm
+from zinf.runtime.streams import region
 from zinf.report import StepTimers
 
 __all__ = ["BufferSync"]

@@ -39,15 +39,15 @@ import fnmatch
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
-from zinf.fetch.comm import Comm
-from zinf.fetch.gather import ParamFetcher
+from zinf.runtime.comm import Comm
+from zinf.runtime.gather import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
@@ -56,7 +56,7 @@ from zinf.schedule.buffers import BufferSync
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
-from zinf.update.reduce import GradReducer
+from zinf.runtime.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
 
@@ -139,7 +139,11 @@ def _after_backward(hooks: "ModuleHooks", module: nn.Module, args: tuple) -> tup
 
 class ModuleHooks:
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
-                 fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds) -> None:
+                 fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds, *,
+                 on_backward_start: Sequence[Callable[[], None]] = (),
+                 on_backward_end: Sequence[Callable[[], None]] = ()) -> None:
+        """``on_backward_start`` / ``on_backward_end``: called, in order, when a backward pass starts (before its
+        first gradient lands) and after it ends (every gradient reduced)."""
         self.model = model
         self.config = config
         self.comm = comm
@@ -164,8 +168,8 @@ class ModuleHooks:
         self.stack: list[_Call] = []
         self.in_backward = False
         self.busy = 0  # > 0 while a hook body runs; see _engine_code
-        self.on_backward_start: list[Callable[[], None]] = []
-        self.on_backward_end: list[Callable[[], None]] = []
+        self.on_backward_start: tuple[Callable[[], None], ...] = tuple(on_backward_start)
+        self.on_backward_end: tuple[Callable[[], None], ...] = tuple(on_backward_end)
         self.buffers = BufferSync(model, comm, timers, config.broadcast_buffers)
         for module, state in self.states.items():
             if any(fnmatch.fnmatchcase(state.name, p) or type(module).__name__ == p for p in config.unit_modules):

@@ -40,10 +40,10 @@ from typing import Any, Sequence
 import torch
 
 from zinf.errors import CollectiveMismatchError, ZinfError
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
-from zinf.update.reduce import GradReducer
+from zinf.runtime.reduce import GradReducer
 
 __all__ = ["Post", "Rounds", "RoundResult"]
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from zinf.config import LossScaleConfig
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["DynamicLossScaler", "found_nonfinite"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zinf.offload.param_store as param_store
-from zinf.fetch.streams import BufferFence
+from zinf.runtime.streams import BufferFence
 from zinf.offload.param_store import NvmeShardStore, SlotState, _Slot
 from zinf.offload.pool_room import PoolRoom
 from zinf.offload.swap import Record

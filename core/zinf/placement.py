@@ -19,7 +19,7 @@ import torch
 
 from zinf import native
 from zinf.config import OffloadConfig
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
 from zinf.offload.param_store import CpuShardStore, NvmeShardStore
 from zinf.offload.pool_room import PoolRoom, block_bytes

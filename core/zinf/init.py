@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zinf.config import ZeroConfig
-from zinf.fetch.comm import Comm, compute_device, default_device
+from zinf.runtime.comm import Comm, compute_device, default_device
 from zinf.offload.spill_store import SpillStore
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.partition import agree_with_rank0, partition_module_params
@@ -47,6 +47,17 @@ _METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, to
                        torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size,
                        torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
                        torch.Tensor.is_floating_point})
+
+
+# In-place random fills. [Note: edits draw where plain PyTorch would] A parameter edited after its module was
+# partitioned is gathered on the compute device, but without zinf it would still be on the device the model is
+# built on (the CPU, unless a ``torch.device`` block says otherwise): a fill there draws from that device's
+# generator, so the fill (a Tensor method below, or any ``torch.nn.init`` function, which reaches this mode as
+# itself with the tensor as ``tensor=``) runs on a copy on the construction device and is copied in. On CUDA, an edit such as
+# GPT's ``apply(_init_weights)`` then gives the values of ``build().cuda()``, as the module's own initialisation does.
+_RANDOM_FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_,
+                           torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+                           torch.Tensor.log_normal_, torch.Tensor.cauchy_})
 
 
 class _EditMode(TorchFunctionMode):
@@ -76,7 +87,27 @@ class _EditMode(TorchFunctionMode):
             if g.state is not GroupState.GATHERED:
                 g.acquire()
                 self.open.append(g)
+        if func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            target = args[0] if args else kwargs.get("tensor")
+            home = torch.get_default_device()
+            if (isinstance(target, torch.Tensor) and target.device != home and kwargs.get("generator") is None
+                    and self._in_gathered(target, touched)):  # [Note: edits draw where plain PyTorch would]
+                local = target.detach().to(home)
+                if args:
+                    func(local, *args[1:], **kwargs)
+                else:
+                    func(**{**kwargs, "tensor": local})
+                with torch.no_grad():
+                    target.copy_(local)
+                return target
         return func(*args, **kwargs)
+
+    def _in_gathered(self, target: torch.Tensor, touched: list[FlatParamGroup]) -> bool:
+        """Whether ``target`` is a partitioned parameter, or a view of one (``weight.data``), gathered here."""
+        if touched:
+            return True
+        ptr = target.untyped_storage().data_ptr() if target.numel() > 0 else None
+        return ptr is not None and any(g.full.untyped_storage().data_ptr() == ptr for g in self.open)
 
     def close(self, group: FlatParamGroup) -> None:
         if group not in self.open:  # closed already by an operation that ran while closing another

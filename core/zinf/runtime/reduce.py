@@ -10,17 +10,21 @@ until the optimizer step clears it.
 
 With CUDA the reduce-scatter runs on the reduce_scatter stream once it has waited for compute, and a
 shard that lives in host memory leaves the device on the copy_out stream (see [Note: streams] in
-zinf/fetch/streams.py); on CPU both are the plain calls.
+zinf/runtime/streams.py); on CPU both are the plain calls.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from zinf.fetch.comm import Comm
-from zinf.fetch.streams import BufferFence, InFlight, Streams, region, streams_for
-from zinf.param.flat_group import FlatParamGroup
+from zinf.runtime.comm import Comm
+from zinf.runtime.streams import BufferFence, InFlight, Streams, region, streams_for
 from zinf.report import StepTimers
+
+if TYPE_CHECKING:
+    from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["GradReducer"]
 

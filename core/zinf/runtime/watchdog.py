@@ -21,7 +21,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from zinf.errors import CollectiveTimeoutError, ZinfError
-from zinf.fetch.comm import Comm
+from zinf.runtime.comm import Comm
 
 __all__ = ["CollectiveWatchdog"]
 

@@ -73,7 +73,7 @@ from typing import Any, Callable, ContextManager, Iterator, Literal, Union
 import torch
 import torch.distributed as dist
 
-from zinf.fetch.comm import compute_device
+from zinf.runtime.comm import compute_device
 
 __all__ = [
     "KINDS",
@@ -381,7 +381,7 @@ class RankFilter(logging.Filter):
 def install_rank_filter(logger_name: str = "zinf") -> RankFilter:
     """Put one :class:`RankFilter` on ``logger_name`` and on every logger below it that exists now.
 
-    A filter on a logger is not consulted for records of its child loggers (``zinf.fetch.gather``),
+    A filter on a logger is not consulted for records of its child loggers (``zinf.runtime.gather``),
     hence the walk over existing descendants; call again after importing more modules. Idempotent:
     loggers that already carry a RankFilter keep it, and that filter is returned.
     """
