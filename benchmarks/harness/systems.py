@@ -110,6 +110,18 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     return Run(model, call, lambda loss: loss.backward(), step, spec)
 
 
+def _nvme_pool_bytes(spec: models.ModelSpec) -> int:
+    """A pool that holds what zinf's NVMe placement never waits for (its check in zinf/placement.py): the
+    optimizer pipeline of 3 sub-groups x 4 buffers (3 states and the gradient) of the default 32 Mi-element
+    sub-groups, and the largest shard (the embedding) four times, each in a power-of-two block; plus one more
+    largest block for read-ahead, and at least zinf's default 256 MiB."""
+    def block(nbytes: int) -> int:
+        return 1 << max(nbytes - 1, 1).bit_length()
+    sub_group = block(min(32 << 20, spec.vocab * spec.n_embd) * 4)
+    largest = block(spec.vocab * spec.n_embd * 4 + 4096)
+    return max(256 << 20, 12 * sub_group + 5 * largest)
+
+
 def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     import torch
     import zinf
@@ -119,6 +131,7 @@ def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     offload = dict(ZINF_OFFLOAD[name])
     if SYSTEMS[name].nvme:
         offload["nvme_paths"] = [ctx.nvme_dir]
+        offload["pinned_pool_bytes"] = _nvme_pool_bytes(spec)
     config = zinf.ZeroConfig.from_dict({"offload": offload})
     torch.manual_seed(0)
     with zinf.Init(config):

@@ -1,5 +1,5 @@
 """Streams and fences on CUDA: the fence is what keeps a pinned buffer's reuse and a gathered parameter's read
-in order (see [Note: streams] in zinf/fetch/streams.py).
+in order (see [Note: streams] in zinf/runtime/streams.py).
 
 Each race is made certain rather than likely: a long ``torch.cuda._sleep`` kernel is queued first on the side
 stream, so the copy (or gather) it precedes has not even started when the host (or compute) goes on. Every
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from zinf.fetch.comm import Comm
-from zinf.fetch.streams import Streams, streams_for
+from zinf.runtime.comm import Comm
+from zinf.runtime.streams import Streams, streams_for
 from zinf.offload.swap import Record
 
 pytestmark = pytest.mark.gpu
@@ -132,7 +132,8 @@ class _InstantSwap:
 
 class _Group:
     def __init__(self) -> None:
-        self.name, self.shard_numel, self.compute_dtype = "layers.0", _NUMEL, torch.float32
+        self.name, self.shard_numel = "layers.0", _NUMEL
+        self.compute_dtype = self.storage_dtype = torch.float32
         self.device, self.update_pending = torch.device("cuda", torch.cuda.current_device()), False
 
 
