@@ -88,9 +88,12 @@ class ParamFetcher:
             budget = min(budget, self.config.max_gathered_bytes - self.gathered_bytes)
         reading = True
         chosen: list[FlatParamGroup] = []
+        covered = 0  # the next modules whose groups are all gathered or on their way, counted from the next one
         for n, groups in enumerate(upcoming):
             if n >= 2 * self.config.prefetch_modules:
                 break
+            if covered == n and all(g.state is not GroupState.SHARDED for g in groups):
+                covered += 1
             # shard reads (NVMe -> pinned pool) run twice as far ahead as gathers, bounded by the pool
             for g in groups:
                 if reading and g.state is GroupState.SHARDED:
@@ -110,6 +113,13 @@ class ParamFetcher:
                     continue
                 budget -= g.nbytes_full
                 chosen.append(g)
+        if chosen and covered * 2 >= self.config.prefetch_modules:
+            # [Note: prefetch in batches] the window is still at least half full: ask for nothing now. With several
+            # ranks each prefetch is a round (see [Note: rounds]); refilling the window only once half of it is used
+            # asks for about half the window's modules per round, where topping it up at every module cost one
+            # round per module (54 per step of a 4-layer GPT; bench_rounds.py). Which gathers run, and in which
+            # order, is unchanged; only how many are asked for at once.
+            chosen = []
         if chosen:
             self.num_prefetched += len(chosen)
             if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
