@@ -47,10 +47,10 @@ def side_by_side(rows: list[dict], path: str, title: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, fontsize=8, loc="lower center", ncol=min(5, max(1, len(names))))
+    fig.legend(handles, names, fontsize=8, loc="lower center", ncol=min(4, max(1, len(names))))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 * ((len(names) + 4) // 5), 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.06 * ((len(names) + 3) // 4), 1, 1))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -85,7 +85,7 @@ def size_curve(rows: list[dict], path: str, title: str, limit_gib: float | None,
     ax_m.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -110,5 +110,5 @@ def ranks_curve(rows: list[dict], path: str, title: str) -> None:
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
