@@ -47,29 +47,18 @@ def main() -> None:
     cli.smoke_defaults(p, model="gpt:tiny", ranks_list=[1, 2], steps=2, warmup=1, passes=1, global_batch=2,
                        systems="zinf-mem,ds-cpu")
     args = p.parse_args()
-    if args.plot:
-        meta, rows = tables.read_raw(args.plot)
-        print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
+    if cli.redraw(args, render):
         return
-    from harness.launch import run_system  # torch and the models: not needed to redraw
-
-    system_names = cli.system_list(args)
-    meta = cli.prepare(args)
-    meta.update(model=args.model, ranks_list=args.ranks_list, global_batch=args.global_batch, steps=args.steps,
-                warmup=args.warmup, passes=args.passes, systems=system_names, smoke=args.smoke)
-    print(tables.header(meta), flush=True)
+    system_names, meta = cli.start(args, model=args.model, ranks_list=args.ranks_list, passes=args.passes)
     runs = [(s, 1) for s in system_names if s == "plain"] + [(s, n) for n in args.ranks_list for s in system_names
                                                              if s != "plain"]
     rows: list[dict] = []
     for n in range(args.passes):
         for system, ranks in (runs if n % 2 == 0 else runs[::-1]):
-            row = run_system(system, args.model, ranks=ranks, global_batch=args.global_batch, steps=args.steps,
-                             warmup=args.warmup, threads=args.threads, limits=cli.limits(args), work_dir=args.work_dir,
-                             ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"])
+            row = cli.run(args, meta, system, args.model, ranks)
             row["pass"] = n + 1
             rows.append(row)
-            step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
-            print(f"pass {n + 1} ranks {ranks} {row['label']:<44} {step}", flush=True)
+            print(f"pass {n + 1} ranks {ranks} {row['label']:<44} {cli.step_text(row)}", flush=True)
             tables.write_raw(args.out, STEM, meta, rows)
     print()
     print(render(meta, rows, args.out))

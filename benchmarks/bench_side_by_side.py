@@ -57,30 +57,18 @@ def main() -> None:
     cli.smoke_defaults(p, models="gpt:tiny", steps=2, warmup=1, passes=1, global_batch=2, ranks=1,
                        systems="plain,ddp,fsdp2-offload,zinf-nvme,ds-cpu,ds-nvme")
     args = p.parse_args()
-    if args.plot:
-        meta, rows = tables.read_raw(args.plot)
-        print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
+    if cli.redraw(args, render):
         return
-    from harness.launch import run_system  # torch and the models: not needed to redraw
-
-    system_names = cli.system_list(args)
-    meta = cli.prepare(args)
-    meta.update(global_batch=args.global_batch, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
-                passes=args.passes, models=args.models.split(","), systems=system_names, smoke=args.smoke)
-    print(tables.header(meta), flush=True)
+    system_names, meta = cli.start(args, ranks=args.ranks, passes=args.passes, models=args.models.split(","))
     rows: list[dict] = []
     for n in range(args.passes):
         order = system_names if n % 2 == 0 else system_names[::-1]
         for model in args.models.split(","):
             for system in order:
-                row = run_system(system, model, ranks=1 if system == "plain" else args.ranks,
-                                 global_batch=args.global_batch, steps=args.steps, warmup=args.warmup,
-                                 threads=args.threads, limits=cli.limits(args), work_dir=args.work_dir,
-                                 ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"])
+                row = cli.run(args, meta, system, model, 1 if system == "plain" else args.ranks)
                 row["pass"] = n + 1
                 rows.append(row)
-                step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
-                print(f"pass {n + 1} {model:<14} {row['label']:<44} {step}", flush=True)
+                print(f"pass {n + 1} {model:<14} {row['label']:<44} {cli.step_text(row)}", flush=True)
                 tables.write_raw(args.out, STEM, meta, rows)  # after every run: a killed benchmark keeps its rows
     print()
     print(render(meta, rows, args.out))

@@ -48,30 +48,19 @@ def main() -> None:
     cli.add_common(p, out="bench_out/size_curve", steps=3, warmup=1, global_batch=2)
     cli.smoke_defaults(p, model="gpt:tiny", layers=[1, 2], steps=2, warmup=1, ranks=1, systems="zinf-cpu,ds-nvme")
     args = p.parse_args()
-    if args.plot:
-        meta, rows = tables.read_raw(args.plot)
-        print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
+    if cli.redraw(args, render):
         return
-    from harness.launch import run_system  # torch and the models: not needed to redraw
-
-    system_names = cli.system_list(args)
-    meta = cli.prepare(args)
-    meta.update(model=args.model, layers=args.layers, global_batch=args.global_batch, ranks=args.ranks,
-                steps=args.steps, warmup=args.warmup, limit_gib=args.limit_gib, systems=system_names, smoke=args.smoke)
-    print(tables.header(meta), flush=True)
+    system_names, meta = cli.start(args, model=args.model, layers=args.layers, ranks=args.ranks,
+                                   limit_gib=args.limit_gib)
     rows: list[dict] = []
     racing = list(system_names)
     for layers in args.layers:
         for system in list(racing):
-            row = run_system(system, f"{args.model}:L{layers}", ranks=1 if system == "plain" else args.ranks,
-                             global_batch=args.global_batch, steps=args.steps, warmup=args.warmup,
-                             threads=args.threads, limits=cli.limits(args), work_dir=args.work_dir,
-                             ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"])
+            row = cli.run(args, meta, system, f"{args.model}:L{layers}", 1 if system == "plain" else args.ranks)
             rows.append(row)
             if row["status"] != "ok":
                 racing.remove(system)
-            step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
-            print(f"L={layers:<3} {row['numel'] / 1e6:9.1f}M {row['label']:<44} {step}  "
+            print(f"L={layers:<3} {row['numel'] / 1e6:9.1f}M {row['label']:<44} {cli.step_text(row)}  "
                   f"peak RSS/rank {row.get('peak_rss_per_rank_gib', 0):.2f} GiB", flush=True)
             tables.write_raw(args.out, STEM, meta, rows)
         if not racing:

@@ -6,8 +6,9 @@ import argparse
 import os
 import shutil
 import sys
+from typing import Callable
 
-from harness import systems
+from harness import systems, tables
 from harness.watchdog import Limits
 
 DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
@@ -67,3 +68,38 @@ def smoke_defaults(p: argparse.ArgumentParser, **defaults: object) -> None:
     on the command line still win."""
     if "--smoke" in sys.argv[1:]:
         p.set_defaults(peak_n=512, **defaults)
+
+
+def redraw(args: argparse.Namespace, render: Callable[[dict, list[dict], str], str]) -> bool:
+    """With ``--plot JSON``: reprint the tables and redraw the plots from the raw JSON (nothing runs, no torch) and
+    return True."""
+    if not args.plot:
+        return False
+    meta, rows = tables.read_raw(args.plot)
+    print(render(meta, rows, os.path.dirname(os.path.abspath(args.plot))))
+    return True
+
+
+def start(args: argparse.Namespace, **fields: object) -> tuple[list[str], dict]:
+    """Before a script's runs: the systems chosen, the machine described (``prepare``), the run's settings and
+    ``fields`` in its meta, the table header printed."""
+    names = system_list(args)
+    meta = prepare(args)
+    meta.update(global_batch=args.global_batch, steps=args.steps, warmup=args.warmup, systems=names,
+                smoke=args.smoke, **fields)
+    print(tables.header(meta), flush=True)
+    return names, meta
+
+
+def run(args: argparse.Namespace, meta: dict, system: str, model: str, ranks: int) -> dict:
+    """One system on one model at ``ranks`` ranks, with the script's settings (harness/launch.py)."""
+    from harness.launch import run_system  # torch and the models: not needed to redraw
+
+    return run_system(system, model, ranks=ranks, global_batch=args.global_batch, steps=args.steps,
+                      warmup=args.warmup, threads=args.threads, limits=limits(args), work_dir=args.work_dir,
+                      ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"])
+
+
+def step_text(row: dict) -> str:
+    """A run's step time, or its status and error, for the progress lines."""
+    return f"{row['step_s']:.3f} s" if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
