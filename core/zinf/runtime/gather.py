@@ -117,8 +117,8 @@ class ParamFetcher:
             # [Note: prefetch in batches] the window is still at least half full: ask for nothing now. With several
             # ranks each prefetch is a round (see [Note: rounds]); refilling the window only once half of it is used
             # asks for about half the window's modules per round, where topping it up at every module cost one
-            # round per module (54 per step of a 4-layer GPT; bench_rounds.py). Which gathers run, and in which
-            # order, is unchanged; only how many are asked for at once.
+            # round per module (54 per step of a 4-layer GPT; bench_rounds.py). Which groups are gathered is
+            # unchanged; only how many are asked for at once.
             chosen = []
         if chosen:
             self.num_prefetched += len(chosen)
