@@ -90,7 +90,8 @@ class _EditMode(TorchFunctionMode):
         if func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             home = torch.get_default_device()
-            if (isinstance(target, torch.Tensor) and target.device != home and kwargs.get("generator") is None
+            if (isinstance(target, torch.Tensor) and target.device != home and home.type != "meta"
+                    and kwargs.get("generator") is None
                     and self._in_gathered(target, touched)):  # [Note: edits draw where plain PyTorch would]
                 local = target.detach().to(home)
                 if args:
