@@ -82,11 +82,12 @@ class ZeroInfinityEngine:
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
-        optimizer = self.placement.optimizer  # gradients land in shards a background step may still read
+        # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
+        stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
         self.hooks = ModuleHooks(
             model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
-            on_backward_start=([optimizer.before_backward] if optimizer is not None else []) + [self.placement.before_backward],
-            on_backward_end=[self._count_backward] + ([optimizer.after_backward] if optimizer is not None else []))
+            on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
+            on_backward_end=[self._count_backward] + [o.after_backward for o in stepper])
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["HeapTrimmer"]
+__all__ = ["HeapTrimmer", "trim_heap"]
 
 _TRIM_EVERY_BYTES = 64 << 20
 
@@ -21,6 +21,12 @@ try:
     _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
 except (OSError, AttributeError):  # pragma: no cover - not glibc
     _trim = None
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system now (``malloc_trim(0)``; nothing elsewhere than glibc)."""
+    if _trim is not None:
+        _trim(0)
 
 
 class HeapTrimmer:
@@ -37,5 +43,4 @@ class HeapTrimmer:
 
     def trim(self) -> None:
         self._since = 0
-        if _trim is not None:
-            _trim(0)
+        trim_heap()

@@ -26,7 +26,7 @@ from zinf.checkpoint.model_state import Loaded, check_fits, load_parts, slot_vie
 from zinf.checkpoint.part_file import PartReader
 from zinf.checkpoint.safetensors_header import TensorSpec
 from zinf.errors import CheckpointError, PartlyLoadedError
-from zinf.heap import HeapTrimmer
+from zinf.heap import trim_heap
 from zinf.tiling import merge_tiles
 
 if TYPE_CHECKING:
@@ -179,7 +179,6 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
         world = checkpoint.commit.world
         tiles = first.get("tiling", {})
         pending: dict[str, torch.Tensor] = {}
-        trimmer = HeapTrimmer(every_bytes=0)  # each group's memory back before the next is read
 
         def named(name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
             if not _is_tile(name, tiles):
@@ -200,7 +199,7 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
                 for name in group["params"][index]["names"]:
                     yield from named(name, value)
             del flat
-            trimmer.count(group["numel"] * 8)  # the group and its cloned tensors: [Note: heap growth] in heap.py
+            trim_heap()  # the group's memory back before the next is read: [Note: heap growth] in heap.py
         buffers = checkpoint.part(0)
         for name in first["buffers"]:
             yield from named(name, buffers.read(f"buffer.{name}").clone())
