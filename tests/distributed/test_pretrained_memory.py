@@ -1,9 +1,10 @@
 """A pretrained model is built and loaded under a memory bound below its size ([Note: construction spill] in
-zinf/offload/spill_store.py, zinf/checkpoint/pretrained.py): on 2 gloo ranks with parameters on NVMe, each rank's
-resident memory grows by far less than its half of the model while transformers' ``from_pretrained`` builds it under
-``zinf.Init`` and loads it, and while the engine is built (sampled RSS and the kernel's high-water mark); the
-engine's own accounting puts the parameter shards on NVMe, none in host memory. Then one LoRA-like step (base
-frozen) runs and its loss is finite."""
+zinf/offload/spill_store.py, zinf/checkpoint/pretrained.py): on 2 gloo ranks with parameters on NVMe, while
+transformers' ``from_pretrained`` builds it under ``zinf.Init`` and loads it and while the engine is built, each
+rank's resident memory (sampled RSS and the kernel's high-water mark) grows by less than its bf16 half of the model,
+and by at most a module's worth beyond the engine's own host bytes (pinned pool, the trainable head's optimizer
+state: fixed costs, not the frozen model); the engine's own accounting puts the parameter shards on NVMe, none in
+host memory. Then one LoRA-like step (base frozen) runs and its loss is finite."""
 
 from __future__ import annotations
 
@@ -92,13 +93,20 @@ def test_building_and_loading_stays_far_below_the_model(tmp_path: Path) -> None:
     (tmp_path / "nvme").mkdir()
     results = run_distributed(_build, 2, str(tmp_path / "model"), str(tmp_path / "small"), str(tmp_path / "nvme"))
     print(f"model {model_bytes / 2**20:.1f} MiB; RSS growth per rank (MiB):",
-          [{k: round(v / 2**20, 1) for k, v in r["grew"].items()} for r in results])
+          [{k: round(v / 2**20, 1) for k, v in r["grew"].items()} for r in results],
+          "engine host bytes per rank:", [r["resident"].get("cpu") for r in results])
     for rank, r in enumerate(results):
-        # its half of the model is model_bytes / 2 in bf16 (model_bytes in fp32); it may hold one module at a time
-        # and the 16 MiB pinned pool, nothing that grows with the model
+        # Its half of the model is model_bytes / 2 in bf16. What it may hold besides: the engine's own host bytes,
+        # which do not grow with the frozen model (the pinned pool and the trainable head's optimizer state, counted
+        # by the engine and checked below to hold no parameter shard), and one gathered module at a time.
+        engine_host = sum(r["resident"].get("cpu", {}).values())
         for how, grew in r["grew"].items():
-            assert grew < 0.3 * model_bytes, (f"rank {rank}: RSS grew {grew / 2**20:.1f} MiB ({how}) building and "
+            assert grew < 0.4 * model_bytes, (f"rank {rank}: RSS grew {grew / 2**20:.1f} MiB ({how}) building and "
                                               f"loading a {model_bytes / 2**20:.1f} MiB model")
+            assert grew - engine_host < 0.15 * model_bytes, (
+                f"rank {rank}: RSS grew {grew / 2**20:.1f} MiB ({how}), {(grew - engine_host) / 2**20:.1f} MiB "
+                f"beyond the engine's own {engine_host / 2**20:.1f} MiB of host bytes, building and loading a "
+                f"{model_bytes / 2**20:.1f} MiB model")
         resident = r["resident"]
         assert resident.get("nvme", {}).get("param_shards", 0) >= 0.49 * model_bytes, resident
         assert resident.get("cpu", {}).get("param_shards", 0) == 0, resident
