@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zinf.config import ZeroConfig
+from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
@@ -114,7 +115,7 @@ class ZeroInfinityEngine:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
         self.placement.before_forward(torch.is_grad_enabled())
-        with self.watchdog.watch("forward"), self.timers.time("forward"), mode:
+        with stops_deferred(), self.watchdog.watch("forward"), self.timers.time("forward"), mode:
             try:
                 return self.module(*args, **kwargs)
             except BaseException:
@@ -125,7 +126,7 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        with self.watchdog.watch("backward"), self.timers.time("backward"):
+        with stops_deferred(), self.watchdog.watch("backward"), self.timers.time("backward"):
             try:
                 loss.backward(**kwargs)
             except BaseException:
@@ -146,7 +147,7 @@ class ZeroInfinityEngine:
 
     def step(self) -> bool:
         """Optimizer step on the shards; returns False when an fp16 overflow skipped it."""
-        with self.watchdog.watch("the optimizer step"):
+        with stops_deferred(), self.watchdog.watch("the optimizer step"):
             return self._step()
 
     def _step(self) -> bool:

@@ -31,11 +31,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("lightning_zinf"))
 
 
-def lightning(runs: Runs, strategy: str, *args: str, accelerator: str = "cpu") -> list[dict]:
-    return records(runs("lightning_driver.py", "--strategy", strategy, "--accelerator", accelerator, *args))
-
-
 GPT_EVAL = ("--kind", "gpt", "--steps", "20", "--eval", "--ckpt-every", "10")
+
+
+def lightning(runs: Runs, strategy: str, *args: str, accelerator: str = "cpu") -> list[dict]:
+    """The GPT runs with eval loops start as a user starts a script (``python driver.py``, Lightning's launcher
+    starts the second rank); the others under torchrun (see ``Runs``)."""
+    launcher = "lightning" if args == GPT_EVAL else "torchrun"
+    return records(runs("lightning_driver.py", "--strategy", strategy, "--accelerator", accelerator, *args,
+                        launcher=launcher))
 
 
 @pytest.mark.parametrize("accelerator", _accelerators())
@@ -74,7 +78,8 @@ def test_manual_optimization_matches_automatic_ddp(runs: Runs) -> None:
 
 
 def test_resume_matches_uninterrupted_and_converts(runs: Runs) -> None:
-    full_dir = runs("lightning_driver.py", "--strategy", "zero_infinity", "--accelerator", "cpu", *GPT_EVAL)
+    full_dir = runs("lightning_driver.py", "--strategy", "zero_infinity", "--accelerator", "cpu", *GPT_EVAL,
+                    launcher="lightning")
     ckpt = full_dir / "ckpt" / "step=10.ckpt"
     committed = json.loads((ckpt / "commit.json").read_text())["files"]  # one file per rank, made current together
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(["commit.json", "commit.lock", *committed])
@@ -86,7 +91,7 @@ def test_resume_matches_uninterrupted_and_converts(runs: Runs) -> None:
 
     # the single-file conversion holds the same weights as DDP's own checkpoint at step 20
     converted = torch.load(full_dir / "converted.ckpt", weights_only=False)
-    ddp_dir = runs("lightning_driver.py", "--strategy", "ddp", "--accelerator", "cpu", *GPT_EVAL)
+    ddp_dir = runs("lightning_driver.py", "--strategy", "ddp", "--accelerator", "cpu", *GPT_EVAL, launcher="lightning")
     ddp = torch.load(ddp_dir / "ckpt" / "step=20.ckpt", weights_only=False)
     assert converted["global_step"] == ddp["global_step"] == 20
     assert converted["state_dict"].keys() == ddp["state_dict"].keys()

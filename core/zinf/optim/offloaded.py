@@ -27,12 +27,25 @@ next gather (and any NVMe read-ahead of it) waits on that. The next backward wai
 update (``before_backward``), not for the state writes still trailing on disk; the next step,
 checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
 group raises the error instead of training on a half-updated model.
+
+[Note: a background step at exit]
+The thread is not a daemon, so interpreter exit waits for a running step instead of killing it inside
+native code. That wait (``threading._shutdown``) only knows threads that have registered themselves, which a
+new thread does a moment after ``Thread.start()`` was called: a ``SystemExit`` raised in the main thread
+inside ``start()`` (zinf's SIGTERM handler, [Note: clean stops] in zinf/offload/cleanup.py) leaves a step
+running that nobody waits for. Finalization then stops the thread when it next takes the GIL, inside the C++
+Adam's or the I/O wait's frames, and the process aborts ("terminate called without an active exception",
+seen about once in ten SIGTERMs of a small NVMe run) before the swap files are removed. So an exit handler
+joins every background step once its thread is running (:func:`_join_background_steps`); registered when
+the first step starts, it runs before the swap files' removal (exit handlers run last-registered first).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -70,6 +83,25 @@ def check_offloadable(optimizer: torch.optim.Optimizer) -> None:
         raise UnsupportedModelError("zinf: the optimizer has already taken steps; hand it to the engine before the first step.")
 
 
+_RUNNING: "weakref.WeakSet[OffloadedAdam]" = weakref.WeakSet()  # optimizers that started a background step
+_EXIT_HANDLER = threading.Lock()
+_exit_handler_registered = False
+
+
+def _join_background_steps() -> None:
+    """At interpreter exit: wait for every background step (see [Note: a background step at exit])."""
+    for optimizer in list(_RUNNING):
+        optimizer.join_at_exit()
+
+
+def _register_exit_handler() -> None:
+    global _exit_handler_registered
+    with _EXIT_HANDLER:
+        if not _exit_handler_registered:
+            atexit.register(_join_background_steps)
+            _exit_handler_registered = True
+
+
 class OffloadedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
                  states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
@@ -80,6 +112,7 @@ class OffloadedAdam:
         self.background = background
         self.timers = timers or StepTimers()
         self._thread: threading.Thread | None = None
+        self._thread_running = threading.Event()  # set by the thread itself: it is registered for exit's wait
         self._error: BaseException | None = None
         self._hyper: list[AdamHyper] = []
         self._factors: dict[int, float] = {}
@@ -113,7 +146,10 @@ class OffloadedAdam:
             return
         # a frozen group has no sub-group (see [Note: frozen groups] in zinf/param/flat_group.py): its gathers never wait
         self.fence.begin([g for g in self.groups if self.states.of(g)])
-        # not a daemon: interpreter exit waits for a running step instead of killing it inside native code
+        # not a daemon: interpreter exit waits for a running step (see [Note: a background step at exit])
+        _register_exit_handler()
+        _RUNNING.add(self)
+        self._thread_running.clear()
         self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
         self._thread.start()
 
@@ -127,6 +163,15 @@ class OffloadedAdam:
             log.error("zinf: the background optimizer step failed; the model is partly updated and will not train "
                       "further. Restart from the last checkpoint.")
             raise self._error
+
+    def join_at_exit(self) -> None:
+        """Wait for a background step, even one whose ``start()`` an exception cut short (its error is left for the
+        log: the process is ending)."""
+        thread = self._thread
+        if thread is None:
+            return
+        if self._thread_running.wait(timeout=2.0):  # not set: the thread never ran (start() failed before it)
+            thread.join()
 
     def before_backward(self) -> None:
         """Block until every group's update of a background step is done (its state writes may still be
@@ -146,6 +191,7 @@ class OffloadedAdam:
         self.states.settle()
 
     def _background(self) -> None:
+        self._thread_running.set()
         self.states.on_background_thread()
         try:
             self._run()

@@ -42,6 +42,7 @@ from torch import nn
 
 from zinf.runtime.comm import Comm
 from zinf.runtime.gather import GroupState
+from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.param.fence import UpdateFence
 from zinf.param.grad_shard import GradShard
@@ -311,10 +312,11 @@ class FlatParamGroup:
     def nbytes_full(self) -> int:
         return self.padded_numel * self.full.element_size()
 
-    def start_gather(self) -> None:
+    def start_gather(self, batch: GatherBatch | None = None) -> None:
         """Issue the all-gather on the all_gather stream (see [Note: streams] in zinf/runtime/streams.py): the full
         buffer is allocated on compute, and the stream waits for compute and for the store's copy-in (``fetch``
-        makes it wait for its H2D fence) first. The shard is kept (in ``_work``) until compute has waited."""
+        makes it wait for its H2D fence) first. The shard is kept (in ``_work``) until compute has waited. With a
+        ``batch`` the gather joins the round's one collective instead ([Note: one collective per round])."""
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
         self._fence.wait(self)
         if self.owns_full:
@@ -329,11 +331,14 @@ class FlatParamGroup:
             gathered = source
         else:
             gathered = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)
-        with region("all_gather", self.name):
-            streams.all_gather.wait_stream(streams.current())
-            with streams.use(streams.all_gather):
-                work = None if gathered is source else self.comm.all_gather_into(gathered, source, async_op=True)
-        self._work = InFlight(streams, streams.all_gather, work, (source, gathered))
+        if batch is not None and gathered is not source:
+            self._work = batch.start(gathered, source, (source, gathered))
+        else:
+            with region("all_gather", self.name):
+                streams.all_gather.wait_stream(streams.current())
+                with streams.use(streams.all_gather):
+                    work = None if gathered is source else self.comm.all_gather_into(gathered, source, async_op=True)
+            self._work = InFlight(streams, streams.all_gather, work, (source, gathered))
         self._widen_from = None if gathered is self.full else gathered
         self.state = GroupState.GATHERING
 
@@ -352,9 +357,10 @@ class FlatParamGroup:
                 p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.state = GroupState.GATHERED
 
-    def serve_gather(self) -> None:
+    def serve_gather(self, batch: GatherBatch | None = None) -> None:
         """Another rank gathers this group while this rank has it gathered (or gathering): take part in the
-        collective with this rank's slice, into a scratch buffer (see [Note: rounds] in zinf/schedule/rounds.py)."""
+        collective with this rank's slice, into a scratch buffer (see [Note: rounds] in zinf/schedule/rounds.py);
+        with a ``batch``, as a part of the round's one collective."""
         if self.state is GroupState.GATHERING:
             self.finish_gather()
         assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
@@ -363,6 +369,9 @@ class FlatParamGroup:
         with region("all_gather", self.name):
             scratch = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)  # on compute
             mine = self.full[lo : lo + self.shard_numel].to(self.storage_dtype)  # exact: widened from it
+            if batch is not None:
+                batch.serve(scratch, mine)
+                return
             streams.all_gather.wait_stream(streams.current())
             with streams.use(streams.all_gather):
                 self.comm.all_gather_into(scratch, mine, async_op=False)

@@ -17,6 +17,8 @@ __all__ = ["Comm", "default_device", "compute_device"]
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's coalescing manager (private, used by FSDP1 and torch's own tests); without it, one call per tensor
+_coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None) if dist.is_available() else None
 _ALIGN_BYTES = 16  # the widest element (complex128): a slot at this boundary views as any dtype
 
 
@@ -65,6 +67,26 @@ class Comm:
             return None
         return _all_gather_single(out, shard, group=self.group, async_op=async_op)
 
+    def all_gather_coalesced(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> Any:
+        """Every ``outs[i]`` receives every rank's ``shards[i]``, rank-major, as one collective per dtype (every
+        rank passes the same sizes and dtypes in the same order); returns the handle to wait on (asynchronous).
+        One per dtype: gloo's coalesced all-gather reads every tensor as the first one's dtype (measured with
+        torch 2.13: bf16 then fp32 comes back wrong). See [Note: one collective per round] in
+        zinf/runtime/gather_batch.py."""
+        if self.world == 1 or len(outs) == 1 or _coalescing_manager is None:
+            works = [self.all_gather_into(o, s, async_op=True) for o, s in zip(outs, shards)]
+            return _Works([w for w in works if w is not None])
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for out, shard in zip(outs, shards):
+            by_dtype.setdefault(shard.dtype, []).append((out, shard))
+        works = []
+        for pairs in by_dtype.values():  # in order of first appearance: the same on every rank
+            with _coalescing_manager(group=self.group, async_ops=True) as manager:
+                for out, shard in pairs:
+                    _all_gather_single(out, shard, group=self.group, async_op=True)
+            works.append(manager)
+        return works[0] if len(works) == 1 else _Works(works)
+
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
         """``out`` receives this rank's slice of the element-wise sum of every rank's ``full``."""
         if self.world == 1:
@@ -111,3 +133,16 @@ class Comm:
         if self.rank != src:
             for t, offset, n in zip(tensors, offsets, nbytes):
                 t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
+
+
+class _Works:
+    """Several collectives' handles waited for as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()

@@ -10,7 +10,8 @@ import enum
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from zinf.config import OverlapConfig
-from zinf.runtime.streams import region
+from zinf.runtime.gather_batch import GatherBatch
+from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.report import StepTimers
 from zinf.units import format_bytes
 
@@ -49,6 +50,7 @@ class ParamFetcher:
         self.timers = timers
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
+        self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.num_prefetched = 0  # gathers started ahead of use
@@ -70,6 +72,8 @@ class ParamFetcher:
                     g.finish_gather()
         for g in groups:
             g.acquire()
+        if self._served:
+            self.join_served()
 
     def release(self, groups: Iterable[FlatParamGroup]) -> None:
         for g in groups:
@@ -166,18 +170,39 @@ class ParamFetcher:
                      ahead: bool = True) -> None:
         """Start, in order, the gathers every rank agreed on (see [Note: rounds])."""
         mine = {id(g) for g in wanted}
+        batch = self._batch(union)
         for g in union:
             if g.state is GroupState.SHARDED:
-                self._start(g)
+                self._start(g, batch)
                 self._count(g, +1)
                 if ahead or id(g) not in mine:
                     self._ahead.append(g)
             else:  # gathered here already (held, or kept): take part with this rank's slice
                 with self.timers.time("all_gather"):
-                    g.serve_gather()
+                    g.serve_gather(batch)
+        if batch is not None:
+            with self.timers.time("all_gather"), region("all_gather", f"{len(batch)} groups"):
+                served = batch.issue()
+            if served is not None:
+                self._served.append(served)
+
+    @staticmethod
+    def _batch(union: Sequence[FlatParamGroup]) -> GatherBatch | None:
+        """One collective for the union's gathers ([Note: one collective per round]); None where one would do."""
+        if len(union) < 2 or union[0].comm.world == 1:
+            return None
+        return GatherBatch(union[0].comm, streams_for(union[0].device))
+
+    def join_served(self) -> None:
+        """Wait for the batches that served other ranks' gathers, and drop their scratch buffers."""
+        for work in self._served:
+            with self.timers.time("all_gather"):
+                work.join()
+        self._served.clear()
 
     def sweep(self) -> None:
         """End of a pass: groups gathered ahead but never used go back to their shards."""
+        self.join_served()
         for g in self._ahead:
             if g.state is GroupState.GATHERING:
                 g.finish_gather()
@@ -186,11 +211,11 @@ class ParamFetcher:
                 self._count(g, -1)
         self._ahead.clear()
 
-    def _start(self, g: FlatParamGroup) -> None:
+    def _start(self, g: FlatParamGroup, batch: GatherBatch | None = None) -> None:
         """Start a gather; the time it blocks (its shard's NVMe read, its pending background update) is
         gather time too."""
         with self.timers.time("all_gather"):
-            g.start_gather()
+            g.start_gather(batch)
 
     def _count(self, g: FlatParamGroup, sign: int) -> None:
         if not g.owns_full:

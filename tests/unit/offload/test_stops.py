@@ -65,6 +65,39 @@ def test_sigterm_stops_training_and_removes_the_swap_files(tmp_path: Path) -> No
     assert _swap_files(tmp_path) == [], err
 
 
+DEFERRED = """
+import os, signal, sys, time
+from zinf.offload import cleanup
+cleanup.register([])  # installs zinf's SIGTERM handler, as the first swap file does
+done = []
+try:
+    with cleanup.stops_deferred():  # forward
+        with cleanup.stops_deferred():  # a nested engine call
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs in here: noted, not raised
+            done.append("inner")
+        done.append("outer")
+    done.append("after")
+except SystemExit as stop:
+    print(done, stop.code)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # outside the engine: raised at once
+    time.sleep(1)
+    done.append("not stopped")
+except SystemExit as stop:
+    print(done, stop.code)
+"""
+
+
+def test_sigterm_inside_the_engine_is_raised_when_its_call_returns(tmp_path: Path) -> None:
+    """[Note: clean stops]: a SIGTERM inside forward/backward/step waits for the call's end, not raised half way
+    through a state change; outside, it stops at once."""
+    (tmp_path / "deferred.py").write_text(DEFERRED)
+    proc = processes.run([sys.executable, str(tmp_path / "deferred.py")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["['inner', 'outer'] 143", "['inner', 'outer'] 143"], proc.stdout
+
+
 @pytest.mark.parametrize("attempt", range(3))
 def test_ctrl_c_twice_removes_the_swap_files(tmp_path: Path, attempt: int) -> None:
     proc = _start(tmp_path, "run")
