@@ -4,8 +4,9 @@ The ranks are forked from a forkserver that imported torch, zinf, transformers a
 so a run does not pay each rank's imports again (about 3 s of every spawn on a 2-core machine, ~100 runs in
 the suite). Each rank is still a new process with nothing run in it before: the server only imports (no
 tensor op, no thread pool started, no process group). Where the environment differs from the one the suite
-started with (a test that sets a variable read at process start, such as ``MALLOC_MMAP_THRESHOLD_``), the
-ranks are spawned as fresh interpreters instead, which see it.
+started with (a test that sets a variable read at process start, such as ``MALLOC_MMAP_THRESHOLD_``), and
+with NCCL, the ranks are spawned as fresh interpreters instead. The ranks' stdout/stderr are the server's, i.e.
+those of the test that started it: a rank's error reaches the test through its result file, as before.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import processes
 # what the forkserver imports once (multiprocessing's forkserver skips a module it cannot import)
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "zinf", "transformers", "dist_utils", "models",
             "training", "patterns", "processes"]
-_SUITE_ENV = dict(os.environ)
+_PER_TEST = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test: not a setting the ranks read
+_SUITE_ENV = {k: v for k, v in os.environ.items() if k not in _PER_TEST}
 
 
-def _start_method() -> str:
-    if dict(os.environ) != _SUITE_ENV:
-        return "spawn"
+def _start_method(backend: str) -> str:
+    if backend != "gloo" or {k: v for k, v in os.environ.items() if k not in _PER_TEST} != _SUITE_ENV:
+        return "spawn"  # NCCL: a fresh interpreter per rank, whatever the preloaded imports did
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first forkserver run)
@@ -64,7 +66,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
     with tempfile.TemporaryDirectory() as outdir:
         context = mp.start_processes(_entry, args=(world, outdir, fn, args, backend), nprocs=world,
-                                     start_method=_start_method(), join=False)
+                                     start_method=_start_method(backend), join=False)
         pids = [p.pid for p in context.processes]
         processes.register(pids)
         try:

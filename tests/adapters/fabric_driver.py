@@ -1,5 +1,5 @@
-"""One Fabric training run, launched by the adapter tests as a script (Fabric's subprocess launcher
-starts the ranks). Each rank writes its per-step losses to ``<out>/rank<r>.json``.
+"""One Fabric training run, launched by the adapter tests as a script (under torchrun, or with Fabric's
+own subprocess launcher starting the ranks). Each rank writes its per-step losses to ``<out>/rank<r>.json``.
 
     python fabric_driver.py --strategy zero_infinity --kind gpt --steps 20 --out DIR [--clip 0.5 --accum 2]
 """

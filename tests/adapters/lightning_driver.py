@@ -1,5 +1,5 @@
-"""One Lightning Trainer run, launched by the adapter tests as a script so that Lightning's own
-subprocess launcher starts the ranks. Each rank writes what it saw to ``<out>/rank<r>.json``.
+"""One Lightning Trainer run, launched by the adapter tests as a script (under torchrun, or with
+Lightning's own subprocess launcher starting the ranks). Each rank writes what it saw to ``<out>/rank<r>.json``.
 
     python lightning_driver.py --strategy zero_infinity --kind gpt --steps 20 --out DIR [--accum 2 --clip 1.0]
 """

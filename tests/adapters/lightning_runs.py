@@ -1,5 +1,6 @@
-"""Lightning and Fabric driver runs for the adapter tests: each driver script is started as a process (Lightning's
-own launcher then starts the second rank), once per distinct argument list, and every rank's record is read back."""
+"""Lightning and Fabric driver runs for the adapter tests: each driver script is started once per distinct argument
+list (under torchrun, or as ``python driver.py`` with Lightning's own launcher starting the second rank), and every
+rank's record is read back."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Runs:
             out = self.base / f"run{len(self.done)}"
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             env.pop("MASTER_PORT", None)
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default; Lightning's launcher would take cores / ranks
             if launcher == "lightning":
                 start = [sys.executable, str(HERE / driver)]
             else:  # --standalone: torchrun's own rendezvous on a free port

@@ -1,7 +1,8 @@
 """Lightning and Fabric front ends against their own DDP, with real Trainers on 2 gloo ranks.
 
-Each run is a driver script started with ``subprocess.run`` (Lightning's subprocess launcher then
-starts the second rank); every rank writes its per-step losses to a JSON file that the tests compare.
+Each run is a driver script started as a process (see ``lightning_runs.Runs``: under torchrun, or as a
+user starts it, with Lightning's and Fabric's own launchers starting the second rank); every rank writes its
+per-step losses to a JSON file that the tests compare.
 Runs are cached per session so that one reference run serves several tests.
 """
 
@@ -111,7 +112,7 @@ def test_bf16_mixed_trains_close_to_fp32(runs: Runs) -> None:
 
 def test_fabric_matches_fabric_ddp_and_resumes(runs: Runs) -> None:
     args = ("--kind", "gpt", "--steps", "20", "--accum", "2", "--clip", "0.5")
-    ours_dir = runs("fabric_driver.py", "--strategy", "zero_infinity", *args, "--save-at", "10")
+    ours_dir = runs("fabric_driver.py", "--strategy", "zero_infinity", *args, "--save-at", "10", launcher="lightning")
     ref = records(runs("fabric_driver.py", "--strategy", "ddp", *args))
     ours = records(ours_dir)
     assert worst(ours, ref) < EXACT

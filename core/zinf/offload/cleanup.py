@@ -96,14 +96,18 @@ def stops_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _DEFERRING += 1
+    entered = False
     try:
+        _DEFERRING += 1
+        entered = True
         yield
     finally:
-        _DEFERRING -= 1
-    if _DEFERRING == 0 and _PENDING_SIGNAL is not None:
-        signum, _PENDING_SIGNAL = _PENDING_SIGNAL, None
-        raise SystemExit(128 + signum)
+        if entered:
+            _DEFERRING -= 1
+        if _DEFERRING == 0 and _PENDING_SIGNAL is not None:
+            # raised here even when the block raised: the stop is not lost, and the exit status stays 143
+            signum, _PENDING_SIGNAL = _PENDING_SIGNAL, None
+            raise SystemExit(128 + signum)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

@@ -31,9 +31,10 @@ group raises the error instead of training on a half-updated model.
 [Note: a background step at exit]
 The thread is not a daemon, so interpreter exit waits for a running step instead of killing it inside
 native code. That wait (``threading._shutdown``) only knows threads that have registered themselves, which a
-new thread does a moment after ``Thread.start()`` was called: a ``SystemExit`` raised in the main thread
-inside ``start()`` (zinf's SIGTERM handler, [Note: clean stops] in zinf/offload/cleanup.py) leaves a step
-running that nobody waits for. Finalization then stops the thread when it next takes the GIL, inside the C++
+new thread does a moment after ``Thread.start()`` was called: an exception raised in the main thread inside
+``start()`` leaves a step running that nobody waits for. zinf's SIGTERM handler raised its ``SystemExit``
+there (now it waits for ``step()`` to return: [Note: clean stops] in zinf/offload/cleanup.py); a Ctrl-C still
+can. Finalization then stops the thread when it next takes the GIL, inside the C++
 Adam's or the I/O wait's frames, and the process aborts ("terminate called without an active exception",
 seen about once in ten SIGTERMs of a small NVMe run) before the swap files are removed. So an exit handler
 joins every background step once its thread is running (:func:`_join_background_steps`); registered when

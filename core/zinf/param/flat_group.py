@@ -368,7 +368,9 @@ class FlatParamGroup:
         streams = streams_for(self.device)
         with region("all_gather", self.name):
             scratch = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)  # on compute
-            mine = self.full[lo : lo + self.shard_numel].to(self.storage_dtype)  # exact: widened from it
+            # exact: widened from it. With a batch always a copy: the batch reads it after this call returns, and
+            # the full buffer may be resharded (its storage freed) before that
+            mine = self.full[lo : lo + self.shard_numel].to(self.storage_dtype, copy=batch is not None)
             if batch is not None:
                 batch.serve(scratch, mine)
                 return

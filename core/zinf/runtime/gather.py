@@ -171,15 +171,20 @@ class ParamFetcher:
         """Start, in order, the gathers every rank agreed on (see [Note: rounds])."""
         mine = {id(g) for g in wanted}
         batch = self._batch(union)
-        for g in union:
-            if g.state is GroupState.SHARDED:
-                self._start(g, batch)
-                self._count(g, +1)
-                if ahead or id(g) not in mine:
-                    self._ahead.append(g)
-            else:  # gathered here already (held, or kept): take part with this rank's slice
-                with self.timers.time("all_gather"):
-                    g.serve_gather(batch)
+        try:
+            for g in union:
+                if g.state is GroupState.SHARDED:
+                    self._start(g, batch)
+                    self._count(g, +1)
+                    if ahead or id(g) not in mine:
+                        self._ahead.append(g)
+                else:  # gathered here already (held, or kept): take part with this rank's slice
+                    with self.timers.time("all_gather"):
+                        g.serve_gather(batch)
+        except BaseException:
+            if batch is not None:  # its groups are unwound with the pass; their waits must not stop the unwinding
+                batch.work.abandon()
+            raise
         if batch is not None:
             with self.timers.time("all_gather"), region("all_gather", f"{len(batch)} groups"):
                 served = batch.issue()

@@ -46,6 +46,11 @@ class BatchWork:
         assert not self._issued, "zinf: a gather batch is issued once"
         self._work, self._issued = work, True
 
+    def abandon(self) -> None:
+        """The union raised before the batch was issued: there is nothing to wait for, and the groups it started
+        hold no values (the pass is unwinding; they go back to their shards)."""
+        self._work, self._issued = None, True
+
     def wait(self) -> None:
         assert self._issued, "zinf: a batched gather was waited for before its batch was issued"
         if self._work is not None:
