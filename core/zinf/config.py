@@ -68,6 +68,10 @@ class OverlapConfig(_Checked):
     groups coalesced into one collective), at most two buckets in flight. ``max_gathered_bytes`` (0: no
     limit) caps the bytes of full parameters gathered at once, prefetched ones included: prefetch stays
     under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
+    ``coalesce_gathers`` issues the gathers every rank agreed on in one round as one collective per dtype
+    (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one all-gather per
+    group. Off by default: on 2 gloo ranks sharing 2 CPU cores it measured no faster (``bench_rounds.py``:
+    dense GPT 1.00-1.01x, MoE GPT 0.97-0.98x), and its CUDA path has not run on a GPU yet.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -75,6 +79,7 @@ class OverlapConfig(_Checked):
     persistent_numel: int = 0
     reduce_bucket_bytes: int = 16 * 2**20
     max_gathered_bytes: int = 0
+    coalesce_gathers: bool = False
 
     def validate(self) -> None:
         check_types(self, "overlap.")

@@ -78,8 +78,6 @@ def _engine(rank: int, world: int, coalesce: bool) -> dict:
         return union_of(self, union, *args, **kwargs)
 
     gather.ParamFetcher.gather_union = counted_union
-    if not coalesce:
-        gather.ParamFetcher._batch = staticmethod(lambda union: None)
     single = Comm.all_gather_into
 
     def counted_single(self: Comm, out, shard, async_op):
@@ -99,7 +97,8 @@ def _engine(rank: int, world: int, coalesce: bool) -> dict:
     torch.manual_seed(0)
     with zinf.Init():
         model = build("gpt")
-    engine = zinf.initialize(model, make_optimizer(model, "adamw"), {"precision": "fp32"})
+    engine = zinf.initialize(model, make_optimizer(model, "adamw"),
+                             {"precision": "fp32", "overlap": {"coalesce_gathers": coalesce}})
     counts.update(collectives=0, unions=0, groups=0)  # the steps' gathers only
     losses = train_global(engine, batches("gpt", steps=3, batch=4), rank, world)
     engine.close()

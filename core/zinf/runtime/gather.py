@@ -191,10 +191,9 @@ class ParamFetcher:
             if served is not None:
                 self._served.append(served)
 
-    @staticmethod
-    def _batch(union: Sequence[FlatParamGroup]) -> GatherBatch | None:
+    def _batch(self, union: Sequence[FlatParamGroup]) -> GatherBatch | None:
         """One collective for the union's gathers ([Note: one collective per round]); None where one would do."""
-        if len(union) < 2 or union[0].comm.world == 1:
+        if not self.config.coalesce_gathers or len(union) < 2 or union[0].comm.world == 1:
             return None
         return GatherBatch(union[0].comm, streams_for(union[0].device))
 
