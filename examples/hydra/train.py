@@ -17,16 +17,12 @@ from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
-from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
 
 from zinf import ZeroConfig
 from zinf.hydra_configs import register_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpt import GPTConfig  # noqa: E402
-from lightning_gpt import CopyTask, LitGPT  # noqa: E402
 
 register_configs()  # zinf/{schema,default,cpu_offload,...}, strategy/zero_infinity, accelerator/zinf
 
@@ -36,6 +32,14 @@ def main(cfg: DictConfig) -> None:
     # Hydra checked keys and types when it composed cfg; the engine checks the values (and a ??? left unset)
     # here, naming the key, before any process starts. The strategy node builds its own from ${zinf}.
     ZeroConfig.from_dict(cfg.zinf)
+    # Lightning and the model are imported once the settings are known good: a bad setting is refused in about
+    # two seconds, not after Lightning's import (about seven on a 2-core machine)
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader
+
+    from gpt import GPTConfig
+    from lightning_gpt import CopyTask, LitGPT
+
     seed_everything(cfg.seed)
     gpt = GPTConfig(**cfg.model)
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
