@@ -5,9 +5,9 @@ torch DDP vs zinf on the same model and global batch, back to back.
 
 Rows: a dense GPT, and the same GPT with a top-1 mixture-of-experts MLP (8 experts, routing that differs
 per rank; zinf adopts each MoE layer as a unit after the first step). Columns: seconds per step (median
-after two warm-up steps), zinf over DDP, rounds per step and the share of zinf's step spent in them, and
-zinf with one all-gather per group (``overlap.coalesce_gathers=False``) against its default of one
-collective per round (see [Note: one collective per round] in zinf/runtime/gather_batch.py).
+after two warm-up steps), zinf over DDP, rounds per step and the share of zinf's step spent in them (zinf's
+defaults: one all-gather per group), and zinf with ``overlap.coalesce_gathers`` (one collective per round,
+see [Note: one collective per round] in zinf/runtime/gather_batch.py) against its defaults.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ def _worker(rank: int, world: int, path: str, kind: str, cfg: GPTConfig, batch: 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     data = token_batches(steps, batch, cfg.vocab, cfg.block)
     results = {}
-    for mode in ("ddp", "zinf", "zinf-single"):
+    for mode in ("ddp", "zinf", "zinf-coalesced"):
         torch.manual_seed(0)
         if mode.startswith("zinf"):
             with zinf.Init():
                 model = _model(kind, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            engine = zinf.initialize(model, opt, {"overlap": {"coalesce_gathers": mode == "zinf"}})
+            engine = zinf.initialize(model, opt, {"overlap": {"coalesce_gathers": mode == "zinf-coalesced"}})
             run, step = engine, engine.step
             back = engine.backward
         else:
@@ -86,7 +86,7 @@ def main() -> None:
     cfg = GPTConfig(vocab=4096, block=128, n_embd=a.embd, n_head=8, n_layer=a.layers)
     print(f"2 gloo ranks, 1 thread each, batch {a.batch}x{cfg.block}, {a.layers} layers, embd {a.embd}")
     print("\n| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step | rounds share "
-          "| zinf, one all-gather per group, s/step | that / zinf |")
+          "| zinf, coalesce_gathers, s/step | that / zinf |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in ("dense", "moe"):
         numel = sum(q.numel() for q in dict.fromkeys(_model(kind, cfg).parameters()))
@@ -95,11 +95,11 @@ def main() -> None:
             mp.start_processes(_worker, args=(2, os.path.join(d, "rdv"), kind, cfg, a.batch, a.steps, out),
                                nprocs=2, start_method="spawn")
             res = torch.load(out, weights_only=False)
-        ddp, (zt, rounds), single = res["ddp"][0], res["zinf"], res["zinf-single"][0]
+        ddp, (zt, rounds), coalesced = res["ddp"][0], res["zinf"], res["zinf-coalesced"][0]
         n = statistics.median(r[0] for r in rounds)
         share = statistics.median(r[1] for r in rounds) / zt
         print(f"| {kind} | {numel / 1e6:.1f}M | {ddp:.4f} | {zt:.4f} | {zt / ddp:.2f}x | {n:.0f} | {share:.1%} "
-              f"| {single:.4f} | {single / zt:.2f}x |")
+              f"| {coalesced:.4f} | {coalesced / zt:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ class OverlapConfig(_Checked):
     under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
     ``coalesce_gathers`` issues the gathers every rank agreed on in one round as one collective per dtype
     (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one all-gather per
-    group. Off by default: on 2 gloo ranks sharing 2 CPU cores it measured no faster (``bench_rounds.py``:
-    dense GPT 1.00-1.01x, MoE GPT 0.97-0.98x), and its CUDA path has not run on a GPU yet.
+    group. Off by default: on 2 gloo ranks sharing 2 CPU cores it was not consistently faster
+    (``bench_rounds.py``: 0.90-1.03x of the default's step over four runs), and its CUDA path has not run on a
+    GPU yet.
     """
 
     prefetch_bytes: int = 64 * 2**20
