@@ -1,13 +1,16 @@
 """What agreeing on collectives costs (see [Note: rounds] in zinf/schedule/rounds.py): 2 gloo ranks,
-torch DDP vs zinf on the same model and global batch, back to back.
+torch DDP vs zinf on the same model and global batch, back to back in the same processes.
 
     python benchmarks/bench_rounds.py [--layers 4 --embd 256 --batch 8 --steps 8]
+    python benchmarks/bench_rounds.py --smoke        # seconds: a tiny model, 3 steps (CI runs it)
 
 Rows: a dense GPT, and the same GPT with a top-1 mixture-of-experts MLP (8 experts, routing that differs
-per rank; zinf adopts each MoE layer as a unit after the first step). Columns: seconds per step (median
-after two warm-up steps), zinf over DDP, rounds per step and the share of zinf's step spent in them (zinf's
-defaults: one all-gather per group), and zinf with ``overlap.coalesce_gathers`` (one collective per round,
-see [Note: one collective per round] in zinf/runtime/gather_batch.py) against its defaults.
+per rank). Columns: seconds per step (median after two warm-up steps), zinf (its defaults: each block
+gathered as one unit, see [Note: blocks as units] in zinf/schedule/units.py) over DDP, rounds per step and
+the share of zinf's step spent in them; zinf with ``unit_policy="modules"`` (every module gathered on its
+own; the MoE layers adopted as units after the first step) and its rounds; zinf with
+``overlap.coalesce_gathers`` (one collective per round, see [Note: one collective per round] in
+zinf/runtime/gather_batch.py). Ratios are against zinf's defaults.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from models import GPT, GPTConfig  # noqa: E402
 from patterns import MoEGPT, token_batches  # noqa: E402
 
 
+MODES = {"ddp": {}, "zinf": {}, "zinf-modules": {"unit_policy": "modules"},
+         "zinf-coalesced": {"overlap": {"coalesce_gathers": True}}}
+
+
 def _model(kind: str, cfg: GPTConfig) -> torch.nn.Module:
     return GPT(cfg) if kind == "dense" else MoEGPT(cfg)
 
@@ -39,13 +46,13 @@ def _worker(rank: int, world: int, path: str, kind: str, cfg: GPTConfig, batch: 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     data = token_batches(steps, batch, cfg.vocab, cfg.block)
     results = {}
-    for mode in ("ddp", "zinf", "zinf-coalesced"):
+    for mode, settings in MODES.items():
         torch.manual_seed(0)
         if mode.startswith("zinf"):
             with zinf.Init():
                 model = _model(kind, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            engine = zinf.initialize(model, opt, {"overlap": {"coalesce_gathers": mode == "zinf-coalesced"}})
+            engine = zinf.initialize(model, opt, settings)
             run, step = engine, engine.step
             back = engine.backward
         else:
@@ -82,12 +89,16 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="a tiny model (2 layers, embd 32, batch 2), 3 steps")
     a = p.parse_args()
-    cfg = GPTConfig(vocab=4096, block=128, n_embd=a.embd, n_head=8, n_layer=a.layers)
+    if a.smoke:
+        a.layers, a.embd, a.batch, a.steps = 2, 32, 2, 3
+    cfg = GPTConfig(vocab=4096 if not a.smoke else 256, block=128 if not a.smoke else 16, n_embd=a.embd,
+                    n_head=8, n_layer=a.layers)
     print(f"2 gloo ranks, 1 thread each, batch {a.batch}x{cfg.block}, {a.layers} layers, embd {a.embd}")
     print("\n| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step | rounds share "
-          "| zinf, coalesce_gathers, s/step | that / zinf |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| module by module s/step | that / zinf | its rounds/step | coalesce_gathers s/step | that / zinf |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in ("dense", "moe"):
         numel = sum(q.numel() for q in dict.fromkeys(_model(kind, cfg).parameters()))
         with tempfile.TemporaryDirectory() as d:
@@ -95,11 +106,14 @@ def main() -> None:
             mp.start_processes(_worker, args=(2, os.path.join(d, "rdv"), kind, cfg, a.batch, a.steps, out),
                                nprocs=2, start_method="spawn")
             res = torch.load(out, weights_only=False)
-        ddp, (zt, rounds), coalesced = res["ddp"][0], res["zinf"], res["zinf-coalesced"][0]
+        ddp, (zt, rounds) = res["ddp"][0], res["zinf"]
+        mt, mrounds = res["zinf-modules"]
+        coalesced = res["zinf-coalesced"][0]
         n = statistics.median(r[0] for r in rounds)
         share = statistics.median(r[1] for r in rounds) / zt
+        mn = statistics.median(r[0] for r in mrounds)
         print(f"| {kind} | {numel / 1e6:.1f}M | {ddp:.4f} | {zt:.4f} | {zt / ddp:.2f}x | {n:.0f} | {share:.1%} "
-              f"| {coalesced:.4f} | {coalesced / zt:.2f}x |")
+              f"| {mt:.4f} | {mt / zt:.2f}x | {mn:.0f} | {coalesced:.4f} | {coalesced / zt:.2f}x |")
 
 
 if __name__ == "__main__":

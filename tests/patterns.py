@@ -289,11 +289,22 @@ PATTERNS: dict[str, Pattern] = {
         "params": "nvme", "optimizer": "nvme", "nvme_paths": [NVME_DIR],
         "pinned_pool_bytes": 8 << 20, "sub_group_numel": 4096}}),
     "dataclass_namedtuple_outputs": Pattern(OddOutputs, _float_data),
-    "moe_auto": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data),
+    # module by module (unit_policy="modules"): the routing makes the ranks' gathers differ and zinf adopts units
+    "checkpoint_nonreentrant_modules": Pattern(lambda: CheckpointedGPT(GPTConfig(), "nonreentrant"), _gpt_data,
+                                               zinf={"unit_policy": "modules"}),
+    "moe_auto": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data, zinf={"unit_policy": "modules"}),
     "moe_unit": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data, zinf={"unit_modules": ["MoE"]}),
-    "hf_switch_transformers_moe": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss),
+    # the default policy gathers each block (MoE layer inside) as one unit: the ranks' gathers never differ
+    "moe_blocks": Pattern(lambda: MoEGPT(GPTConfig()), _moe_data),
+    # one block is no stack: each expert (a ModuleList of one class) is a unit, and the MoE layer around them is
+    # adopted when the routing differs
+    "moe_one_block": Pattern(lambda: MoEGPT(GPTConfig(n_layer=1)), _moe_data),
+    "hf_switch_transformers_moe": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss,
+                                          zinf={"unit_policy": "modules"}),
     "hf_switch_transformers_moe_unit": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6), _hf_loss,
                                                zinf={"unit_modules": ["SwitchTransformersExperts"]}),
+    "hf_switch_transformers_moe_blocks": Pattern(switch_transformers, lambda s, b: token_batches(s, b, 64, 6),
+                                                 _hf_loss),
     "hf_llama_gradient_checkpointing": Pattern(llama_checkpointed, lambda s, b: token_batches(s, b, 64, 8), _hf_loss),
 }
 

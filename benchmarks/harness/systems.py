@@ -8,6 +8,9 @@ CPU Adam when offloaded: it refuses a client optimizer with ZeRO-Offload) and bu
 
 from __future__ import annotations
 
+import json
+import os
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -132,7 +135,8 @@ def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     if SYSTEMS[name].nvme:
         offload["nvme_paths"] = [ctx.nvme_dir]
         offload["pinned_pool_bytes"] = _nvme_pool_bytes(spec)
-    config = zinf.ZeroConfig.from_dict({"offload": offload})
+    extra = json.loads(os.environ.get("ZINF_BENCH_EXTRA", "{}"))
+    config = zinf.ZeroConfig.from_dict({**extra, "offload": {**offload, **extra.get("offload", {})}})
     torch.manual_seed(0)
     with zinf.Init(config):
         model = models.build(spec)

@@ -26,6 +26,7 @@ __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "T
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
 _DIVERGENCE = ("auto", "error")
+_UNIT_POLICIES = ("blocks", "modules")
 TIERS = ("device", "cpu", "nvme")
 
 
@@ -219,6 +220,14 @@ class ZeroConfig(_Checked):
     unit_modules: modules gathered (and reduced) as one unit, their whole subtree at once: qualified
         name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp"``) or class names (``"MixtralSparseMoeBlock"``).
         For blocks whose submodules run differently on each rank (mixture-of-experts routing).
+    unit_policy: which modules are gathered as one unit besides ``unit_modules``: "blocks" (default) gathers
+        each of the model's repeated blocks as one unit, as FSDP2 users wrap each block: the classes a
+        transformers model names in ``_no_split_modules`` (``GPT2Block``, ``LlamaDecoderLayer``), or else the
+        modules of an ``nn.ModuleList`` / ``nn.Sequential`` that are all of one class and hold parameters in
+        more than one submodule. A block that contains a tiled layer (``tiling``), or that alone needs more
+        than ``overlap.max_gathered_bytes``, stays gathered module by module. "modules" gathers every module on
+        its own (the smallest working memory; one gather per module). See [Note: blocks as units] in
+        zinf/schedule/units.py.
     divergence: what happens when ranks' control flow differs so that they need different gathers:
         "auto" (default) serves every rank's gathers, so training stays exact, and gathers the nearest
         module every rank calls as one unit from then on (logged); "error" raises a
@@ -240,6 +249,7 @@ class ZeroConfig(_Checked):
     detect_external_params: bool = True
     cast_forward_inputs: bool = True
     unit_modules: list[str] = field(default_factory=list)
+    unit_policy: str = "blocks"
     divergence: str = "auto"
     broadcast_buffers: bool = True
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -272,6 +282,9 @@ class ZeroConfig(_Checked):
                  "a number of seconds >= 0 (0 = torch's default timeout)")
         _require(all(self.unit_modules), "unit_modules", self.unit_modules,
                  "a list of module name patterns or class names, e.g. ['model.layers.*.mlp'] (no empty ones)")
+        _require(self.unit_policy in _UNIT_POLICIES, "unit_policy", self.unit_policy,
+                 f"one of {list(_UNIT_POLICIES)} ('blocks': each repeated block gathered as one unit; 'modules': every "
+                 "module on its own)")
         _require(self.divergence in _DIVERGENCE, "divergence", self.divergence, f"one of {list(_DIVERGENCE)}")
         self.loss_scale.validate()
         self.overlap.validate()

@@ -88,7 +88,8 @@ class ZeroInfinityEngine:
         self.hooks = ModuleHooks(
             model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
             on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
-            on_backward_end=[self._count_backward] + [o.after_backward for o in stepper])
+            on_backward_end=[self._count_backward] + [o.after_backward for o in stepper],
+            unit_stages=self.placement.stages_like_one_group)
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)

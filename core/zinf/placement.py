@@ -159,7 +159,7 @@ class Placement:
             per_subgroup = 4 if grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
             pipeline = 3 * per_subgroup * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
         if cfg.params == "nvme" and self.groups:
-            largest = block_bytes(max(_span(g.shard_numel * g.storage_dtype.itemsize) for g in self.groups))
+            largest = max(self._staged_bytes(g) for g in self.groups)
         need = pipeline + (4 * largest if largest else 0)
         grad_writes = 0
         if grads_on_nvme and self.subgroups:
@@ -170,6 +170,17 @@ class Placement:
                 f"staging the largest groups and optimizer sub-groups needs about {need} bytes. Raise "
                 "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
         return 3 * largest, 3 * largest + grad_writes + cfg.pinned_pool_bytes // 4
+
+    def _staged_bytes(self, group: FlatParamGroup) -> int:
+        return block_bytes(_span(group.shard_numel * group.storage_dtype.itemsize))
+
+    def stages_like_one_group(self, groups: Sequence[FlatParamGroup]) -> bool:
+        """Whether gathering ``groups`` at once (a unit, see [Note: blocks as units] in zinf/schedule/units.py)
+        stages no more in the pinned pool than the largest single group does, which is what ``_check_pool``
+        keeps room for. Always true with the parameters off NVMe (nothing is staged)."""
+        if self.cfg.params != "nvme" or not self.groups:
+            return True
+        return sum(self._staged_bytes(g) for g in groups) <= max(self._staged_bytes(g) for g in self.groups)
 
     def _check_host_memory(self) -> None:
         """Host memory this placement keeps during training, against what is free once the shards and

@@ -1,7 +1,7 @@
 """Each comparison benchmark's ``--smoke`` mode runs (a tiny model, 2 steps, in fresh processes) and prints its
 table; ``--plot`` redraws the PNG from the raw JSON. DeepSpeed is made absent here (it lives in a venv of its own
 that CI does not have), so its rows must say "skipped". No timing is checked: these runs only prove the scripts
-work. The three run at the same time."""
+work. The three run at the same time; bench_rounds.py (its own table, no files) after them."""
 
 from __future__ import annotations
 
@@ -59,3 +59,13 @@ def test_smoke(script: str, smoke_runs: dict[str, tuple[subprocess.CompletedProc
     assert redraw.returncode == 0, redraw.stderr[-3000:]
     assert header in redraw.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rounds_smoke() -> None:
+    """bench_rounds.py (DDP and zinf in three settings, back to back in the same two processes) prints both rows."""
+    proc = processes.run([sys.executable, str(BENCH / "bench_rounds.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=240)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step |" in proc.stdout, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| dense |", "| moe |"))]
+    assert len(rows) == 2 and all(line.count("|") == 13 for line in rows), proc.stdout

@@ -106,12 +106,18 @@ def test_patterns_match_pytorch(world: int, references, tmp_path) -> None:
             assert units and all(u.endswith("mlp.experts") for u in units), units
             named = results["hf_switch_transformers_moe_unit"]
             assert named["divergent_rounds"] == 0 and len(named["units"]) == len(units), named["units"]
+            blocks = results["hf_switch_transformers_moe_blocks"]  # its _no_split_modules: SwitchTransformersBlock
+            assert blocks["divergent_rounds"] == 0 and blocks["units"], blocks["units"]
+        # unit_policy="blocks" (the default): each block, its MoE layer inside, is one unit from the first step
+        assert results["moe_blocks"]["divergent_rounds"] == 0, results["moe_blocks"]
+        assert results["moe_blocks"]["units"] == ["blocks.0", "blocks.1"], results["moe_blocks"]["units"]
+        assert results["moe_one_block"]["units"] == ["blocks.0.moe"], results["moe_one_block"]["units"]
 
 
 def _diverge_strictly(rank: int, world: int) -> str:
     pattern = PATTERNS["moe_auto"]
     torch.manual_seed(0)
-    config = zinf.ZeroConfig(divergence="error")
+    config = zinf.ZeroConfig(divergence="error", unit_policy="modules")
     with zinf.Init(config):
         model = build(pattern)
     engine = zinf.initialize(model, make_optimizer(model), config)

@@ -47,10 +47,10 @@ def test_checkpointing_off_on_and_offloaded_give_the_same_losses(world: int) -> 
         assert results[name]["rerecords"] == {"forward": 0, "backward": 0, "eval": 0}, name
 
 
-def _inspect(rank: int, world: int, offload: bool | None) -> dict:
+def _inspect(rank: int, world: int, offload: bool | None, policy: str = "modules") -> dict:
     torch.manual_seed(0)
     settings = {} if offload is None else {"activation_checkpointing": {"modules": ["Block"], "offload": offload}}
-    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_modules": 2}, **settings})
+    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_modules": 2}, "unit_policy": policy, **settings})
     with zinf.Init(config):
         model = GPT(GPTConfig(n_layer=3, block=32, n_embd=64))
     engine = zinf.initialize(model, make_optimizer(model), config)
@@ -72,8 +72,13 @@ def _inspect(rank: int, world: int, offload: bool | None) -> dict:
 
 def test_recomputation_is_traced_and_prefetched_and_holds_less() -> None:
     off, on, offload = (run_distributed(_inspect, 2, o)[0] for o in (None, False, True))
-    # the backward trace holds each recomputed block's modules (ln1, attn.qkv, ...) besides their backward
+    # module by module, the backward trace holds each recomputed block's modules (ln1, attn.qkv, ...) besides
+    # their backward; with blocks as units (the default) the block itself, twice (the block is gathered once, when
+    # its backward starts, and serves the recomputation inside it)
     assert off["order"].count("blocks.0.attn") == 1 and on["order"].count("blocks.0.attn") == 2
+    off_blocks, on_blocks = (run_distributed(_inspect, 2, o, "blocks")[0] for o in (None, False))
+    assert off_blocks["order"].count("blocks.0") == 1 and on_blocks["order"].count("blocks.0") == 2, on_blocks["order"]
+    assert "blocks.0.attn" not in on_blocks["order"]
     assert on["prefetched"][-1] > off["prefetched"][-1]  # the recomputation's gathers are prefetched too
     saved_off = sum(off["held"][-1]["saved"].values())
     saved_on = sum(on["held"][-1]["saved"].values())

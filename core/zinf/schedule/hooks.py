@@ -25,7 +25,11 @@ A module listed in ``unit_modules`` (or adopted by ``divergence="auto"``) is gat
 pre-hook (and its backward) gathers every group of its subtree at once, so whichever submodules run
 inside it (mixture-of-experts routing), every rank issues the same gathers. Modules inside a unit are
 left out of the traces: the order inside a unit may change from step to step without invalidating
-prefetch. With ``divergence="auto"``, when ranks disagreed on gathers during a forward pass, the ranks
+prefetch. Units chosen when the engine is built (``unit_modules``, and the model's blocks with
+``unit_policy="blocks"``: [Note: blocks as units] in zinf/schedule/units.py) carry the only hooks of their
+subtree: the modules inside have none, so a block costs one pre-hook, one post-hook and one backward
+announcement, not one per module. A parameter a module inside uses from outside the unit is gathered with
+the unit (``on_external`` sees the unit as the running module). With ``divergence="auto"``, when ranks disagreed on gathers during a forward pass, the ranks
 compare which modules each called; for each module called on some ranks only, its nearest ancestor
 that every rank called (the same number of times) becomes a unit, logged, from the next pass on. The
 root never becomes a unit (that would gather the whole model): such divergence stays served round by
@@ -35,7 +39,6 @@ round, which is exact too.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -56,6 +59,7 @@ from zinf.schedule.buffers import BufferSync
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
+from zinf.schedule.units import choose_units
 from zinf.runtime.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
@@ -141,9 +145,11 @@ class ModuleHooks:
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
                  fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds, *,
                  on_backward_start: Sequence[Callable[[], None]] = (),
-                 on_backward_end: Sequence[Callable[[], None]] = ()) -> None:
+                 on_backward_end: Sequence[Callable[[], None]] = (),
+                 unit_stages: Callable[[list[FlatParamGroup]], bool] = lambda groups: True) -> None:
         """``on_backward_start`` / ``on_backward_end``: called, in order, when a backward pass starts (before its
-        first gradient lands) and after it ends (every gradient reduced)."""
+        first gradient lands) and after it ends (every gradient reduced). ``unit_stages``: whether the NVMe staging
+        pool can read a block's groups at once (see [Note: blocks as units] in zinf/schedule/units.py)."""
         self.model = model
         self.config = config
         self.comm = comm
@@ -171,11 +177,12 @@ class ModuleHooks:
         self.on_backward_start: tuple[Callable[[], None], ...] = tuple(on_backward_start)
         self.on_backward_end: tuple[Callable[[], None], ...] = tuple(on_backward_end)
         self.buffers = BufferSync(model, comm, timers, config.broadcast_buffers)
-        for module, state in self.states.items():
-            if any(fnmatch.fnmatchcase(state.name, p) or type(module).__name__ == p for p in config.unit_modules):
-                self._make_unit(module)
+        for module in choose_units(model, config, {m: s.name for m, s in self.states.items()}, unit_stages):
+            self._make_unit(module)
         self._handles: list[Any] = []
-        for module in self.states:
+        for module, state in self.states.items():
+            if state.inside_unit:
+                continue  # the unit's hooks gather, hold and release for its whole subtree: see [Note: units]
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
             self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
         self._handles.append(model.register_forward_hook(self._forward_end))  # after the root's post-hook
@@ -310,6 +317,7 @@ class ModuleHooks:
         for sub in module.modules():
             if sub is not module:
                 self.states[sub].inside_unit = True
+                self.states[sub].unit = None  # a unit adopted around an earlier one covers it
 
     def _adopt_units(self) -> None:
         if not self.rounds.take_divergent():  # ranks agreed on every gather of the pass
@@ -322,8 +330,8 @@ class ModuleHooks:
         varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
         adopted: dict[nn.Module, list[str]] = {}
         for start in varies:
-            if not self.states[start].groups:
-                continue
+            if not self.states[start].groups and self.states[start].unit is None:
+                continue  # neither holds parameters nor gathers a subtree
             module: nn.Module | None = start
             while module is not None and (module in varies or not _is_called(module)
                                           or int(high[self.states[module].index]) == 0):

@@ -1,0 +1,122 @@
+"""Which modules the hooks gather as one unit when the engine is built: the configured ``unit_modules`` and,
+with ``unit_policy="blocks"``, the model's repeated blocks.
+
+[Note: blocks as units]
+Gathering module by module gives the smallest working memory, and costs a gather, a round (with several
+ranks, see [Note: rounds] in zinf/schedule/rounds.py) and the hooks' Python work for every module: a
+transformer block is six to ten modules, two of them LayerNorms of a few hundred elements. FSDP2 users
+wrap each block (``fully_shard(block)``), DeepSpeed users set a persistence threshold; zinf finds the
+blocks itself:
+
+- a transformers model names its block classes in ``_no_split_modules`` (``GPT2Block``,
+  ``LlamaDecoderLayer``; Accelerate's FSDP auto-wrap reads the same attribute); any module of the model
+  (a PEFT wrapper's inner model too) may carry it;
+- without that, the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are all of one class, called
+  (not containers) and with parameters in more than one module of their subtree (a unit of one leaf
+  module is what module-by-module does anyway), as GPT-style stacks hold their blocks.
+
+The outermost match wins (a block's own ModuleList of experts is inside the block's unit, so
+mixture-of-experts routing no longer makes the ranks' gathers differ). A block is left module by module
+when it contains a tiled layer (tiling exists to gather a layer a tile at a time) or when its parameters
+alone exceed ``overlap.max_gathered_bytes``, or, with the parameters on NVMe, when its shards read at once
+would need more of the pinned staging pool than the largest single module's (the room the pool keeps for one
+gather: a Llama-7B decoder layer is larger than its embedding, so it stays module by module there); each is
+logged. A block inside or around a configured unit
+is left to the configuration. Gathering a block at once keeps one block's full parameters in memory
+instead of one module's, as FSDP2 does: ``unit_policy="modules"`` is the setting for the smallest
+footprint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Callable
+
+from torch import nn
+
+from zinf.config import ZeroConfig
+from zinf.param.flat_group import FlatParamGroup
+from zinf.param.registry import groups_of
+from zinf.tiling import TiledLinear
+from zinf.units import format_bytes
+
+__all__ = ["choose_units"]
+
+log = logging.getLogger(__name__)
+
+
+def _block_classes(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for module in model.modules():
+        listed = getattr(module, "_no_split_modules", None)
+        if isinstance(listed, (list, tuple, set)):
+            names |= {n for n in listed if isinstance(n, str)}
+    return names
+
+
+def _holders(module: nn.Module) -> int:
+    """How many modules of ``module``'s subtree hold parameters of their own."""
+    return sum(1 for m in module.modules() if next(m.parameters(recurse=False), None) is not None)
+
+
+def _is_called(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (see [Note: blocks as units]), outermost first, in module order."""
+    classes = _block_classes(model)
+    if classes:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    else:
+        found = []
+        for container in model.modules():
+            if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+                continue
+            kids = list(container.children())
+            if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and _is_called(kids[0]):
+                found += kids
+    return [m for m in found if m is not model and _holders(m) > 1]
+
+
+def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, str],
+                 stages: Callable[[list[FlatParamGroup]], bool] = lambda groups: True) -> list[nn.Module]:
+    """The modules to gather as one unit, outermost first; none is inside another. ``stages(groups)``: whether the
+    NVMe staging pool has room to read ``groups`` at once (``Placement.stages_like_one_group``)."""
+    chosen: list[nn.Module] = []
+    covered: set[int] = set()  # ids of modules inside a chosen unit
+
+    def take(module: nn.Module) -> None:
+        chosen.append(module)
+        covered.update(id(m) for m in module.modules())
+
+    for module, name in names.items():
+        if id(module) not in covered and any(fnmatch.fnmatchcase(name, p) or type(module).__name__ == p
+                                             for p in config.unit_modules):
+            take(module)
+    if config.unit_policy != "blocks":
+        return chosen
+    configured = {id(m) for u in chosen for m in u.modules()}
+    limit = config.overlap.max_gathered_bytes
+    for block in _blocks(model):
+        if id(block) in covered or any(id(m) in configured for m in block.modules()):
+            continue
+        if any(isinstance(m, TiledLinear) for m in block.modules()):
+            log.info("zinf: %s (%s) holds a tiled layer: gathered module by module (tile by tile), not as one unit",
+                     names[block], type(block).__name__)
+            continue
+        groups = groups_of(block.parameters())
+        nbytes = sum(g.nbytes_full for g in groups)
+        if limit and nbytes > limit:
+            log.info("zinf: %s (%s) needs %s gathered at once, over overlap.max_gathered_bytes (%s): gathered module "
+                     "by module", names[block], type(block).__name__, format_bytes(nbytes), format_bytes(limit))
+            continue
+        if not stages(groups):
+            log.info("zinf: %s (%s): its shards read from NVMe at once need more of the pinned staging pool than the "
+                     "largest single module's, which is what the pool keeps room for: gathered module by module",
+                     names[block], type(block).__name__)
+            continue
+        take(block)
+    order = {id(m): i for i, m in enumerate(names)}
+    return sorted(chosen, key=lambda m: order[id(m)])
