@@ -69,11 +69,11 @@ class OverlapConfig(_Checked):
     groups coalesced into one collective), at most two buckets in flight. ``max_gathered_bytes`` (0: no
     limit) caps the bytes of full parameters gathered at once, prefetched ones included: prefetch stays
     under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
-    ``coalesce_gathers`` issues the gathers every rank agreed on in one round as one collective per dtype
-    (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one all-gather per
-    group. Off by default: on 2 gloo ranks sharing 2 CPU cores it was not consistently faster
-    (``bench_rounds.py``: 0.90-1.03x of the default's step over four runs), and its CUDA path has not run on a
-    GPU yet.
+    ``coalesce_gathers`` ("auto", "on", "off") issues the gathers every rank agreed on in one round as one
+    collective per dtype (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one
+    all-gather per group. "auto" (default): on with gloo, where with blocks gathered as units
+    (``unit_policy``) it measured 0.89-0.99x of the per-group step (``bench_rounds.py``, 2 ranks, 2 CPU
+    cores); off with NCCL, where its path has not run on a GPU yet.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -81,7 +81,7 @@ class OverlapConfig(_Checked):
     persistent_numel: int = 0
     reduce_bucket_bytes: int = 16 * 2**20
     max_gathered_bytes: int = 0
-    coalesce_gathers: bool = False
+    coalesce_gathers: str = "auto"
 
     def validate(self) -> None:
         check_types(self, "overlap.")
@@ -90,7 +90,13 @@ class OverlapConfig(_Checked):
                  "an integer >= 0 (0 = no limit)")
         _require(self.prefetch_modules >= 0, "overlap.prefetch_modules", self.prefetch_modules, "an integer >= 0")
         _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
+        _require(self.coalesce_gathers in ("auto", "on", "off"), "overlap.coalesce_gathers", self.coalesce_gathers,
+                 "one of ['auto', 'on', 'off'] ('auto': on with gloo, off with NCCL)")
         _require(self.reduce_bucket_bytes > 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes, "an integer > 0")
+
+    def coalesces(self, backend: str) -> bool:
+        """Whether a round's gathers go out as one collective on ``backend`` (``coalesce_gathers``)."""
+        return self.coalesce_gathers == "on" or (self.coalesce_gathers == "auto" and backend == "gloo")
 
 
 @dataclass(kw_only=True)

@@ -59,7 +59,7 @@ def test_one_collective_moves_what_one_gather_each_moves() -> None:
             assert torch.equal(batched, expected), (rank, i)
 
 
-def _engine(rank: int, world: int, coalesce: bool) -> dict:
+def _engine(rank: int, world: int, coalesce: str) -> dict:
     import zinf.runtime.gather as gather
 
     counts = {"collectives": 0, "unions": 0, "groups": 0}
@@ -106,8 +106,8 @@ def _engine(rank: int, world: int, coalesce: bool) -> dict:
 
 
 def test_the_engine_issues_one_collective_per_round_with_the_same_losses() -> None:
-    batched = run_distributed(_engine, 2, True)
-    single = run_distributed(_engine, 2, False)
+    batched = run_distributed(_engine, 2, "auto")  # the default: on with gloo
+    single = run_distributed(_engine, 2, "off")
     for b, s in zip(batched, single):
         assert b["losses"] == s["losses"]  # the same bytes gathered: bit-identical steps
         assert b["unions"] == s["unions"] and b["groups"] == s["groups"] > b["unions"]  # the same rounds

@@ -52,6 +52,13 @@ class Comm:
     group: Any = None
     device: torch.device = torch.device("cpu")  # where small control tensors (flags, norms) live
 
+    @property
+    def backend(self) -> str:
+        """The process group's backend ("gloo", "nccl", ...); "" with one process and no group."""
+        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
+            return ""
+        return str(dist.get_backend(self.group))
+
     @classmethod
     def current(cls, group: Any = None, device: torch.device | None = None) -> "Comm":
         device = device or default_device()

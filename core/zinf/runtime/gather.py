@@ -193,7 +193,7 @@ class ParamFetcher:
 
     def _batch(self, union: Sequence[FlatParamGroup]) -> GatherBatch | None:
         """One collective for the union's gathers ([Note: one collective per round]); None where one would do."""
-        if not self.config.coalesce_gathers or len(union) < 2 or union[0].comm.world == 1:
+        if len(union) < 2 or union[0].comm.world == 1 or not self.config.coalesces(union[0].comm.backend):
             return None
         return GatherBatch(union[0].comm, streams_for(union[0].device))
 

@@ -8,11 +8,13 @@ issued back to back; on NCCL a kernel launch and a proxy round trip).
 A :class:`GatherBatch` collects them instead, the groups this rank starts (shard -> full buffer) and
 the ones it only serves (this rank's slice -> scratch), and issues them as one coalesced collective
 (torch's coalescing manager: one ``all_gather_single_coalesced`` on the backend). The values moved are
-the same bytes, in the same places; only the number of collectives changes. It is ``overlap.coalesce_gathers``
-(off by default): on 2 gloo ranks sharing 2 cores the step did not get consistently faster (bench_rounds.py),
-because a round carries few gathers (1.6 on the test GPT) and a gather's wait there is mostly one rank waiting
-for the other, not the calls' fixed cost; with NCCL, where each call is a launch, it is the setting to measure
-first.
+the same bytes, in the same places; only the number of collectives changes. It is ``overlap.coalesce_gathers``,
+"auto" by default: on with gloo, off with NCCL. Gathering module by module it did not pay on 2 gloo ranks
+sharing 2 cores (0.90-1.03x of the per-group step over four runs of bench_rounds.py): a round carried 1.6
+gathers, and a gather's wait there is mostly one rank waiting for the other. With each block gathered as one
+unit (see [Note: blocks as units] in zinf/schedule/units.py) a round carries a whole block's groups, and the
+same benchmark measured 0.89-0.99x over three runs, so gloo coalesces by default. Its CUDA path has not run
+on a GPU yet: NCCL keeps one all-gather per group until it is measured there.
 
 Each started group keeps an :class:`~zinf.runtime.streams.InFlight` on the batch's one handle
 (:class:`BatchWork`), so a module still waits only where it reads its own parameters; the first join
