@@ -79,7 +79,7 @@ class ZeroInfinityEngine:
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.make_persistent()
-        self.reducer = GradReducer(self.comm, self.config.overlap.reduce_bucket_bytes, self.timers)
+        self.reducer = GradReducer(self.comm, self.config.overlap.bucket_bytes(self.comm.backend), self.timers)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
