@@ -4,13 +4,15 @@ CPUOffloadPolicy), DeepSpeed ZeRO-3 (CPU / NVMe offload) and zinf in each placem
 Every system trains the same model from seed 0 with AdamW(lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
 0.01) in fp32 on its rank's rows of the same global batch. DeepSpeed takes its optimizer from its config (its
 CPU Adam when offloaded: it refuses a client optimizer with ZeRO-Offload) and builds the model under
-``deepspeed.zero.Init``, as zinf builds it under ``zinf.Init``; the others build it whole on every rank."""
+``deepspeed.zero.Init``, as zinf builds it under ``zinf.Init``; the others build it whole on every rank.
+
+``ZINF_BENCH_EXTRA`` (environment): a JSON object merged into every zinf system's config (its ``offload`` section
+into the system's placement), to compare settings with the same harness."""
 
 from __future__ import annotations
 
 import json
 import os
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 

@@ -59,7 +59,7 @@ from zinf.schedule.buffers import BufferSync
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
-from zinf.schedule.units import choose_units
+from zinf.schedule.units import choose_units, is_called
 from zinf.runtime.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
@@ -108,11 +108,6 @@ def _engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
 def _in_backward() -> bool:
     """Whether autograd is running a backward on this thread (a checkpointed block being recomputed)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _is_called(module: nn.Module) -> bool:
-    """Containers (ModuleList, ModuleDict) have no forward of their own and are never called."""
-    return type(module).forward is not nn.Module.forward
 
 
 class _PostBackward(torch.autograd.Function):
@@ -333,7 +328,7 @@ class ModuleHooks:
             if not self.states[start].groups and self.states[start].unit is None:
                 continue  # neither holds parameters nor gathers a subtree
             module: nn.Module | None = start
-            while module is not None and (module in varies or not _is_called(module)
+            while module is not None and (module in varies or not is_called(module)
                                           or int(high[self.states[module].index]) == 0):
                 module = self.parent.get(module)
             if module is None or module is self.model:

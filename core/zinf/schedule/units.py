@@ -11,20 +11,20 @@ blocks itself:
 - a transformers model names its block classes in ``_no_split_modules`` (``GPT2Block``,
   ``LlamaDecoderLayer``; Accelerate's FSDP auto-wrap reads the same attribute); any module of the model
   (a PEFT wrapper's inner model too) may carry it;
-- without that, the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are all of one class, called
-  (not containers) and with parameters in more than one module of their subtree (a unit of one leaf
-  module is what module-by-module does anyway), as GPT-style stacks hold their blocks.
+- without that (or when none of the named classes is in the model), the children of an ``nn.ModuleList`` /
+  ``nn.Sequential`` that are all of one class, called (not containers) and with parameters in more than one
+  module of their subtree (a unit of one leaf module is what module-by-module does anyway), as GPT-style
+  stacks hold their blocks.
 
 The outermost match wins (a block's own ModuleList of experts is inside the block's unit, so
-mixture-of-experts routing no longer makes the ranks' gathers differ). A block is left module by module
-when it contains a tiled layer (tiling exists to gather a layer a tile at a time) or when its parameters
-alone exceed ``overlap.max_gathered_bytes``, or, with the parameters on NVMe, when its shards read at once
-would need more of the pinned staging pool than the largest single module's (the room the pool keeps for one
-gather: a Llama-7B decoder layer is larger than its embedding, so it stays module by module there); each is
-logged. A block inside or around a configured unit
-is left to the configuration. Gathering a block at once keeps one block's full parameters in memory
-instead of one module's, as FSDP2 does: ``unit_policy="modules"`` is the setting for the smallest
-footprint.
+mixture-of-experts routing no longer makes the ranks' gathers differ). A block stays module by module
+(logged) when it contains a tiled layer (tiling exists to gather a layer a tile at a time), when its
+parameters alone exceed ``overlap.max_gathered_bytes``, or, with the parameters on NVMe, when its shards read
+at once would need more of the pinned staging pool than the largest single module's (the room the pool keeps
+for one gather: a Llama-7B decoder layer is larger than its embedding, so it stays module by module there). A
+block inside or around a configured unit is left to the configuration. Gathering a block at once keeps one
+block's full parameters in memory instead of one module's, as FSDP2 does: ``unit_policy="modules"`` is the
+setting for the smallest footprint.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from zinf.param.registry import groups_of
 from zinf.tiling import TiledLinear
 from zinf.units import format_bytes
 
-__all__ = ["choose_units"]
+__all__ = ["choose_units", "is_called"]
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +60,21 @@ def _holders(module: nn.Module) -> int:
     return sum(1 for m in module.modules() if next(m.parameters(recurse=False), None) is not None)
 
 
-def _is_called(module: nn.Module) -> bool:
+def is_called(module: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict) have no forward of their own and are never called."""
     return type(module).forward is not nn.Module.forward
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model`` (see [Note: blocks as units]), outermost first, in module order."""
     classes = _block_classes(model)
-    if classes:
-        found = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
-    else:
-        found = []
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    if not found:  # no transformers block classes, or none of them in this model
         for container in model.modules():
             if not isinstance(container, (nn.ModuleList, nn.Sequential)):
                 continue
             kids = list(container.children())
-            if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and _is_called(kids[0]):
+            if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and is_called(kids[0]):
                 found += kids
     return [m for m in found if m is not model and _holders(m) > 1]
 
