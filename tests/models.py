@@ -125,6 +125,8 @@ def build(kind: str) -> nn.Module:
         return GPT(GPTConfig())
     if kind == "gpt_functional":
         return GPT(GPTConfig(functional_head=True))
+    if kind == "gpt_vocab":  # its embedding outweighs a block: with parameters on NVMe its blocks are units too
+        return GPT(GPTConfig(vocab=2048))
     if kind == "cnn":
         return CNN()
     if kind == "twice":

@@ -108,3 +108,21 @@ def test_one_rank_trains_bit_identically_with_either_policy(model_kind: str) -> 
         return losses
 
     assert run("blocks") == run("modules")
+
+
+def test_a_stack_whose_no_split_classes_are_absent_still_finds_its_blocks() -> None:
+    model = GPT(GPTConfig())
+    model._no_split_modules = ["SomeOtherModelsLayer"]  # as a wrapper might carry for a model it does not hold
+    assert _engine(model).hooks.units == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize("vocab,units", [(96, []), (4096, ["blocks.0", "blocks.1"])])
+def test_on_nvme_a_block_is_a_unit_only_where_the_staging_pool_keeps_room_for_it(tmp_path, vocab, units) -> None:
+    # the pool keeps room to stage the largest single group for one gather: with a 96-token vocabulary that is the
+    # 4.2K-parameter fc layer, less than a block's six groups together; with 4096 tokens the embedding (131K)
+    (tmp_path / "swap").mkdir()
+    offload = {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path / "swap")],
+               "pinned_pool_bytes": 16 << 20}
+    engine = _engine(GPT(GPTConfig(vocab=vocab)), offload=offload)
+    assert engine.hooks.units == units
+    engine.close()
