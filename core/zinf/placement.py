@@ -10,6 +10,7 @@ the user's torch optimizer over shards, and moves nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -159,7 +160,7 @@ class Placement:
             per_subgroup = 4 if grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
             pipeline = 3 * per_subgroup * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
         if cfg.params == "nvme" and self.groups:
-            largest = max(self._staged_bytes(g) for g in self.groups)
+            largest = self._largest_staged
         need = pipeline + (4 * largest if largest else 0)
         grad_writes = 0
         if grads_on_nvme and self.subgroups:
@@ -171,8 +172,14 @@ class Placement:
                 "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
         return 3 * largest, 3 * largest + grad_writes + cfg.pinned_pool_bytes // 4
 
-    def _staged_bytes(self, group: FlatParamGroup) -> int:
+    @staticmethod
+    def _staged_bytes(group: FlatParamGroup) -> int:
         return block_bytes(_span(group.shard_numel * group.storage_dtype.itemsize))
+
+    @functools.cached_property
+    def _largest_staged(self) -> int:
+        """The pool bytes staging the largest group takes (its power-of-two block)."""
+        return max(self._staged_bytes(g) for g in self.groups)
 
     def stages_like_one_group(self, groups: Sequence[FlatParamGroup]) -> bool:
         """Whether gathering ``groups`` at once (a unit, see [Note: blocks as units] in zinf/schedule/units.py)
@@ -180,7 +187,7 @@ class Placement:
         keeps room for. Always true with the parameters off NVMe (nothing is staged)."""
         if self.cfg.params != "nvme" or not self.groups:
             return True
-        return sum(self._staged_bytes(g) for g in groups) <= max(self._staged_bytes(g) for g in self.groups)
+        return sum(self._staged_bytes(g) for g in groups) <= self._largest_staged
 
     def _check_host_memory(self) -> None:
         """Host memory this placement keeps during training, against what is free once the shards and

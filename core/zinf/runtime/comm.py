@@ -6,6 +6,7 @@ with ``async_op=True`` the returned work object is waited on where the result is
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -52,9 +53,10 @@ class Comm:
     group: Any = None
     device: torch.device = torch.device("cpu")  # where small control tensors (flags, norms) live
 
-    @property
+    @functools.cached_property
     def backend(self) -> str:
-        """The process group's backend ("gloo", "nccl", ...); "" with one process and no group."""
+        """The process group's backend ("gloo", "nccl", ...); "" with one process and no group. Asked at every
+        round (``ParamFetcher``), looked up once: a group's backend never changes."""
         if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
             return ""
         return str(dist.get_backend(self.group))

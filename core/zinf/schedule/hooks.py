@@ -29,9 +29,10 @@ prefetch. Units chosen when the engine is built (``unit_modules``, and the model
 ``unit_policy="blocks"``: [Note: blocks as units] in zinf/schedule/units.py) carry the only hooks of their
 subtree: the modules inside have none, so a block costs one pre-hook, one post-hook and one backward
 announcement, not one per module. A parameter a module inside uses from outside the unit is gathered with
-the unit (``on_external`` sees the unit as the running module). With ``divergence="auto"``, when ranks disagreed on gathers during a forward pass, the ranks
-compare which modules each called; for each module called on some ranks only, its nearest ancestor
-that every rank called (the same number of times) becomes a unit, logged, from the next pass on. The
+the unit (``on_external`` sees the unit as the running module). With ``divergence="auto"``, when ranks
+disagreed on gathers during a forward pass, the ranks compare which modules each called; for each module
+called on some ranks only, its nearest ancestor that every rank called (the same number of times) becomes
+a unit, logged, from the next pass on. The
 root never becomes a unit (that would gather the whole model): such divergence stays served round by
 round, which is exact too.
 """

@@ -96,7 +96,7 @@ def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, st
             take(module)
     if config.unit_policy != "blocks":
         return chosen
-    configured = {id(m) for u in chosen for m in u.modules()}
+    configured = set(covered)  # the modules of the configured units
     limit = config.overlap.max_gathered_bytes
     for block in _blocks(model):
         if id(block) in covered or any(id(m) in configured for m in block.modules()):
