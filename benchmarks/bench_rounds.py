@@ -1,5 +1,5 @@
 """What agreeing on collectives costs (see [Note: rounds] in zinf/schedule/rounds.py): 2 gloo ranks,
-torch DDP vs zinf on the same model and global batch, back to back in the same processes.
+torch DDP vs zinf on the same model and global batch, in the same processes, taking turns step by step.
 
     python benchmarks/bench_rounds.py [--layers 4 --embd 256 --batch 8 --steps 8]
     python benchmarks/bench_rounds.py --smoke        # seconds: a tiny model, 3 steps (CI runs it)
@@ -10,8 +10,10 @@ gathered as one unit, see [Note: blocks as units] in zinf/schedule/units.py) ove
 the share of zinf's step spent in them; zinf with ``unit_policy="modules"`` (every module gathered on its
 own; the MoE layers adopted as units after the first step) and its rounds; zinf with
 ``overlap.coalesce_gathers="off"`` (one all-gather per group, where the default on gloo issues one collective
-per round, see [Note: one collective per round] in zinf/runtime/gather_batch.py). Ratios are against zinf's
-defaults.
+per round, see [Note: one collective per round] in zinf/runtime/gather_batch.py); zinf with
+``overlap.reshard_after_forward`` "always" (every group resharded after its forward: nothing kept for the backward)
+and "never" (every group kept gathered from its forward to its backward; see [Note: kept for backward] in
+zinf/schedule/keep.py). Ratios are against zinf's defaults.
 """
 
 from __future__ import annotations
@@ -35,48 +37,55 @@ from patterns import MoEGPT, token_batches  # noqa: E402
 
 
 MODES = {"ddp": {}, "zinf": {}, "zinf-modules": {"unit_policy": "modules"},
-         "zinf-per-group": {"overlap": {"coalesce_gathers": "off"}}}
+         "zinf-per-group": {"overlap": {"coalesce_gathers": "off"}},
+         "zinf-always": {"overlap": {"reshard_after_forward": "always"}},
+         "zinf-never": {"overlap": {"reshard_after_forward": "never"}}}
 
 
 def _model(kind: str, cfg: GPTConfig) -> torch.nn.Module:
     return GPT(cfg) if kind == "dense" else MoEGPT(cfg)
 
 
+def _setup(mode: str, kind: str, cfg: GPTConfig) -> tuple:
+    """(call, backward, step, engine or None) for one mode, from seed 0."""
+    torch.manual_seed(0)
+    if mode.startswith("zinf"):
+        with zinf.Init():
+            model = _model(kind, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = zinf.initialize(model, opt, MODES[mode])
+        return engine, engine.backward, engine.step, engine
+    model = _model(kind, cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kind != "dense")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    return ddp, (lambda loss: loss.backward()), step, None
+
+
 def _worker(rank: int, world: int, path: str, kind: str, cfg: GPTConfig, batch: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     data = token_batches(steps, batch, cfg.vocab, cfg.block)
-    results = {}
-    for mode, settings in MODES.items():
-        torch.manual_seed(0)
-        if mode.startswith("zinf"):
-            with zinf.Init():
-                model = _model(kind, cfg)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            engine = zinf.initialize(model, opt, settings)
-            run, step = engine, engine.step
-            back = engine.backward
-        else:
-            model = _model(kind, cfg)
-            ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=kind != "dense")
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            run, back = ddp, (lambda loss: loss.backward())
-
-            def step() -> None:
-                opt.step()
-                opt.zero_grad()
-        times, rounds = [], []
-        for x, y in data:
+    runs = {mode: _setup(mode, kind, cfg) for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    rounds: dict[str, list[tuple[int, float]]] = {mode: [] for mode in MODES}
+    for x, y in data:  # the modes take turns step by step, so that the machine's drift touches each alike
+        for mode, (run, back, step, engine) in runs.items():
             dist.barrier()
             t = time.perf_counter()
             back(run(x.chunk(world)[rank], y.chunk(world)[rank]))
             step()
-            times.append(time.perf_counter() - t)
-            if mode.startswith("zinf"):
+            times[mode].append(time.perf_counter() - t)
+            if engine is not None:
                 report = engine.report()
-                rounds.append((report.counts.get("rounds", 0), report.seconds.get("rounds", 0.0)))
-        results[mode] = (statistics.median(times[2:]), rounds[2:])
-        if mode.startswith("zinf"):
+                rounds[mode].append((report.counts.get("rounds", 0), report.seconds.get("rounds", 0.0)))
+    results = {mode: (statistics.median(times[mode][2:]), rounds[mode][2:]) for mode in MODES}
+    for _, _, _, engine in runs.values():
+        if engine is not None:
             engine.close()
     if rank == 0:
         torch.save(results, out)
@@ -98,8 +107,9 @@ def main() -> None:
                     n_head=8, n_layer=a.layers)
     print(f"2 gloo ranks, 1 thread each, batch {a.batch}x{cfg.block}, {a.layers} layers, embd {a.embd}")
     print("\n| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step | rounds share "
-          "| module by module s/step | that / zinf | its rounds/step | one all-gather per group s/step | that / zinf |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| module by module s/step | that / zinf | its rounds/step | one all-gather per group s/step | that / zinf "
+          "| reshard always s/step | that / zinf | reshard never s/step | that / zinf |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in ("dense", "moe"):
         numel = sum(q.numel() for q in dict.fromkeys(_model(kind, cfg).parameters()))
         with tempfile.TemporaryDirectory() as d:
@@ -109,12 +119,13 @@ def main() -> None:
             res = torch.load(out, weights_only=False)
         ddp, (zt, rounds) = res["ddp"][0], res["zinf"]
         mt, mrounds = res["zinf-modules"]
-        per_group = res["zinf-per-group"][0]
+        per_group, always, never = (res[m][0] for m in ("zinf-per-group", "zinf-always", "zinf-never"))
         n = statistics.median(r[0] for r in rounds)
         share = statistics.median(r[1] for r in rounds) / zt
         mn = statistics.median(r[0] for r in mrounds)
         print(f"| {kind} | {numel / 1e6:.1f}M | {ddp:.4f} | {zt:.4f} | {zt / ddp:.2f}x | {n:.0f} | {share:.1%} "
-              f"| {mt:.4f} | {mt / zt:.2f}x | {mn:.0f} | {per_group:.4f} | {per_group / zt:.2f}x |")
+              f"| {mt:.4f} | {mt / zt:.2f}x | {mn:.0f} | {per_group:.4f} | {per_group / zt:.2f}x "
+              f"| {always:.4f} | {always / zt:.2f}x | {never:.4f} | {never / zt:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ SYSTEMS: dict[str, System] = {
     "ddp": System("DDP", "torch"),
     "fsdp2": System("FSDP2", "torch"),
     "fsdp2-offload": System("FSDP2 + CPUOffloadPolicy", "torch"),
+    "fsdp2-keep": System("FSDP2, reshard_after_forward=False", "torch"),
     "ds-cpu": System("DeepSpeed ZeRO-3, params+optimizer on CPU", "deepspeed"),
     "ds-nvme": System("DeepSpeed ZeRO-3, params+optimizer on NVMe", "deepspeed", nvme=True),
     "zinf-mem": System("zinf in memory", "zinf"),
@@ -101,6 +102,8 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
         kw: dict = {"mesh": init_device_mesh(ctx.device.type, (ctx.world,))}
         if name == "fsdp2-offload":
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+        if name == "fsdp2-keep":  # every block stays gathered from its forward to its backward
+            kw["reshard_after_forward"] = False
         for block in models.blocks(model, spec):
             fully_shard(block, **kw)
         call = fully_shard(model, **kw)

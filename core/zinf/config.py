@@ -77,6 +77,13 @@ class OverlapConfig(_Checked):
     all-gather per group. "auto" (default): on with gloo, where with blocks gathered as units
     (``unit_policy``) it measured 0.89-0.99x of the per-group step (``bench_rounds.py``, 2 ranks, 2 CPU
     cores); off with NCCL, where its path has not run on a GPU yet.
+    ``reshard_after_forward`` says which groups go back to their shards after their module's forward (see
+    [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
+    first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their
+    last use in the forward into their backward; "always" every group (ZeRO-3 as DeepSpeed runs it: the backward
+    gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
+    one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
+    at the end of the forward.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -85,6 +92,7 @@ class OverlapConfig(_Checked):
     reduce_bucket_bytes: int = 0
     max_gathered_bytes: int = 0
     coalesce_gathers: str = "auto"
+    reshard_after_forward: str = "auto"
 
     def validate(self) -> None:
         check_types(self, "overlap.")
@@ -95,6 +103,9 @@ class OverlapConfig(_Checked):
         _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
         _require(self.coalesce_gathers in ("auto", "on", "off"), "overlap.coalesce_gathers", self.coalesce_gathers,
                  "one of ['auto', 'on', 'off'] ('auto': on with gloo, off with NCCL)")
+        _require(self.reshard_after_forward in ("auto", "always", "never"), "overlap.reshard_after_forward",
+                 self.reshard_after_forward, "one of ['auto', 'always', 'never'] ('never': keep every group "
+                 "gathered from its forward to its backward)")
         _require(self.reduce_bucket_bytes >= 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes,
                  "an integer >= 0 (0: sized by the backend)")
 

@@ -155,6 +155,7 @@ class ZeroInfinityEngine:
         if self.optimizer is None:
             raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
         start = time.perf_counter()
+        self.fetcher.drop_kept()  # a forward whose backward never ran: its kept groups would go stale here
         step, skipped, grad_norm = self.global_step, False, None
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -264,6 +265,7 @@ class ZeroInfinityEngine:
     def close(self) -> None:
         """Remove every hook and release offload files and buffers; parameters stay partitioned. A prefetch
         round still in flight is applied first, so no collective of this engine is left pending at exit."""
+        self.fetcher.drop_kept()
         if self.rounds.active and not self.rounds.failed:
             self.fetcher.settle()
             self.fetcher.sweep()

@@ -32,6 +32,14 @@ def test_nested_bad_value() -> None:
         ZeroConfig.from_dict({"loss_scale": {"backoff_factor": 2.0}})
 
 
+def test_reshard_after_forward_names_its_values() -> None:
+    assert ZeroConfig().overlap.reshard_after_forward == "auto"
+    with pytest.raises(ConfigError, match=r"'overlap.reshard_after_forward' = 'no' .*'auto', 'always', 'never'"):
+        ZeroConfig.from_dict({"overlap": {"reshard_after_forward": "no"}})
+    with pytest.raises(ConfigError, match=r"'overlap.reshard_after_forward' = False .*a string"):
+        ZeroConfig.from_dict({"overlap": {"reshard_after_forward": False}})
+
+
 def test_omegaconf_structured_and_dictconfig() -> None:
     structured = OmegaConf.structured(ZeroConfig)
     merged = OmegaConf.merge(structured, OmegaConf.create({"precision": "fp16", "loss_scale": {"initial_scale": 1024.0}}))

@@ -51,6 +51,8 @@ class ParamFetcher:
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
         self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
+        self._kept: list[FlatParamGroup] = []  # kept gathered by a forward for its backward, not taken by one yet
+        self._kept_taken: list[FlatParamGroup] = []  # what the running backward took over, until a module uses it
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.num_prefetched = 0  # gathers started ahead of use
@@ -81,13 +83,42 @@ class ParamFetcher:
             if g.state is GroupState.SHARDED:
                 self._count(g, -1)
 
+    def keep(self, groups: Sequence[FlatParamGroup]) -> None:
+        """A forward call's hold on ``groups`` becomes their backward's (see [Note: kept for backward] in
+        zinf/schedule/keep.py): they stay gathered, and the release that ends their backward ends it."""
+        for g in groups:
+            g.hold_for_backward()
+        self._kept.extend(groups)
+
+    def kept_to_backward(self) -> None:
+        """A backward started: what the forward kept is the backward's now (released as its gradients complete)."""
+        self._kept_taken, self._kept = self._kept, []
+
+    def drop_kept(self) -> None:
+        """Give back what a forward kept for a backward that has not taken it."""
+        kept, self._kept, self._kept_taken = self._kept, [], []
+        for g in kept:
+            if g.drop_backward_hold():
+                self.release([g])
+
+    def reached(self, groups: Sequence[FlatParamGroup]) -> None:
+        """The backward reached a module that uses ``groups``: kept ones among them are in use, no longer ahead."""
+        if self._kept_taken:
+            self._kept_taken = [g for g in self._kept_taken if all(g is not r for r in groups)]
+
+    def _kept_bytes(self) -> int:
+        """Bytes kept for a backward that has not reached them yet: they fill the prefetch window as gathers ahead
+        do, so that the parameters gathered at once stay within what the window allows."""
+        self._kept_taken = [g for g in self._kept_taken if g.backward_held]
+        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full)
+
     def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
         """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget.
         With several ranks the round that asks for them is not waited for here: it is applied by the next
         call that gathers (``settle``), so a prefetch does not hold this rank until the others post theirs."""
         self.settle()
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
-        budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
+        budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead) - self._kept_bytes()
         if self.config.max_gathered_bytes:
             budget = min(budget, self.config.max_gathered_bytes - self.gathered_bytes)
         reading = True
@@ -130,10 +161,12 @@ class ParamFetcher:
                 self.start(chosen, "prefetch", ahead=True)
 
     def _check_budget(self, todo: Sequence[FlatParamGroup], label: str, limit: int) -> None:
-        """A module whose gathers would pass ``overlap.max_gathered_bytes`` stops the pass with the fix. Groups
-        gathered ahead but not held are given back first (prefetch never needs to break the budget)."""
+        """A module whose gathers would pass ``overlap.max_gathered_bytes`` stops the pass with the fix. Groups kept
+        for a backward and groups gathered ahead but not held are given back first (neither needs to break the
+        budget)."""
         need = sum(g.nbytes_full for g in todo if g.owns_full)
         if self.gathered_bytes + need > limit:
+            self.drop_kept()
             for g in self._ahead:
                 if g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held:
                     g.to_sharded()

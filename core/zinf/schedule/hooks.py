@@ -57,6 +57,7 @@ from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
 from zinf.report import StepTimers
 from zinf.schedule.buffers import BufferSync
+from zinf.schedule.keep import BackwardKeep
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
@@ -90,6 +91,7 @@ class _Call:
 
     module: nn.Module
     acquired: list[FlatParamGroup]
+    position: int | None = None  # in the forward trace, when replaying a training forward in step
 
 
 def _engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -164,6 +166,8 @@ class ModuleHooks:
         self.traces = {"forward": ModuleTrace("forward"), "backward": ModuleTrace("backward"),
                        "eval": ModuleTrace("eval forward")}
         self.pass_trace: ModuleTrace | None = None  # the trace of the forward pass running now
+        self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
+                                 lambda m: self.states[m].needed())
         self._pass_post = Post.END_FORWARD
         self._calls = [0] * len(self.states)  # forward calls per module in this pass (see [Note: units])
         self._refused_units: set[str] = set()
@@ -212,6 +216,8 @@ class ModuleHooks:
         if trace is not None and not recomputing:
             self._calls[state.index] += 1
         position = trace.visit(module) if trace is not None else None
+        if trace is self.traces["forward"]:
+            call.position = position
         needed = state.needed()
         self.fetcher.acquire(needed, state.name)
         call.acquired = list(needed)
@@ -226,6 +232,11 @@ class ModuleHooks:
         """Runs however the forward ended (see [Note: balanced hooks]); ``output`` is None if it raised."""
         while self.stack:
             call = self.stack.pop()
+            if call.module is module and call.position is not None and output is not None:
+                kept = self.keep.at(call.position, call.acquired)  # see [Note: kept for backward]
+                if kept:
+                    self.fetcher.keep(kept)
+                    call.acquired = [g for g in call.acquired if all(g is not k for k in kept)]
             self.fetcher.release(call.acquired)
             if call.module is module:
                 break
@@ -262,6 +273,7 @@ class ModuleHooks:
     def _begin_pass(self) -> None:
         if self.stack or self.pass_trace is not None:  # a pass that raised without the engine seeing it
             self.unwind()
+        self.fetcher.drop_kept()  # a forward before this one kept groups for a backward that never came
         grad = torch.is_grad_enabled()
         if grad:
             for g in self.groups:
@@ -281,6 +293,7 @@ class ModuleHooks:
         """A forward pass raised: release what its calls hold and forget the pass (see [Note: balanced hooks])."""
         while self.stack:
             self.fetcher.release(self.stack.pop().acquired)
+        self.fetcher.drop_kept()
         if self.pass_trace is not None:
             self.pass_trace.abort_pass()
             self.pass_trace = None
@@ -373,13 +386,16 @@ class ModuleHooks:
     def _backward_pre(self, module: nn.Module) -> None:
         if not self.in_backward:
             self.in_backward = True
+            self.fetcher.kept_to_backward()
             for fn in self.on_backward_start:
                 fn()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         state = self.states[module]
         trace = None if state.inside_unit else self.traces["backward"]
         position = trace.visit(module) if trace is not None else None
-        todo = [g for g in state.needed() if not g.backward_held]
+        needed = state.needed()
+        self.fetcher.reached(needed)
+        todo = [g for g in needed if not g.backward_held]
         self.fetcher.acquire(todo, state.name)
         for g in todo:
             g.hold_for_backward()

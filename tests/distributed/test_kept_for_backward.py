@@ -1,0 +1,127 @@
+"""[Note: kept for backward] in zinf/schedule/keep.py: the groups the backward gathers first stay gathered from their
+last use in the forward (``overlap.reshard_after_forward``: "auto" within ``prefetch_bytes``, "never" all of them,
+"always" none). Every setting trains as plain PyTorch does; what is kept is bounded as the setting says; a forward
+whose backward never comes (a discarded loss, an evaluation in between) leaves nothing stale behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zinf
+from dist_utils import run_distributed
+from models import GPT, GPTConfig, batches, build, make_optimizer
+from training import Recipe, reference, zinf_worker
+
+pytestmark = pytest.mark.distributed
+
+SETTINGS = ("auto", "always", "never")
+
+
+def _recipe(setting: str, **overlap: int) -> Recipe:
+    return Recipe(kind="gpt", steps=6, accum=2, zinf={"overlap": {"reshard_after_forward": setting, **overlap}})
+
+
+RECIPES = {"auto": _recipe("auto"), "always": _recipe("always"), "never": _recipe("never"),
+           "auto, a small window": _recipe("auto", prefetch_bytes=20_000),
+           "auto, under max_gathered_bytes": _recipe("auto", max_gathered_bytes=80_000)}
+
+
+def _run_all(rank: int, world: int) -> dict[str, dict]:
+    return {name: zinf_worker(rank, world, recipe) for name, recipe in RECIPES.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_setting_trains_as_pytorch(world: int) -> None:
+    results = run_distributed(_run_all, world)[0]
+    for name, recipe in RECIPES.items():
+        ref = torch.tensor(reference(recipe)[0], dtype=torch.float64)
+        got = torch.tensor(results[name]["losses"], dtype=torch.float64)
+        rel = ((got - ref).abs() / ref.abs()).max().item()
+        assert rel < 1e-5, f"{name} on {world} ranks: {rel:.2e} from PyTorch"
+        assert results[name]["rerecords"] == {"forward": 0, "backward": 0, "eval": 0}, name
+
+
+def _kept(rank: int, world: int, setting: str, prefetch_bytes: int) -> dict:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({"overlap": {"reshard_after_forward": setting,
+                                                    "prefetch_bytes": prefetch_bytes}})
+    with zinf.Init(config):
+        model = GPT(GPTConfig(n_layer=4))
+    engine = zinf.initialize(model, make_optimizer(model), config)
+    after_forward, gathers = [], []
+    for x, y in batches("gpt", 4, 8):
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        after_forward.append(engine.fetcher.gathered_bytes)
+        engine.backward(loss)
+        engine.step()
+        counts = engine.report().counts
+        gathers.append(counts["prefetched_gathers"] + counts["demand_gathers"])
+        assert engine.fetcher.gathered_bytes == 0  # nothing is left gathered after a step
+    total = sum(g.nbytes_full for g in engine.groups)
+    engine.close()
+    return {"after_forward": after_forward, "gathers": gathers, "total": total}
+
+
+def test_what_stays_gathered_into_the_backward() -> None:
+    always, auto, small, never = (run_distributed(_kept, 2, s, p)[0] for s, p in
+                                  (("always", 64 << 20), ("auto", 64 << 20), ("auto", 30_000), ("never", 4096)))
+    # the first step records the order: nothing is kept before both traces are known
+    assert {r["after_forward"][0] for r in (always, auto, small, never)} == {0}
+    # "always": ZeRO-3 as DeepSpeed runs it; "never" keeps every group; "auto" keeps what fits prefetch_bytes
+    assert always["after_forward"][1:] == [0, 0, 0]
+    assert never["after_forward"][1:] == [never["total"]] * 3
+    assert auto["after_forward"][1:] == [auto["total"]] * 3  # this model fits the default 64 MiB window whole
+    assert all(0 < b <= 30_000 for b in small["after_forward"][1:]), small["after_forward"]
+    # and the backward gathers only what was not kept: with everything kept, the forward's gathers alone
+    assert auto["gathers"][1:] == never["gathers"][1:]
+    assert all(n < s < a for n, s, a in zip(never["gathers"][1:], small["gathers"][1:], always["gathers"][1:])), (
+        never["gathers"], small["gathers"], always["gathers"])
+
+
+def _sequence(rank: int, world: int) -> list[float]:
+    """Per step: a training forward whose loss is dropped (its backward never comes), a step without gradients,
+    another such forward, an evaluation forward, then a forward, backward and step; the evaluation's losses are
+    returned (they read the weights the steps made)."""
+    torch.manual_seed(0)
+    with zinf.Init():
+        model = build("gpt")
+    engine = zinf.initialize(model, make_optimizer(model))
+    out = []
+    for x, y in batches("gpt", 5, 8):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        engine(xs, ys)
+        engine.step()  # no gradient since the last step: nothing changes (as in PyTorch), nothing kept survives it
+        engine(xs, ys)
+        with torch.no_grad():
+            evaluation = engine(xs, ys).detach()
+        engine.backward(engine(xs, ys))
+        engine.step()
+        dist.all_reduce(evaluation)
+        out.append(evaluation.item() / world)
+    engine.close()
+    return out
+
+
+def _sequence_reference() -> list[float]:
+    torch.manual_seed(0)
+    model = build("gpt")
+    opt = make_optimizer(model)
+    out = []
+    for x, y in batches("gpt", 5, 8):
+        opt.step()  # every gradient is None: nothing moves
+        with torch.no_grad():
+            out.append(model(x, y).item())
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_forward_without_its_backward_leaves_nothing_stale(world: int) -> None:
+    got = torch.tensor(run_distributed(_sequence, world)[0], dtype=torch.float64)
+    ref = torch.tensor(_sequence_reference(), dtype=torch.float64)
+    rel = ((got - ref).abs() / ref.abs()).max().item()
+    assert rel < 1e-5, (got, ref)
