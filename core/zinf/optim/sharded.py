@@ -16,7 +16,8 @@ expanded) that is never stepped.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +31,29 @@ __all__ = ["ShardedOptimizer", "NOT_ELEMENTWISE"]
 
 # optimizers whose update couples elements of a tensor: a shard alone cannot reproduce them
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+@contextlib.contextmanager
+def _foreach_on_cpu(optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> Iterator[None]:
+    """[Note: foreach on CPU] With ``foreach`` left unset, torch steps CPU tensors one at a time in Python (its
+    multi-tensor path is its default on CUDA only); a shard optimizer holds one view per parameter, so that loop
+    costs more than the arithmetic on small shards. For the step, the param groups that leave both ``foreach`` and
+    ``fused`` unset take the multi-tensor path, which computes the same operations in the same order (Adam/AdamW:
+    the same bits as the single-tensor loop, ``tests/unit/test_sharded_optimizer.py``); the setting is put back
+    after the step, so the optimizer's state_dict and the user's view of it do not change. GPT-2 6.9M on 2 CPU
+    ranks: AdamW over a rank's 74 shard views took 15.7-19.3 ms one at a time, 12.1-14.6 ms with foreach (one
+    thread). ``fused=True``, where the user asks for it, is kept as asked (3.0 ms there, different rounding)."""
+    flipped = []
+    if groups and groups[0].device.type == "cpu":
+        flipped = [pg for pg in optimizer.param_groups if "foreach" in pg and pg["foreach"] is None
+                   and not pg.get("fused") and not pg.get("differentiable")]
+    for pg in flipped:
+        pg["foreach"] = True
+    try:
+        yield
+    finally:
+        for pg in flipped:
+            pg["foreach"] = None
 
 
 class ShardedOptimizer:
@@ -79,7 +103,8 @@ class ShardedOptimizer:
         # set every time: a zero_grad(set_to_none=True) in user code must not detach the shards
         for s, (group, index, grad) in zip(self.shard_params, self._grads):
             s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
-        self.optimizer.step()
+        with _foreach_on_cpu(self.optimizer, self.groups):
+            self.optimizer.step()
         for g in self.groups:
             if not g.shard_only:
                 g.refresh_shard_from_master()  # the storage-dtype shard follows the fp32 master

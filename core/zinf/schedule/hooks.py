@@ -3,7 +3,8 @@
 Per pass: the root's pre-hook first gives every rank rank 0's buffers when DDP would (see [Note: buffers
 like DDP] in zinf/schedule/buffers.py). Per module call (forward): pre-hook -> gather the module's groups
 (and its known external groups), prefetch the next modules' groups from the trace; post-hook -> release
-them, and hook the outputs so that the module's backward is announced. Per module call (backward): the
+them (but those the backward gathers first stay gathered into it: [Note: kept for backward] in
+zinf/schedule/keep.py), and hook the outputs so that the module's backward is announced. Per module call (backward): the
 first output gradient -> gather the module's groups again and hold them until their gradients have arrived.
 Per parameter: post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group
 is complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
