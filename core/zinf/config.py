@@ -83,7 +83,7 @@ class OverlapConfig(_Checked):
     last use in the forward into their backward; "always" every group (ZeRO-3 as DeepSpeed runs it: the backward
     gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
     one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
-    at the end of the forward.
+    at the end of the forward (under ``max_gathered_bytes`` only what fits it).
     """
 
     prefetch_bytes: int = 64 * 2**20

@@ -230,6 +230,7 @@ class ZeroInfinityEngine:
         """Load an ordinary (unsharded) state dict, e.g. ``full_state_dict()`` of this or an untiled model, or
         ``zinf consolidate`` output: every rank takes its shard of each parameter. Called on every rank with
         the same values. With ``strict`` a missing or unexpected key is an error before anything changes."""
+        self.fetcher.drop_kept()  # a forward's kept groups would keep the old values gathered
         model_state.load_full_state_dict(self, state, strict)
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
@@ -242,6 +243,7 @@ class ZeroInfinityEngine:
         """Restore what ``save_checkpoint`` wrote, on any world size and placement (see [Note: resharding] in
         zinf/checkpoint/model_state.py); returns the client state. Collective."""
         self.load_failed = None
+        self.fetcher.drop_kept()
         try:
             loaded = load_sharded(self, path)
         except PartlyLoadedError as exc:
@@ -256,6 +258,7 @@ class ZeroInfinityEngine:
 
     def set_master(self, group: FlatParamGroup, master: torch.Tensor) -> None:
         """Replace this rank's master shard of ``group`` and the parameter shard derived from it."""
+        self.fetcher.drop_kept()
         group.write_master(master)
 
     def report(self) -> StepReport | None:

@@ -5,6 +5,8 @@ whose backward never comes (a discarded loss, an evaluation in between) leaves n
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig, batches, build, make_optimizer
 from training import Recipe, reference, zinf_worker
+from zinf.runtime.gather import GroupState
 
 pytestmark = pytest.mark.distributed
 
@@ -125,3 +128,59 @@ def test_a_forward_without_its_backward_leaves_nothing_stale(world: int) -> None
     ref = torch.tensor(_sequence_reference(), dtype=torch.float64)
     rel = ((got - ref).abs() / ref.abs()).max().item()
     assert rel < 1e-5, (got, ref)
+
+
+def _budget_and_loads(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_bytes": 20_000}})
+    with zinf.Init(config):
+        model = build("gpt")
+    engine = zinf.initialize(model, make_optimizer(model), config)
+    data = batches("gpt", 3, 8)
+    for x, y in data[:2]:  # both traces recorded
+        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.step()
+    x, y = data[2]
+    engine(x.chunk(world)[rank], y.chunk(world)[rank])  # a training forward: its backward never comes
+    fetcher = engine.fetcher
+    kept = list(fetcher._kept)
+    assert len(kept) >= 2 and fetcher.gathered_bytes == sum(g.nbytes_full for g in kept)
+    # a module that needs one kept group and more than the cap leaves room for: the other kept groups are given
+    # back, not the one it needs (that would gather it again on this rank alone, outside any round)
+    largest = max((g for g in engine.groups if g.state is GroupState.SHARDED), key=lambda g: g.nbytes_full)
+    needed = [kept[0], largest]
+    fetcher.config = dataclasses.replace(fetcher.config,
+                                         max_gathered_bytes=fetcher.gathered_bytes + largest.nbytes_full - 1)
+    fetcher.acquire(needed, "test")
+    assert [g.state for g in needed] == [GroupState.GATHERED] * 2 and kept[0].backward_held
+    assert all(g.state is GroupState.SHARDED for g in kept[1:])
+    assert fetcher.gathered_bytes == kept[0].nbytes_full + largest.nbytes_full
+    fetcher.release(needed)
+    fetcher.drop_kept()
+    assert fetcher.gathered_bytes == 0 and all(g.state is GroupState.SHARDED for g in engine.groups)
+    fetcher.config = config.overlap
+    # another training forward keeps groups again; a load then replaces every value, kept ones too
+    engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    assert engine.fetcher._kept
+    torch.manual_seed(5)
+    other = build("gpt").state_dict()
+    engine.load_full_state_dict(other)
+    with engine.gathered_parameters():  # read before any pass: a kept group would still show the old values
+        stale = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), other[n])]
+    assert not stale, stale
+    with torch.no_grad():
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank]).detach()
+    dist.all_reduce(loss)
+    engine.close()
+    return {"loss": loss.item() / world}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_the_budget_and_loads_see_kept_groups(world: int) -> None:
+    got = run_distributed(_budget_and_loads, world)[0]["loss"]
+    torch.manual_seed(5)
+    model = build("gpt")
+    x, y = batches("gpt", 3, 8)[2]
+    with torch.no_grad():
+        want = model(x, y).item()
+    assert abs(got - want) / want < 1e-5, (got, want)

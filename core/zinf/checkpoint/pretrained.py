@@ -153,7 +153,9 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
     """This rank's slice of every parameter of ``g`` from the files, written to its shard (and master) at once."""
     if g.state is not GroupState.SHARDED and not g.persistent:
         raise CheckpointError(f"zinf: load_pretrained: {g.name} is gathered (inside GatheredParameters or a forward "
-                              "pass?); load weights outside them.")
+                              "pass, or after a training forward whose backward has not run?); load weights outside "
+                              "them, or call engine.load_full_state_dict / engine.load_checkpoint, which give back "
+                              "what such a forward kept.")
     params = g.params
     keep = any(p is not None and id(p) not in key_of for p in params)
     local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)

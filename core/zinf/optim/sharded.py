@@ -31,20 +31,23 @@ __all__ = ["ShardedOptimizer", "NOT_ELEMENTWISE"]
 
 # optimizers whose update couples elements of a tensor: a shard alone cannot reproduce them
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# optimizers whose multi-tensor step gives the single-tensor loop's bits (see [Note: foreach on CPU])
+_SAME_BITS_WITH_FOREACH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 @contextlib.contextmanager
 def _foreach_on_cpu(optimizer: torch.optim.Optimizer, groups: Sequence[FlatParamGroup]) -> Iterator[None]:
     """[Note: foreach on CPU] With ``foreach`` left unset, torch steps CPU tensors one at a time in Python (its
     multi-tensor path is its default on CUDA only); a shard optimizer holds one view per parameter, so that loop
-    costs more than the arithmetic on small shards. For the step, the param groups that leave both ``foreach`` and
-    ``fused`` unset take the multi-tensor path, which computes the same operations in the same order (Adam/AdamW:
-    the same bits as the single-tensor loop, ``tests/unit/test_sharded_optimizer.py``); the setting is put back
-    after the step, so the optimizer's state_dict and the user's view of it do not change. GPT-2 6.9M on 2 CPU
-    ranks: AdamW over a rank's 74 shard views took 15.7-19.3 ms one at a time, 12.1-14.6 ms with foreach (one
-    thread). ``fused=True``, where the user asks for it, is kept as asked (3.0 ms there, different rounding)."""
+    costs more than the arithmetic on small shards. For the step, torch's Adam, AdamW and SGD param groups that
+    leave both ``foreach`` and ``fused`` unset take the multi-tensor path, which computes the same operations in the
+    same order (the same bits as the single-tensor loop: ``tests/unit/test_sharded_optimizer.py``; other optimizers
+    keep their loop, not compared); the setting is put back after the step, so the optimizer's state_dict and the
+    user's view of it do not change. GPT-2 6.9M on 2 CPU ranks: AdamW over a rank's 74 shard views took 15.7-19.3
+    ms one at a time, 12.1-14.6 ms with foreach (one thread). ``fused=True``, where the user asks for it, is kept
+    as asked (3.0 ms there, rounded differently)."""
     flipped = []
-    if groups and groups[0].device.type == "cpu":
+    if groups and groups[0].device.type == "cpu" and type(optimizer) in _SAME_BITS_WITH_FOREACH:
         flipped = [pg for pg in optimizer.param_groups if "foreach" in pg and pg["foreach"] is None
                    and not pg.get("fused") and not pg.get("differentiable")]
     for pg in flipped:

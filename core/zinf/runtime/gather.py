@@ -63,7 +63,7 @@ class ParamFetcher:
         todo = [g for g in groups if g.state is GroupState.SHARDED]
         limit = self.config.max_gathered_bytes
         if limit and todo:
-            self._check_budget(todo, label, limit)
+            self._check_budget(todo, groups, label, limit)
         if todo:  # issue every gather first, then wait: the module's gathers run together
             self.num_demand += len(todo)
             self.start(todo, label, ahead=False)
@@ -94,9 +94,10 @@ class ParamFetcher:
         """A backward started: what the forward kept is the backward's now (released as its gradients complete)."""
         self._kept_taken, self._kept = self._kept, []
 
-    def drop_kept(self) -> None:
-        """Give back what a forward kept for a backward that has not taken it."""
-        kept, self._kept, self._kept_taken = self._kept, [], []
+    def drop_kept(self, but: Sequence[FlatParamGroup] = ()) -> None:
+        """Give back what a forward kept for a backward that has not taken it (except ``but``)."""
+        kept = [g for g in self._kept if all(g is not b for b in but)]
+        self._kept = [g for g in self._kept if any(g is b for b in but)]
         for g in kept:
             if g.drop_backward_hold():
                 self.release([g])
@@ -109,8 +110,10 @@ class ParamFetcher:
     def _kept_bytes(self) -> int:
         """Bytes kept for a backward that has not reached them yet: they fill the prefetch window as gathers ahead
         do, so that the parameters gathered at once stay within what the window allows."""
+        if self.config.reshard_after_forward == "never":
+            return 0  # everything is kept by request: counting it would turn the forward's prefetch off
         self._kept_taken = [g for g in self._kept_taken if g.backward_held]
-        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full)
+        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
 
     def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
         """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget.
@@ -160,15 +163,18 @@ class ParamFetcher:
             if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
                 self.start(chosen, "prefetch", ahead=True)
 
-    def _check_budget(self, todo: Sequence[FlatParamGroup], label: str, limit: int) -> None:
-        """A module whose gathers would pass ``overlap.max_gathered_bytes`` stops the pass with the fix. Groups kept
-        for a backward and groups gathered ahead but not held are given back first (neither needs to break the
-        budget)."""
+    def _check_budget(self, todo: Sequence[FlatParamGroup], groups: Sequence[FlatParamGroup], label: str,
+                      limit: int) -> None:
+        """A module whose gathers (``todo``, of the ``groups`` it needs) would pass ``overlap.max_gathered_bytes``
+        stops the pass with the fix. Groups kept for a backward and groups gathered ahead but not held are given
+        back first (neither needs to break the budget), except the module's own: giving one of those back would
+        make its acquire gather it again on this rank alone, outside any round."""
         need = sum(g.nbytes_full for g in todo if g.owns_full)
         if self.gathered_bytes + need > limit:
-            self.drop_kept()
+            self.drop_kept(but=groups)
             for g in self._ahead:
-                if g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held:
+                if (g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held
+                        and all(g is not n for n in groups)):
                     g.to_sharded()
                     self._count(g, -1)
         if self.gathered_bytes + need > limit:

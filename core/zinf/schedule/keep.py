@@ -21,12 +21,13 @@ That is ``overlap.reshard_after_forward="auto"``. "never" keeps every group the 
 all-gather per parameter a step, for the memory of all of them gathered at the end of the forward (FSDP2's
 ``reshard_after_forward=False``). "always" keeps none (DeepSpeed's ZeRO-3).
 
-The decision is made from the traces, which are the same on every rank; a rank whose pass left its trace keeps
-nothing. Were the ranks to differ anyway, nothing pairs wrongly: a rank that holds a group gathered takes part
+The decision is made from the traces, which are the same on every rank; a rank whose pass leaves its trace keeps
+nothing more from there on. Where the ranks differ anyway, nothing pairs wrongly: a rank that holds a group gathered takes part
 in another rank's gather of it with its own slice ([Note: rounds] in zinf/schedule/rounds.py). What was kept and
-not taken by a backward (a forward without one, a second forward first, a forward that raised, a step) is given
-back before the next pass or step (``ParamFetcher.drop_kept``), and first of all when a gather needs the room under
-``max_gathered_bytes``.
+not taken by a backward (a forward without one, a second forward first, a forward that raised) is given back
+before the next pass, the next step, and a load of weights into the engine (``ParamFetcher.drop_kept``); and
+first of all when a gather needs the room under ``max_gathered_bytes`` (so with that cap, "never" keeps only what
+fits under it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class BackwardKeep:
             budget = min(budget, self.config.max_gathered_bytes // 2)
         head: set[int] = set()
         for module in bwd.order:
-            new = [g for g in self.needed(module) if id(g) not in head]
+            new = [g for g in self.needed(module) if id(g) not in head and not g.persistent]  # those stay anyway
             size = sum(g.nbytes_full for g in new if g.owns_full)
             if not everything and size > budget:
                 break
