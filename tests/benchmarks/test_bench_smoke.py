@@ -62,10 +62,10 @@ def test_smoke(script: str, smoke_runs: dict[str, tuple[subprocess.CompletedProc
 
 
 def test_bench_rounds_smoke() -> None:
-    """bench_rounds.py (DDP and zinf in three settings, back to back in the same two processes) prints both rows."""
+    """bench_rounds.py (DDP and zinf in five settings, taking turns in the same two processes) prints both rows."""
     proc = processes.run([sys.executable, str(BENCH / "bench_rounds.py"), "--smoke"], capture_output=True, text=True,
                          timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "| model | params | DDP s/step | zinf s/step | zinf / DDP | rounds/step |" in proc.stdout, proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| dense |", "| moe |"))]
-    assert len(rows) == 2 and all(line.count("|") == 13 for line in rows), proc.stdout
+    assert len(rows) == 2 and all(line.count("|") == 17 for line in rows), proc.stdout
