@@ -11,6 +11,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 FAILED_MARK = dict(marker="x", markersize=10, markeredgewidth=2, linestyle="none")
 
 
+def _color(j: int) -> tuple:
+    """The j-th system's colour: matplotlib's ten default colours, then their light shades (tab20 holds both), so
+    that eleven or more systems never share one."""
+    return plt.cm.tab20((2 * j) % 20 + (j // 10) % 2)
+
+
 def _by_system(rows: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in rows:
@@ -41,7 +47,7 @@ def side_by_side(rows: list[dict], path: str, title: str) -> None:
                     ys.append(r[key])
                 else:
                     ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
-            ax.bar(xs, ys, width=width, label=labels[system], color=plt.cm.tab10(j % 10))
+            ax.bar(xs, ys, width=width, label=labels[system], color=_color(j))
         ax.set_xticks(range(len(models)), models)
         ax.set_xlabel("model")
         ax.set_ylabel(ylabel)
@@ -60,7 +66,7 @@ def size_curve(rows: list[dict], path: str, title: str, limit_gib: float | None,
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5.5))
     for j, (system, rs) in enumerate(_by_system(rows).items()):
         rs = sorted(rs, key=lambda r: r["numel"])
-        color = plt.cm.tab10(j % 10)
+        color = _color(j)
         ok = [r for r in rs if r["status"] == "ok"]
         bad = [r for r in rs if r["status"] not in ("ok", "skipped")]
         label = rs[0]["label"] + (f" x{rs[0]['ranks']}" if rs[0]["ranks"] > 1 else "")
@@ -100,7 +106,7 @@ def ranks_curve(rows: list[dict], path: str, title: str) -> None:
             for r in ok:
                 ax.axhline(r["step_s"], color="black", linestyle=":", label=f"{r['label']}: {r['step_s']:.3f} s")
             continue
-        ax.plot([r["ranks"] for r in ok], [r["step_s"] for r in ok], "o-", color=plt.cm.tab10(j % 10),
+        ax.plot([r["ranks"] for r in ok], [r["step_s"] for r in ok], "o-", color=_color(j),
                 label=rs[0]["label"] + ("" if ok else f" ({rs[0]['status']}: no run finished)"))
     ax.set_xticks(rank_counts, [str(n) for n in rank_counts])
     ax.set_xlabel("ranks (processes; same global batch)")
