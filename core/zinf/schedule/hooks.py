@@ -4,8 +4,9 @@ Per pass: the root's pre-hook first gives every rank rank 0's buffers when DDP w
 like DDP] in zinf/schedule/buffers.py). Per module call (forward): pre-hook -> gather the module's groups
 (and its known external groups), prefetch the next modules' groups from the trace; post-hook -> release
 them (but those the backward gathers first stay gathered into it: [Note: kept for backward] in
-zinf/schedule/keep.py), and hook the outputs so that the module's backward is announced. Per module call (backward): the
-first output gradient -> gather the module's groups again and hold them until their gradients have arrived.
+zinf/schedule/keep.py), and hook the outputs so that the module's backward is announced. Per module call
+(backward): the first output gradient -> gather the module's groups again (unless kept) and hold them until
+their gradients have arrived.
 Per parameter: post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group
 is complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
 zinf/schedule/rounds.py) and the group released. The end of backward flushes what is left.
@@ -33,9 +34,8 @@ announcement, not one per module. A parameter a module inside uses from outside 
 the unit (``on_external`` sees the unit as the running module). With ``divergence="auto"``, when ranks
 disagreed on gathers during a forward pass, the ranks compare which modules each called; for each module
 called on some ranks only, its nearest ancestor that every rank called (the same number of times) becomes
-a unit, logged, from the next pass on. The
-root never becomes a unit (that would gather the whole model): such divergence stays served round by
-round, which is exact too.
+a unit, logged, from the next pass on. The root never becomes a unit (that would gather the whole model):
+such divergence stays served round by round, which is exact too.
 """
 
 from __future__ import annotations

@@ -13,21 +13,20 @@ their gradients' completion releases them as it releases any group the backward 
 the memory the user already gave to parameters gathered before they are needed: kept groups fill that window
 (``ParamFetcher`` counts them as gathered ahead until the backward reaches their module), so the parameters
 gathered at once stay within the running module's and ``prefetch_bytes``, as without keeping. FSDP2 keeps its
-root module so. A model whose parameters fit ``prefetch_bytes``
-(a 4.2M GPT, 16 MiB in fp32) is gathered once a step; a Llama-7B keeps nothing (its output layer alone is
-250 MiB in bf16).
+root module so. A model whose parameters fit ``prefetch_bytes`` (a 4.2M GPT, 16 MiB in fp32) is gathered once a
+step; a Llama-7B keeps nothing (its output layer alone is 250 MiB in bf16).
 
 That is ``overlap.reshard_after_forward="auto"``. "never" keeps every group the backward gathers (no budget): one
 all-gather per parameter a step, for the memory of all of them gathered at the end of the forward (FSDP2's
 ``reshard_after_forward=False``). "always" keeps none (DeepSpeed's ZeRO-3).
 
 The decision is made from the traces, which are the same on every rank; a rank whose pass leaves its trace keeps
-nothing more from there on. Where the ranks differ anyway, nothing pairs wrongly: a rank that holds a group gathered takes part
-in another rank's gather of it with its own slice ([Note: rounds] in zinf/schedule/rounds.py). What was kept and
-not taken by a backward (a forward without one, a second forward first, a forward that raised) is given back
-before the next pass, the next step, and a load of weights into the engine (``ParamFetcher.drop_kept``); and
-first of all when a gather needs the room under ``max_gathered_bytes`` (so with that cap, "never" keeps only what
-fits under it).
+nothing more from there on. Where the ranks differ anyway, nothing pairs wrongly: a rank that holds a group
+gathered takes part in another rank's gather of it with its own slice ([Note: rounds] in
+zinf/schedule/rounds.py). What was kept and not taken by a backward (a forward without one, a second forward
+first, a forward that raised) is given back before the next pass, the next step, and a load of weights into the
+engine (``ParamFetcher.drop_kept``); and first of all when a gather needs the room under ``max_gathered_bytes``
+(so with that cap, "never" keeps only what fits under it).
 """
 
 from __future__ import annotations
@@ -65,12 +64,12 @@ class BackwardKeep:
 
     def _plan(self) -> dict[int, int]:
         fwd, bwd = self.forward, self.backward
+        if self.config.reshard_after_forward == "always":
+            return {}
         if fwd.state is not TraceState.REPLAYING or bwd.state is not TraceState.REPLAYING:
             return {}
         if self._for is not None and self._for[0] is fwd.order and self._for[1] is bwd.order:
             return self._last
-        if self.config.reshard_after_forward == "always":
-            return {}
         everything = self.config.reshard_after_forward == "never"
         budget = self.config.prefetch_bytes
         if self.config.max_gathered_bytes:
