@@ -70,8 +70,30 @@ def test_bytes_two_ranks_pad_each_group() -> None:
     dd, cc = p.estimates
     assert dd.tier_bytes("device", states_only=True) == (8 + 4) * 16  # ceil(15/2) + ceil(8/2) per rank
     assert cc.bytes["cpu"] == {"param_shards": 48, "optimizer_state": 144, "grad_shards": 48}
-    assert dd.io_bytes["allgather"] == 2 * 12 * 4 and dd.io_bytes["reduce_scatter"] == 12 * 4
+    # the whole model fits overlap.prefetch_bytes: kept from the forward for the backward, gathered once a step
+    assert dd.io_bytes["allgather"] == 12 * 4 and dd.io_bytes["reduce_scatter"] == 12 * 4
     assert dd.seconds["step"] != dd.seconds["step"] and p.recommended is None  # no all-gather bandwidth given: unknown
+    again = plan(tiny(), world=2, machine=machine(), placements=["device/device"], batch_tokens=8,
+                 reshard_after_forward="always").estimates[0]
+    assert again.io_bytes["allgather"] == 2 * 12 * 4  # gathered in the forward and again in the backward
+
+
+def test_kept_for_backward_follows_the_engines_choice() -> None:
+    """As zinf/schedule/keep.py: the groups the backward needs first (the last ones), while their full bytes fit
+    ``prefetch_bytes``; every group with "never", none with "always" or one rank."""
+    from zinf.plan.cost import Workload, _kept_for_backward
+    from zinf.plan.model import spec_from_module
+
+    spec = spec_from_module(tiny())  # full fp32 bytes at 2 ranks: 16 x 4 = 64 and 8 x 4 = 32
+    kept = lambda **kw: _kept_for_backward(spec, Workload(**{"world": 2, "prefetch_bytes": 40, **kw}), 4)  # noqa: E731
+    assert kept() == [False, True]
+    assert kept(prefetch_bytes=96) == [True, True]
+    assert kept(prefetch_bytes=31) == [False, False]
+    assert kept(reshard_after_forward="never", prefetch_bytes=0) == [True, True]
+    assert kept(reshard_after_forward="always", prefetch_bytes=1 << 30) == [False, False]
+    assert kept(world=1) == [False, False]
+    with pytest.raises(PlanError, match="reshard_after_forward"):
+        plan(tiny(), world=2, machine=machine(), reshard_after_forward="sometimes")
 
 
 def test_cpu_only_machine_keeps_one_fp32_copy_for_cpu_params() -> None:

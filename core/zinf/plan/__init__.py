@@ -251,7 +251,8 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
          checkpointing: bool = False, placements: Sequence[str | PlanPlacement] | None = None,
          machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
          pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
-         allgather_gbps: float | None = None, calibration: Calibration = Calibration()) -> Plan:
+         allgather_gbps: float | None = None, reshard_after_forward: str = "auto",
+         calibration: Calibration = Calibration()) -> Plan:
     """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
     ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
     (tests inject one); otherwise this machine is measured (a few seconds, disks cached)."""
@@ -259,6 +260,9 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
     if batch_tokens < 1:
         raise PlanError(f"zinf plan: --batch-tokens = {batch_tokens} is not allowed; expected tokens per rank per step >= 1.")
+    if reshard_after_forward not in ("auto", "always", "never"):
+        raise PlanError(f"zinf plan: --reshard-after-forward {reshard_after_forward!r} is not allowed; expected one "
+                        f"of ['auto', 'always', 'never'] (the engine's overlap.reshard_after_forward).")
     precisions = [precision] if isinstance(precision, str) else list(precision)
     from zinf.config import PRECISIONS
 
@@ -286,7 +290,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         ranks_per_node = world if machine.device == "cpu" else min(world, _cuda_count())
     wl = Workload(world=world, batch_tokens=batch_tokens, seq_len=seq, checkpointing=checkpointing,
                   ranks_per_node=ranks_per_node, pinned_pool_bytes=pinned_pool_bytes, sub_group_numel=sub_group_numel,
-                  max_cpu_bytes=max_cpu_bytes)
+                  max_cpu_bytes=max_cpu_bytes, reshard_after_forward=reshard_after_forward)
     notes = []
     if not paths:
         notes.append("no --nvme path: NVMe placements are shown but cannot fit")

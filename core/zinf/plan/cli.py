@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--pinned-pool-bytes", type=int, help="offload.pinned_pool_bytes (default: the planner picks)")
     run_.add_argument("--max-cpu-bytes", type=int, default=0, help="host memory budget (default: available RAM)")
     run_.add_argument("--allgather-gbps", type=float, help="all-gather GB/s per rank (default: measured or estimated)")
+    run_.add_argument("--reshard-after-forward", choices=("auto", "always", "never"), default="auto",
+                      help="overlap.reshard_after_forward: the groups gathered once a step (default auto)")
     run_.add_argument("--remeasure", action="store_true", help="measure the disks again (not the cached figures)")
     run_.add_argument("--machine", metavar="JSON", help="plan for the machine described in this file (the \"machine\" "
                       "entry of 'zinf plan --json') instead of measuring this one")
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             world=args.world, precision=args.precision, nvme_paths=args.nvme, batch_tokens=args.batch_tokens,
             seq_len=args.seq, checkpointing=args.checkpointing, placements=args.placement or None,
             remeasure=args.remeasure, ranks_per_node=args.ranks_per_node, pinned_pool_bytes=args.pinned_pool_bytes,
-            max_cpu_bytes=args.max_cpu_bytes, allgather_gbps=args.allgather_gbps, machine=machine)
+            max_cpu_bytes=args.max_cpu_bytes, allgather_gbps=args.allgather_gbps, machine=machine,
+            reshard_after_forward=args.reshard_after_forward)
     except PlanError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2

@@ -118,6 +118,7 @@ class Workload:
     sub_group_numel: int = 8 << 20
     prefetch_bytes: int = 64 << 20  # overlap.prefetch_bytes
     prefetch_modules: int = 4  # overlap.prefetch_modules
+    reshard_after_forward: str = "auto"  # overlap.reshard_after_forward
     max_cpu_bytes: int = 0
 
 
@@ -240,12 +241,34 @@ def _activation_bytes(spec: ModelSpec, wl: Workload, pb: int) -> int:
 def _gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement) -> int:
     """Full parameters gathered at once (0 with one rank and device shards: gathered in place): the largest group
     (an embedding, often used again by a tied head) while the next ``prefetch_modules`` groups are gathered ahead,
-    within ``prefetch_bytes``."""
+    within ``prefetch_bytes`` (the groups kept for the backward count in it); with ``reshard_after_forward``
+    "never", the whole model at the forward's end."""
     if wl.world == 1 and pl.params == "device":
         return 0
     fulls = sorted((n * wl.world * pb for n in spec.shard_numels(wl.world)), reverse=True)
+    if wl.reshard_after_forward == "never":
+        return sum(fulls)
     ahead = min(wl.prefetch_bytes, sum(fulls[1 : 1 + wl.prefetch_modules]))
     return fulls[0] + ahead
+
+
+def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
+    """Per group, whether the backward finds it still gathered from the forward, as the engine's BackwardKeep
+    (zinf/schedule/keep.py) chooses with ``reshard_after_forward``: "always" none, "never" all, "auto" the groups
+    the backward gathers first (the forward's last, here the groups in reverse) while their full bytes fit
+    ``prefetch_bytes``. Those are all-gathered once a step instead of twice."""
+    kept = [False] * len(spec.groups)
+    if wl.world == 1 or wl.reshard_after_forward == "always":
+        return kept
+    budget = wl.prefetch_bytes
+    shards = spec.shard_numels(wl.world)
+    for i in reversed(range(len(shards))):
+        full = shards[i] * wl.world * sb
+        if wl.reshard_after_forward != "never" and full > budget:
+            break
+        budget -= full
+        kept[i] = True
+    return kept
 
 
 def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement, precision: str,
@@ -295,8 +318,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
             io["h2d"] += 2 * ps * sb
         if pl.optimizer != "device":
             io["d2h"] += trainable * 4
+    kept = _kept_for_backward(spec, wl, sb)
     if world > 1:
-        io["allgather"] = 2 * (world - 1) * ps * sb  # received per rank: the forward's gathers and the backward's
+        # received per rank: the forward's gathers and the backward's, less the groups kept from one to the other
+        io["allgather"] = (world - 1) * sb * (2 * ps - sum(n for n, k in zip(shards, kept) if k))
         io["reduce_scatter"] = (world - 1) * trainable * 4
 
     # -- time per step ---------------------------------------------------------------------------------
@@ -331,8 +356,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         sec["pcie"] = (io["h2d"] + io["d2h"]) / (machine.h2d_bw or 12e9)
     if world > 1:
         bw = machine.allgather_bw or 0.0
-        # per group a gather in forward and in backward and its share of a reduce-scatter: three collectives
-        fixed = 3 * len(spec.groups) * machine.collective_latency
+        # per group a gather in forward and in backward (one if kept) and its share of a reduce-scatter
+        fixed = (3 * len(spec.groups) - sum(kept)) * machine.collective_latency
         sec["allgather"] = (io["allgather"] + io["reduce_scatter"]) / bw + fixed if bw else float("nan")
     # streams: on CPU the compute, the CPU-Adam, the checksums and gloo share the cores (they add up); the disk
     # is a stream of its own. With CUDA the CPU-Adam runs beside the next forward (a third of the compute).
