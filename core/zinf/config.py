@@ -80,7 +80,8 @@ class OverlapConfig(_Checked):
     ``reshard_after_forward`` says which groups go back to their shards after their module's forward (see
     [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
     first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their
-    last use in the forward into their backward; "always" every group (ZeRO-3 as DeepSpeed runs it: the backward
+    last use in the forward into their backward, and, whatever their size, those of the modules the backward starts
+    with where the forward ends with them (the output layer, the root); "always" every group (ZeRO-3 as DeepSpeed runs it: the backward
     gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
     one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
     at the end of the forward (under ``max_gathered_bytes`` only what fits it).

@@ -63,19 +63,27 @@ def _kept(rank: int, world: int, setting: str, prefetch_bytes: int) -> dict:
         gathers.append(counts["prefetched_gathers"] + counts["demand_gathers"])
         assert engine.fetcher.gathered_bytes == 0  # nothing is left gathered after a step
     total = sum(g.nbytes_full for g in engine.groups)
+    # the groups gathered as the forward ends and first needed by the backward: the root's (its call spans the
+    # forward) and the tied output layer's (the forward's last module)
+    ends = {id(g): g.nbytes_full for m in (model, model.lm_head) for g in engine.hooks.keep.needed(m)}
     engine.close()
-    return {"after_forward": after_forward, "gathers": gathers, "total": total}
+    return {"after_forward": after_forward, "gathers": gathers, "total": total, "ends": sum(ends.values()),
+            "ends_count": len(ends)}
 
 
 def _kept_each(rank: int, world: int) -> list[dict]:
     return [_kept(rank, world, setting, window) for setting, window in
-            (("always", 64 << 20), ("auto", 64 << 20), ("auto", 30_000), ("never", 4096))]
+            (("always", 64 << 20), ("auto", 64 << 20), ("auto", 30_000), ("never", 4096), ("auto", 1))]
 
 
 def test_what_stays_gathered_into_the_backward() -> None:
-    always, auto, small, never = run_distributed(_kept_each, 2)[0]
+    always, auto, small, never, tiny = run_distributed(_kept_each, 2)[0]
     # the first step records the order: nothing is kept before both traces are known
-    assert {r["after_forward"][0] for r in (always, auto, small, never)} == {0}
+    assert {r["after_forward"][0] for r in (always, auto, small, never, tiny)} == {0}
+    # with no window at all, "auto" still keeps what the forward ends with and the backward starts with (whatever
+    # its size: it is gathered then anyway): one all-gather fewer a step for each of those groups
+    assert tiny["ends"] > 1 and tiny["after_forward"][1:] == [tiny["ends"]] * 3
+    assert tiny["gathers"][1:] == [a - tiny["ends_count"] for a in always["gathers"][1:]]
     # "always": ZeRO-3 as DeepSpeed runs it; "never" keeps every group; "auto" keeps what fits prefetch_bytes
     assert always["after_forward"][1:] == [0, 0, 0]
     assert never["after_forward"][1:] == [never["total"]] * 3

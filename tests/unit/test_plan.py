@@ -80,7 +80,7 @@ def test_bytes_two_ranks_pad_each_group() -> None:
 
 def test_kept_for_backward_follows_the_engines_choice() -> None:
     """As zinf/schedule/keep.py: the groups the backward needs first (the last ones), while their full bytes fit
-    ``prefetch_bytes``; every group with "never", none with "always" or one rank."""
+    ``prefetch_bytes``, the last one whatever its size; every group with "never", none with "always" or one rank."""
     from zinf.plan.cost import Workload, _kept_for_backward
     from zinf.plan.model import spec_from_module
 
@@ -88,7 +88,7 @@ def test_kept_for_backward_follows_the_engines_choice() -> None:
     kept = lambda **kw: _kept_for_backward(spec, Workload(**{"world": 2, "prefetch_bytes": 40, **kw}), 4)  # noqa: E731
     assert kept() == [False, True]
     assert kept(prefetch_bytes=96) == [True, True]
-    assert kept(prefetch_bytes=31) == [False, False]
+    assert kept(prefetch_bytes=0) == [False, True]  # the output layer's group: gathered as the forward ends
     assert kept(reshard_after_forward="never", prefetch_bytes=0) == [True, True]
     assert kept(reshard_after_forward="always", prefetch_bytes=1 << 30) == [False, False]
     assert kept(world=1) == [False, False]

@@ -256,7 +256,8 @@ def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
     """Per group, whether the backward finds it still gathered from the forward, as the engine's BackwardKeep
     (zinf/schedule/keep.py) chooses with ``reshard_after_forward``: "always" none, "never" all, "auto" the groups
     the backward gathers first (the forward's last, here the groups in reverse) while their full bytes fit
-    ``prefetch_bytes``. Those are all-gathered once a step instead of twice."""
+    ``prefetch_bytes``, the last group (the output layer's: gathered as the forward ends) whatever its size. Those
+    are all-gathered once a step instead of twice."""
     kept = [False] * len(spec.groups)
     if wl.world == 1 or wl.reshard_after_forward == "always":
         return kept
@@ -264,6 +265,9 @@ def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
     shards = spec.shard_numels(wl.world)
     for i in reversed(range(len(shards))):
         full = shards[i] * wl.world * sb
+        if i == len(shards) - 1:
+            kept[i] = True  # the running group at both ends of the backward's start: no room of the window taken
+            continue
         if wl.reshard_after_forward != "never" and full > budget:
             break
         budget -= full

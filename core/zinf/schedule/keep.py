@@ -13,8 +13,13 @@ their gradients' completion releases them as it releases any group the backward 
 the memory the user already gave to parameters gathered before they are needed: kept groups fill that window
 (``ParamFetcher`` counts them as gathered ahead until the backward reaches their module), so the parameters
 gathered at once stay within the running module's and ``prefetch_bytes``, as without keeping. FSDP2 keeps its
-root module so. A model whose parameters fit ``prefetch_bytes`` (a 4.2M GPT, 16 MiB in fp32) is gathered once a
-step; a Llama-7B keeps nothing (its output layer alone is 250 MiB in bf16).
+root module so. The modules the backward starts with, where they are the forward's last (the output layer) or its
+outermost (the root, whose call spans the forward), keep their groups whatever their size: those are gathered as
+the forward ends, the backward would gather them again at once, and they are running modules at both ends, so
+keeping them adds nothing to the most that is gathered at once.
+A model whose parameters fit ``prefetch_bytes`` (a 4.2M GPT, 16 MiB in fp32) is gathered once a step; a Llama-7B
+keeps its output layer only (250 MiB in bf16, over the window); a GPT whose head is tied to its 268 MB token
+embedding keeps that embedding from the head's forward to the head's backward, one gather fewer a step.
 
 That is ``overlap.reshard_after_forward="auto"``. "never" keeps every group the backward gathers (no budget): one
 all-gather per parameter a step, for the memory of all of them gathered at the end of the forward (FSDP2's
@@ -75,8 +80,15 @@ class BackwardKeep:
         if self.config.max_gathered_bytes:
             budget = min(budget, self.config.max_gathered_bytes // 2)
         head: set[int] = set()
+        # gathered as the forward ends: its last module's groups and the outermost module's (whose call spans it)
+        ends = (fwd.order[0], fwd.order[-1]) if fwd.order else ()
+        leading = True
         for module in bwd.order:
             new = [g for g in self.needed(module) if id(g) not in head and not g.persistent]  # those stay anyway
+            if leading and any(module is m for m in ends):
+                head.update(id(g) for g in new)  # the backward starts with them: kept whatever their size
+                continue
+            leading = False
             size = sum(g.nbytes_full for g in new if g.owns_full)
             if not everything and size > budget:
                 break
