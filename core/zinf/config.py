@@ -28,6 +28,7 @@ _REDUCE_DTYPES = ("fp32", "param")
 _DIVERGENCE = ("auto", "error")
 _UNIT_POLICIES = ("blocks", "modules")
 TIERS = ("device", "cpu", "nvme")
+RESHARD_AFTER_FORWARD = ("auto", "always", "never")  # overlap.reshard_after_forward (zinf plan takes the same)
 
 
 class _Checked:
@@ -81,8 +82,8 @@ class OverlapConfig(_Checked):
     [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
     first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their
     last use in the forward into their backward, and, whatever their size, those of the modules the backward starts
-    with where the forward ends with them (the output layer, the root); "always" every group (ZeRO-3 as DeepSpeed runs it: the backward
-    gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
+    with where the forward ends with them (the output layer, the root); "always" every group (ZeRO-3 as DeepSpeed
+    runs it: the backward gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
     one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
     at the end of the forward (under ``max_gathered_bytes`` only what fits it).
     """
@@ -104,8 +105,8 @@ class OverlapConfig(_Checked):
         _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
         _require(self.coalesce_gathers in ("auto", "on", "off"), "overlap.coalesce_gathers", self.coalesce_gathers,
                  "one of ['auto', 'on', 'off'] ('auto': on with gloo, off with NCCL)")
-        _require(self.reshard_after_forward in ("auto", "always", "never"), "overlap.reshard_after_forward",
-                 self.reshard_after_forward, "one of ['auto', 'always', 'never'] ('never': keep every group "
+        _require(self.reshard_after_forward in RESHARD_AFTER_FORWARD, "overlap.reshard_after_forward",
+                 self.reshard_after_forward, f"one of {list(RESHARD_AFTER_FORWARD)} ('never': keep every group "
                  "gathered from its forward to its backward)")
         _require(self.reduce_bucket_bytes >= 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes,
                  "an integer >= 0 (0: sized by the backend)")

@@ -292,6 +292,8 @@ def test_cli_hf_config_and_errors(tmp_path: Path, capsys) -> None:
     assert "exactly one model" in capsys.readouterr().err
     assert main(["plan", "--params", "1e6", "--machine", mf, "--placement", "nvme/gpu"]) == 2
     assert "unknown placement" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e6", "--machine", mf, "--world", "2", "--reshard-after-forward", "x"]) == 2
+    assert "overlap.reshard_after_forward" in capsys.readouterr().err
     assert main(["plan", "--params", "1e6", "--machine", mf, "--nvme", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["plan", "--params", "1e6", "--machine", str(tmp_path / "none.json")]) == 2

@@ -260,11 +260,12 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
     if batch_tokens < 1:
         raise PlanError(f"zinf plan: --batch-tokens = {batch_tokens} is not allowed; expected tokens per rank per step >= 1.")
-    if reshard_after_forward not in ("auto", "always", "never"):
+    from zinf.config import PRECISIONS, RESHARD_AFTER_FORWARD
+
+    if reshard_after_forward not in RESHARD_AFTER_FORWARD:
         raise PlanError(f"zinf plan: --reshard-after-forward {reshard_after_forward!r} is not allowed; expected one "
-                        f"of ['auto', 'always', 'never'] (the engine's overlap.reshard_after_forward).")
+                        f"of {list(RESHARD_AFTER_FORWARD)} (the engine's overlap.reshard_after_forward).")
     precisions = [precision] if isinstance(precision, str) else list(precision)
-    from zinf.config import PRECISIONS
 
     for p in precisions:
         if p not in PRECISIONS:

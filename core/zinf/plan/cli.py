@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--pinned-pool-bytes", type=int, help="offload.pinned_pool_bytes (default: the planner picks)")
     run_.add_argument("--max-cpu-bytes", type=int, default=0, help="host memory budget (default: available RAM)")
     run_.add_argument("--allgather-gbps", type=float, help="all-gather GB/s per rank (default: measured or estimated)")
-    run_.add_argument("--reshard-after-forward", choices=("auto", "always", "never"), default="auto",
-                      help="overlap.reshard_after_forward: the groups gathered once a step (default auto)")
+    run_.add_argument("--reshard-after-forward", default="auto",
+                      help="overlap.reshard_after_forward, auto, always or never: the groups gathered once a step")
     run_.add_argument("--remeasure", action="store_true", help="measure the disks again (not the cached figures)")
     run_.add_argument("--machine", metavar="JSON", help="plan for the machine described in this file (the \"machine\" "
                       "entry of 'zinf plan --json') instead of measuring this one")
