@@ -1,7 +1,7 @@
 """zinf side by side with plain PyTorch, DDP, FSDP2 (with and without CPUOffloadPolicy) and DeepSpeed ZeRO-3
 (CPU and NVMe offload), on GPT-style models, same global batch and hyper-parameters, fp32.
 
-    python benchmarks/bench_side_by_side.py --out docs/benchmarks/side_by_side          # the published table
+    python benchmarks/bench_side_by_side.py --out docs/benchmarks/side_by_side_default  # the four default models
     python benchmarks/bench_side_by_side.py --plot docs/benchmarks/side_by_side/side_by_side.json   # redraw only
     python benchmarks/bench_side_by_side.py --smoke --out /tmp/sbs                        # seconds (CI)
 
