@@ -72,7 +72,7 @@ def _finish(namespace: dict) -> None:
     """The script ended normally: end the process as Python would (the script's objects released, so its
     open files are flushed and closed; exit handlers run, zinf's swap-file removal among them), then leave
     without the interpreter's own teardown, where torch 2.13's gloo threads can abort a run that succeeded
-    ("terminate called without an active exception"; README, known problems), which ``accelerate launch``
+    ("terminate called without an active exception"; docs/known_issues.md), which ``accelerate launch``
     would report as a failed run and answer by stopping the other ranks."""
     namespace.clear()
     gc.collect()

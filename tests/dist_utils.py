@@ -92,7 +92,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
 def exit_cleanly() -> None:
     """End a driver script: wait for every rank (their records are written), leave the process group, and
     exit without interpreter finalization, where torch 2.13's gloo threads can abort a finished run
-    ("terminate called without an active exception"; see the README's known problems)."""
+    ("terminate called without an active exception"; see docs/known_issues.md)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

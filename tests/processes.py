@@ -3,7 +3,7 @@
 [Note: reaping] A test's launcher (torchrun, accelerate launch, a Lightning driver) runs in a process group of
 its own, and run_distributed's workers are remembered by pid. Whatever ends the wait for them (the process
 exiting, a timeout, a failed assertion, Ctrl-C, pytest-timeout) kills what is left with SIGKILL, which also
-ends a stopped process (state T) that would never act on SIGTERM or SIGINT, and reaps it. The session's end
+ends a stopped process (state T) that would never act on SIGTERM or SIGINT, and reaps it. The pytest session's end
 (conftest.py) kills anything still registered, so an interrupted run leaves no worker behind.
 """
 
@@ -52,7 +52,7 @@ def unregister(pids: Iterable[int]) -> None:
 
 
 def kill_leftovers() -> None:
-    """Kill every launcher group and worker that a test started and did not see end (session end)."""
+    """Kill every launcher group and worker that a test started and did not see end (pytest session end)."""
     for pgid in list(_GROUPS):
         _kill_group(pgid)
     kill_pids(list(_PIDS))

@@ -123,7 +123,7 @@ class RunOutcome:
 
 def run_ranks(cmd: list[str], envs: list[dict[str, str]], *, limits: Limits, log_path: str,
               disk_dir: str | None = None, sample_s: float = 0.2, progress_every_s: float = 30.0) -> RunOutcome:
-    """Start one process per entry of ``envs`` running ``cmd``, each in a session of its own, and watch them."""
+    """Start one process per entry of ``envs`` running ``cmd``, each in a POSIX session of its own, and watch them."""
     procs: list[subprocess.Popen] = []
     phases: dict[int, str] = {}
     tails: dict[int, list[str]] = {}

@@ -68,16 +68,16 @@ class OverlapConfig(_Checked):
     ``persistent_numel`` keeps modules whose own parameters are smaller than this gathered for the
     whole run; gradients are reduce-scattered in buckets of about ``reduce_bucket_bytes`` (small
     groups coalesced into one collective), at most two buckets in flight; 0 (default) sizes them by the
-    backend: 4 MiB with gloo (on 2 CPU ranks the reduce-scatter wait of a 6.9M GPT-2 was 27-30 ms with 4 MiB
-    buckets, 44-47 ms with 16 MiB, 56-64 ms with 1 MiB: the last bucket's reduce is the wait at the end of the
-    backward), 16 MiB with NCCL, where each collective costs a launch. ``max_gathered_bytes`` (0: no
+    backend: 4 MiB with gloo, where the last bucket's reduce is the wait at the end of the backward and smaller
+    buckets shorten it until each collective's fixed cost dominates; 16 MiB with NCCL, where each collective
+    costs a launch (measured: docs/benchmarks.md, "Measurements behind the defaults"). ``max_gathered_bytes`` (0: no
     limit) caps the bytes of full parameters gathered at once, prefetched ones included: prefetch stays
     under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
     ``coalesce_gathers`` ("auto", "on", "off") issues the gathers every rank agreed on in one round as one
     collective per dtype (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one
     all-gather per group. "auto" (default): on with gloo, where with blocks gathered as units
-    (``unit_policy``) it measured 0.89-0.99x of the per-group step (``bench_rounds.py``, 2 ranks, 2 CPU
-    cores); off with NCCL, where its path has not run on a GPU yet.
+    (``unit_policy``) it measured no slower than one all-gather per group (``bench_rounds.py``; figures in
+    docs/benchmarks.md); off with NCCL, where its path has not run on a GPU yet.
     ``reshard_after_forward`` says which groups go back to their shards after their module's forward (see
     [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
     first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their

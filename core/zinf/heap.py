@@ -3,9 +3,10 @@
 [Note: heap growth]
 Building and loading a model frees many large, short-lived tensors (a module's full values before they are
 partitioned, a slice read from a file). glibc serves them from its heap once its mmap threshold has grown past
-their size, and keeps what they free: measured building and loading a 160 MiB model on one rank, the process kept
-+321 MiB. ``HeapTrimmer`` calls ``malloc_trim(0)`` after every 64 MiB freed this way (a few milliseconds each),
-which hands the free pages back; elsewhere (not glibc) it does nothing.
+their size, and keeps what they free, which can grow the process by more than the model's own size (measured:
+docs/benchmarks.md, "Measurements behind the defaults"). ``HeapTrimmer`` calls ``malloc_trim(0)`` after every
+64 MiB freed this way (a few milliseconds each), which hands the free pages back; elsewhere (not glibc) it does
+nothing.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def run_launcher(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool 
     proc = processes.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if ok and proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stderr and "Traceback (most recent call last):\n  File" \
             not in proc.stderr.split(TORCH_EXIT_ABORT)[0]:
-        # torch 2.13's gloo can abort a process at interpreter exit after its work is done (README, known problems);
+        # torch 2.13's gloo can abort a process at interpreter exit after its work is done (docs/known_issues.md);
         # the run itself succeeded (no traceback before the abort). Run it once more; any other failure fails.
         proc = processes.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if ok and proc.returncode != 0:

@@ -3,7 +3,7 @@
 Each run is a driver script started as a process (see ``lightning_runs.Runs``: under torchrun, or as a
 user starts it, with Lightning's and Fabric's own launchers starting the second rank); every rank writes its
 per-step losses to a JSON file that the tests compare.
-Runs are cached per session so that one reference run serves several tests.
+Runs are cached per pytest session so that one reference run serves several tests.
 """
 
 from __future__ import annotations

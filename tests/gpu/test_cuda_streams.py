@@ -7,7 +7,7 @@ case runs twice: with the fence the result must be right; without it the race mu
 case is the control that shows the setup can see a race, so a fence that does nothing (or is removed) makes
 the fenced case fail.
 
-Skipped without a GPU. Not yet run on a GPU: no GPU was lent to the session that wrote them.
+Skipped without a GPU. What has run on a GPU: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Tiling and checkpointing with host-held inputs on CUDA: same losses as without, and the device memory
-they are for (``torch.cuda`` statistics). Skipped without a GPU; not yet run on one (no GPU was lent to the
-session that wrote them)."""
+they are for (``torch.cuda`` statistics). Skipped without a GPU; what has run on a GPU: docs/gpu.md."""
 
 from __future__ import annotations
 

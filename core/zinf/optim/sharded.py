@@ -43,9 +43,8 @@ def _foreach_on_cpu(optimizer: torch.optim.Optimizer, groups: Sequence[FlatParam
     leave both ``foreach`` and ``fused`` unset take the multi-tensor path, which computes the same operations in the
     same order (the same bits as the single-tensor loop: ``tests/unit/test_sharded_optimizer.py``; other optimizers
     keep their loop, not compared); the setting is put back after the step, so the optimizer's state_dict and the
-    user's view of it do not change. GPT-2 6.9M on 2 CPU ranks: AdamW over a rank's 74 shard views took 15.7-19.3
-    ms one at a time, 12.1-14.6 ms with foreach (one thread). ``fused=True``, where the user asks for it, is kept
-    as asked (3.0 ms there, rounded differently)."""
+    user's view of it do not change (the time saved: docs/benchmarks.md, "Measurements behind the defaults").
+    ``fused=True``, where the user asks for it, is kept as asked (faster, but rounded differently)."""
     flipped = []
     if groups and groups[0].device.type == "cpu" and type(optimizer) in _SAME_BITS_WITH_FOREACH:
         flipped = [pg for pg in optimizer.param_groups if "foreach" in pg and pg["foreach"] is None
