@@ -11,11 +11,13 @@ from typing import Iterator
 
 import torch
 
+from zinf.runtime.staging import is_device_memory
+
 __all__ = ["StepTimers", "StepReport", "io_hidden_share", "tier_of"]
 
 
 def tier_of(t: torch.Tensor) -> str:
-    return "cpu" if t.device.type == "cpu" else "device"
+    return "device" if is_device_memory(t) else "cpu"
 
 
 class StepTimers:
