@@ -289,6 +289,9 @@ class ZeroInfinityEngine:
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
+        floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
+        if floor is not None:
+            seconds["nvme_floor"] = floor
         report = StepReport(step=step, seconds=seconds, counts=counts, bytes=self.resident_bytes(),
                             peak_gathered_bytes=fetched.peak_gathered_bytes, skipped=skipped, grad_norm=grad_norm,
                             loss_scale=loss_scale)

@@ -22,6 +22,7 @@ from zinf import native
 from zinf.config import OffloadConfig
 from zinf.runtime.comm import Comm
 from zinf.runtime.staging import device_is_apart
+from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
 from zinf.offload.param_store import CpuShardStore, NvmeShardStore
 from zinf.offload.pool_room import PoolRoom, block_bytes
@@ -124,6 +125,7 @@ class Placement:
                 g.place(self.store, grad, self.fence, self.states if g.trainable else None)
         if self.swap is not None:
             self.swap.open()
+        self.disk_speed = load_speed(cfg.nvme_paths) if self.swap is not None else None
         self._move_initial_state()
         for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
             if g.trainable and g.shard_only:  # straight to NVMe (see [Note: construction spill])
@@ -238,6 +240,13 @@ class Placement:
 
     def flush(self) -> None:
         self.store.flush()
+
+    def nvme_floor_s(self, counts: dict[str, int]) -> float | None:
+        """The seconds the step's NVMe bytes (``counts``) take at the drives' measured speed (see
+        zinf/offload/disk_speed.py); None without NVMe or without a measurement."""
+        if self.swap is None or self.disk_speed is None:
+            return None
+        return self.disk_speed.floor_s(counts.get("nvme_read_bytes", 0), counts.get("nvme_written_bytes", 0))
 
     def io_counts(self) -> dict[str, int]:
         """NVMe bytes read and written since the last call."""

@@ -32,6 +32,7 @@ import torch
 from zinf import native
 from zinf.native import AdamHyper
 from zinf.offload.subgroups import STATES, SubGroup
+from zinf.report import StepTimers
 
 if TYPE_CHECKING:
     from zinf.offload.state_store import CpuStateStore
@@ -57,8 +58,8 @@ class EarlyInputs:
 
 
 class EarlySteps:
-    def __init__(self, states: "CpuStateStore") -> None:
-        self.states = states
+    def __init__(self, states: "CpuStateStore", timers: StepTimers) -> None:
+        self.states, self.timers = states, timers
         self._backups: dict[int, dict[str, torch.Tensor]] = {}  # sub-group -> its rollback copies (kept)
         self._taken: dict[int, EarlyInputs] = {}  # group -> the inputs of its early step
         self._pending: list[Future[None]] = []
@@ -113,6 +114,10 @@ class EarlySteps:
         self._pool.shutdown(wait=True)
 
     def _step_group(self, group: "FlatParamGroup", inputs: EarlyInputs, hyper: list[AdamHyper]) -> None:
+        with self.timers.time("adam_early"):
+            self._step_subgroups(group, inputs, hyper)
+
+    def _step_subgroups(self, group: "FlatParamGroup", inputs: EarlyInputs, hyper: list[AdamHyper]) -> None:
         grad = group.grad.resident  # landed here, off the training thread
         assert grad is not None
         for sg in self.states.of(group):

@@ -130,7 +130,7 @@ class OffloadedAdam:
             id(g): [0 if p is not None and p.requires_grad and id(p) in hyper else None for p in g.params] for g in groups}
         self._stepped: dict[int, list[bool]] = {}
         # [Note: steps during the backward] in zinf/optim/early_steps.py
-        self.early = EarlySteps(states) if early else None  # type: ignore[arg-type]
+        self.early = EarlySteps(states, self.timers) if early else None  # type: ignore[arg-type]
         self._early_factor: float | None = 1.0  # the factor an early step takes (None: none is predicted)
         self._backwards = 0  # backwards since the last step
         self._backwards_per_step = 1
@@ -260,8 +260,9 @@ class OffloadedAdam:
         try:
             if self.early is not None:  # the steps begun during the backward have finished
                 self.early.join()
-            for sg, states in self.states.sweep():
-                self._step(sg, states)
+            with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
+                for sg, states in self.states.sweep():
+                    self._step(sg, states)
         finally:
             for store in self._stores():
                 store.end_update()
