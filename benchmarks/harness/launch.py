@@ -23,7 +23,7 @@ DS_VENV_HINT = ("python -m venv --system-site-packages /work/dsvenv && /work/dsv
                 "(NVMe offload also needs libaio-dev)")
 # StepReport categories kept per row (median over the measured steps), as "zinf/<name>" in report.metrics()
 BREAKDOWN = ("forward", "backward", "compute", "all_gather", "reduce_scatter", "rounds", "broadcast_buffers",
-             "optimizer", "optimizer_wait", "nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write",
+             "optimizer", "optimizer_wait", "adam", "adam_early", "nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write",
              "io_hidden_share", "nvme_read_bytes", "nvme_written_bytes")
 
 

@@ -41,11 +41,13 @@ SYSTEMS: dict[str, System] = {
     "ds-nvme": System("DeepSpeed ZeRO-3, params+optimizer on NVMe", "deepspeed", nvme=True),
     "zinf-mem": System("zinf in memory", "zinf"),
     "zinf-optcpu": System("zinf, optimizer on CPU", "zinf"),
+    "zinf-optcpu-early": System("zinf, optimizer on CPU, stepped during the backward", "zinf"),
     "zinf-cpu": System("zinf, params+optimizer on CPU", "zinf"),
     "zinf-nvme": System("zinf, params+optimizer on NVMe", "zinf", nvme=True),
 }
 
-ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
+ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"},
+                "zinf-optcpu-early": {"optimizer": "cpu", "step_during_backward": True}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
                 "zinf-nvme": {"params": "nvme", "optimizer": "nvme"}}
 
 

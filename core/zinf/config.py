@@ -142,6 +142,11 @@ class OffloadConfig(_Checked):
     overlap_optimizer: run the offloaded optimizer step in the background, overlapped with the next
         forward pass; a group's next gather waits only for that group's update, the next backward for
         the whole step.
+    step_during_backward: with the optimizer on "cpu", step each group's CPU-Adam during the backward, as soon
+        as its gradient shard is complete on the host (speculatively: the step after the backward keeps it where
+        clipping, loss scaling, later micro-batches and the hyper-parameters left it unchanged, and rolls it back
+        and redoes it otherwise, so the result is the same bit for bit). Costs 12 bytes of host memory per
+        parameter (the rollback copies); see [Note: steps during the backward] in zinf/optim/early_steps.py.
     max_cpu_bytes: the most host memory zinf may use for offloaded state (0: what the machine has
         available); a placement that cannot fit fails before training starts.
     """
@@ -153,6 +158,7 @@ class OffloadConfig(_Checked):
     pinned_pool_bytes: int = 256 * 2**20
     sub_group_numel: int = 32 * 2**20
     overlap_optimizer: bool = True
+    step_during_backward: bool = False
     max_cpu_bytes: int = 0
     aio_block_bytes: int = 1 << 20
     aio_queue_depth: int = 32
@@ -167,6 +173,8 @@ class OffloadConfig(_Checked):
                  "'nvme' only with offload.optimizer='nvme' (the NVMe optimizer pipeline reads them); use 'auto'")
         _require(self.grads != "cpu" or self.optimizer != "device", "offload.grads", self.grads,
                  "'cpu' only with an offloaded optimizer (offload.optimizer 'cpu' or 'nvme'); use 'auto'")
+        _require(not self.step_during_backward or self.optimizer == "cpu", "offload.step_during_backward",
+                 self.step_during_backward, "False unless offload.optimizer='cpu' (it steps the states in host memory)")
         uses_nvme = "nvme" in (self.params, self.optimizer)
         _require(not uses_nvme or bool(self.nvme_paths), "offload.nvme_paths", list(self.nvme_paths),
                  "at least one directory when offload.params or offload.optimizer is 'nvme'")

@@ -79,12 +79,13 @@ class ZeroInfinityEngine:
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.make_persistent()
-        self.reducer = GradReducer(self.comm, self.config.overlap.bucket_bytes(self.comm.backend), self.timers)
+        stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
+        self.reducer = GradReducer(self.comm, self.config.overlap.bucket_bytes(self.comm.backend), self.timers,
+                                   on_complete=stepper[0].on_grad_complete if stepper else None)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
         self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
-        stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
         self.hooks = ModuleHooks(
             model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
             on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
@@ -190,6 +191,7 @@ class ZeroInfinityEngine:
     def zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.wait()
+            self.optimizer.drop_gradients()
         for g in self.groups:
             g.zero_grad()
         self._unscaled = False
@@ -287,6 +289,9 @@ class ZeroInfinityEngine:
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
+        floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
+        if floor is not None:
+            seconds["nvme_floor"] = floor
         report = StepReport(step=step, seconds=seconds, counts=counts, bytes=self.resident_bytes(),
                             peak_gathered_bytes=fetched.peak_gathered_bytes, skipped=skipped, grad_norm=grad_norm,
                             loss_scale=loss_scale)

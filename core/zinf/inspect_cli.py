@@ -33,6 +33,7 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
 
     import zinf
     from zinf import native
+    from zinf.offload.disk_speed import save_speed
 
     built = native.info()
     lines = [
@@ -67,6 +68,7 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
         mode = "O_DIRECT" if direct else "buffered: the file system refused O_DIRECT, so reads may come from the page cache"
         out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s "
                   f"({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
+        save_speed(path, write_gbs, read_gbs, direct)  # an engine's step report compares its NVMe bytes with it
     return status
 
 

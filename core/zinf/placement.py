@@ -21,9 +21,12 @@ import torch
 from zinf import native
 from zinf.config import OffloadConfig
 from zinf.runtime.comm import Comm
+from zinf.runtime.staging import device_is_apart
+from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
 from zinf.offload.param_store import CpuShardStore, NvmeShardStore
 from zinf.offload.pool_room import PoolRoom, block_bytes
+from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.state_store import CpuStateStore, NvmeStateStore
 from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, SwapSpace, align_up
@@ -93,7 +96,11 @@ class Placement:
             room = PoolRoom(self.pool)
         # the parameter shards
         self.store: ShardStore = DEVICE_STORE
-        if cfg.params == "cpu":
+        # shards on a device apart from the host, updated by the host's CPU-Adam: staged (see [Note: staged updates])
+        staged = bool(self.groups) and device_is_apart(self.groups[0].device)
+        if cfg.params == "device" and offloaded_opt and staged:
+            self.store = StagedDeviceStore(self.groups)
+        elif cfg.params == "cpu":
             self.store = CpuShardStore(self.groups)
         elif cfg.params == "nvme":
             assert self.swap is not None and room is not None
@@ -113,10 +120,12 @@ class Placement:
             for g in self.groups:
                 device = torch.device("cpu") if offloaded_opt else g.device
                 grad = GradShard(g, [g.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
-                                 eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite)
+                                 eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite,
+                                 off_device=offloaded_opt and staged)
                 g.place(self.store, grad, self.fence, self.states if g.trainable else None)
         if self.swap is not None:
             self.swap.open()
+        self.disk_speed = load_speed(cfg.nvme_paths) if self.swap is not None else None
         self._move_initial_state()
         for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
             if g.trainable and g.shard_only:  # straight to NVMe (see [Note: construction spill])
@@ -124,7 +133,8 @@ class Placement:
         self.optimizer: ShardOptimizer | None = None
         if self.states is not None:
             self.optimizer = OffloadedAdam(optimizer, self.groups, self.states, self.fence, self.stash,  # type: ignore[arg-type]
-                                           background=cfg.overlap_optimizer, timers=self.timers)
+                                           background=cfg.overlap_optimizer, timers=self.timers,
+                                           early=cfg.step_during_backward)
         elif optimizer is not None:
             self.optimizer = ShardedOptimizer(optimizer, self.groups)
 
@@ -230,6 +240,13 @@ class Placement:
 
     def flush(self) -> None:
         self.store.flush()
+
+    def nvme_floor_s(self, counts: dict[str, int]) -> float | None:
+        """The seconds the step's NVMe bytes (``counts``) take at the drives' measured speed (see
+        zinf/offload/disk_speed.py); None without NVMe or without a measurement."""
+        if self.swap is None or self.disk_speed is None:
+            return None
+        return self.disk_speed.floor_s(counts.get("nvme_read_bytes", 0), counts.get("nvme_written_bytes", 0))
 
     def io_counts(self) -> dict[str, int]:
         """NVMe bytes read and written since the last call."""

@@ -11,11 +11,13 @@ from typing import Iterator
 
 import torch
 
+from zinf.runtime.staging import is_device_memory
+
 __all__ = ["StepTimers", "StepReport", "io_hidden_share", "tier_of"]
 
 
 def tier_of(t: torch.Tensor) -> str:
-    return "cpu" if t.device.type == "cpu" else "device"
+    return "device" if is_device_memory(t) else "cpu"
 
 
 class StepTimers:
@@ -48,7 +50,8 @@ class StepTimers:
 
 # the categories summary() prints, in order; the optional ones only when the step timed them
 SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "broadcast_buffers", "nvme_read",
-                      "nvme_write", "background_nvme_read", "background_nvme_write", "optimizer_wait")
+                      "nvme_write", "background_nvme_read", "background_nvme_write", "optimizer_wait", "adam",
+                      "adam_early", "nvme_floor")
 OPTIONAL_CATEGORIES = frozenset(SUMMARY_CATEGORIES[4:])
 NVME_CATEGORIES = ("nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
 
@@ -90,7 +93,11 @@ class StepReport:
     (hidden unless a gather waits for that step: ``optimizer_wait``, inside ``all_gather``), and counts hold
     ``nvme_read_bytes`` / ``nvme_written_bytes``. ``broadcast_buffers`` (with several ranks and a model with
     buffers) is the forward's wait for rank 0's buffers (see [Note: buffers like DDP] in zinf/schedule/buffers.py),
-    outside ``compute`` like the other waits.
+    outside ``compute`` like the other waits. With the optimizer offloaded, ``adam`` is the CPU-Adam's own time
+    (with a background step it runs after the report of its step, so it falls in the next one's) and
+    ``adam_early`` that of the steps begun during the backward (``offload.step_during_backward``); with NVMe and a
+    speed ``zinf info --nvme`` measured, ``nvme_floor`` is the time the step's NVMe bytes take at that speed
+    (zinf/offload/disk_speed.py).
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 import torch
 
+from zinf.runtime.staging import is_device_memory
+
 from .loader import _native, require
 
 __all__ = [
@@ -172,6 +174,7 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: i
     ok = (
         isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
+        and not is_device_memory(t)
         and t.dtype in dtypes
         and t.is_contiguous()
         and (numel is None or t.numel() == numel)
@@ -187,6 +190,8 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: i
             f"contiguous={t.is_contiguous()}, numel={t.numel()}"
         )
     size = f" with {numel} elements" if numel is not None else ""
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and is_device_memory(t):
+        found += " (device memory: ZINF_STAGED_DEVICE=1 stands the CPU in for a GPU)"
     raise ValueError(
         f"{fn}: expected `{name}` to be a contiguous CPU {want} tensor{size}, found {found}; "
         f"pass e.g. `{name}.detach().contiguous()` of the right dtype and size"

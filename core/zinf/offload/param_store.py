@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zinf.runtime.staging import device_is_apart, host_empty, mark_device
 from zinf.runtime.streams import BufferFence, region, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
@@ -29,12 +30,14 @@ __all__ = ["CpuShardStore", "NvmeShardStore", "SlotState"]
 def _copy_in(group: "FlatParamGroup", host: torch.Tensor) -> tuple[torch.Tensor, BufferFence]:
     """``host`` (a pinned shard) on ``group``'s device, copied on the copy_in stream, and the fence that gates
     the reuse of ``host``; the all_gather stream is made to wait for the copy. See [Note: streams] in
-    zinf/runtime/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op."""
+    zinf/runtime/streams.py. With CPU compute ``host`` is the shard itself (no copy), and the fence a no-op, unless
+    the device stands apart (see [Note: staged device] in zinf/runtime/staging.py)."""
     streams = streams_for(group.device)
-    if host.device == group.device:
+    if not device_is_apart(group.device):
         shard = host
-    else:  # pragma: no cover - CUDA path
+    else:
         shard = torch.empty(host.shape, dtype=host.dtype, device=group.device)  # on compute: the stream that frees it
+        mark_device(shard)
         with region("h2d", group.name):
             streams.copy_in.wait_stream(streams.current())  # its block may be memory compute has just freed
             with streams.use(streams.copy_in):
@@ -57,8 +60,8 @@ class CpuShardStore(DeviceShardStore):
         self._groups = list(groups)
         for g in groups:
             shard = g.hand_over_shard()
-            if shard.device.type != "cpu":  # pragma: no cover - CUDA only
-                host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
+            if device_is_apart(g.device):  # pinned with CUDA
+                host = host_empty(shard.shape, shard.dtype, g.device)
                 host.copy_(shard)
                 shard = host
             self._shards[id(g)] = shard
@@ -376,6 +379,12 @@ class NvmeShardStore:
             with region("nvme_write", group.name):
                 slot.start_write(self.swap.submit_write(self.records[key], slot.buf))
             self._reap()
+
+    def begin_update(self) -> None:
+        return None
+
+    def end_update(self) -> None:
+        return None
 
     def _finish_read(self, key: int, slot: _Slot) -> None:
         """Wait for ``slot``'s read and check what it read."""

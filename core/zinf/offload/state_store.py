@@ -108,6 +108,10 @@ class CpuStateStore(_StateStore):
         for sg in self.subgroups:
             yield sg, self._tensors[id(sg)]
 
+    def states_of(self, sg: SubGroup) -> dict[str, torch.Tensor]:
+        """``sg``'s master and moments, in place (a step taken during the backward: zinf/optim/early_steps.py)."""
+        return self._tensors[id(sg)]
+
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         self.fence.wait_all()
         out = self._outputs(group)

@@ -44,6 +44,7 @@ the first step starts, it runs before the swap files' removal (exit handlers run
 from __future__ import annotations
 
 import atexit
+import math
 import logging
 import threading
 import weakref
@@ -55,6 +56,7 @@ from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
+from zinf.optim.early_steps import EarlyInputs, EarlySteps, hyper_key
 from zinf.offload.subgroups import SubGroup, hyper_index
 from zinf.param.fence import UpdateFence
 from zinf.report import StepTimers
@@ -62,6 +64,7 @@ from zinf.report import StepTimers
 if TYPE_CHECKING:
     from zinf.offload.state_store import CpuStateStore, NvmeStateStore
     from zinf.param.flat_group import FlatParamGroup
+    from zinf.param.store import ShardStore
 
 __all__ = ["OffloadedAdam", "check_offloadable"]
 
@@ -82,6 +85,10 @@ def check_offloadable(optimizer: torch.optim.Optimizer) -> None:
                                             "turn it off or set offload.optimizer='device'.")
     if any(optimizer.state.values()):
         raise UnsupportedModelError("zinf: the optimizer has already taken steps; hand it to the engine before the first step.")
+
+
+def _power_of_two(f: float) -> bool:
+    return f > 0.0 and math.isfinite(f) and math.frexp(f)[0] == 0.5
 
 
 _RUNNING: "weakref.WeakSet[OffloadedAdam]" = weakref.WeakSet()  # optimizers that started a background step
@@ -106,7 +113,7 @@ def _register_exit_handler() -> None:
 class OffloadedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
                  states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
-                 background: bool = False, timers: StepTimers | None = None) -> None:
+                 background: bool = False, timers: StepTimers | None = None, early: bool = False) -> None:
         check_offloadable(optimizer)
         self.optimizer, self.states, self.fence, self.stash = optimizer, states, fence, stash
         self.groups = list(groups)
@@ -122,26 +129,36 @@ class OffloadedAdam:
         self.steps: dict[int, list[int | None]] = {
             id(g): [0 if p is not None and p.requires_grad and id(p) in hyper else None for p in g.params] for g in groups}
         self._stepped: dict[int, list[bool]] = {}
+        # [Note: steps during the backward] in zinf/optim/early_steps.py
+        self.early = EarlySteps(states, self.timers) if early else None  # type: ignore[arg-type]
+        self._early_factor: float | None = 1.0  # the factor an early step takes (None: none is predicted)
+        self._backwards = 0  # backwards since the last step
+        self._backwards_per_step = 1
+        self._kept: dict[int, bool] = {}  # group -> whether its early step is the step (False: redone)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
         """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
         self.wait()
-        self._stepped = {}
-        for g in self.groups:  # what this step updates, taken now: the groups' flags are reset as they finish
-            counts, used = self.steps[id(g)], g.grad_used.tolist()
-            self._stepped[id(g)] = [n is not None and u for n, u in zip(counts, used)]
-            self.steps[id(g)] = [n + 1 if n is not None and u else n for n, u in zip(counts, used)]
         # hyper-parameters and gradient factors as they are now: an LR scheduler stepped right after engine.step()
         # returns must not change the learning rate of sub-groups the background step has not reached yet
-        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
-        self._hyper = [AdamHyper.from_param_group(pg, decoupled=decoupled) for pg in self.optimizer.param_groups]
+        self._hyper = self._hyper_now()
         self._factors = {id(g): g.grad.take_factor() for g in self.groups}
+        self._stepped, self._kept = {}, {}
+        for g in self.groups:  # what this step updates, taken now: the groups' flags are reset as they finish
+            inputs = self._inputs(g, self._factors[id(g)], g.grad_used.tolist(), self._hyper)
+            self._stepped[id(g)], self.steps[id(g)] = list(inputs.stepped), list(inputs.steps)
+            taken = self.early.take(g) if self.early is not None else None
+            if taken is not None:
+                self._kept[id(g)] = taken == inputs
+        self._predict_next()
         # The user's optimizer "steps" too: its parameters' gradients were all consumed (set to None) by
         # the engine, so torch skips every one of them; its step hooks run and LR schedulers see the step.
         assert all(p.grad is None for pg in self.optimizer.param_groups for p in pg["params"])
         self.optimizer.step()
         self.states.begin_step()
+        for store in self._stores():  # on the training thread: a device store orders its copies after compute
+            store.begin_update()
         if not self.background:
             self._run()
             return
@@ -153,6 +170,39 @@ class OffloadedAdam:
         self._thread_running.clear()
         self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
         self._thread.start()
+
+    # -- steps during the backward (see [Note: steps during the backward] in zinf/optim/early_steps.py) ----------
+    def _hyper_now(self) -> list[AdamHyper]:
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
+        return [AdamHyper.from_param_group(pg, decoupled=decoupled) for pg in self.optimizer.param_groups]
+
+    def _inputs(self, g: "FlatParamGroup", factor: float, used: list[bool], hyper: list[AdamHyper]) -> EarlyInputs:
+        """What ``g``'s step takes with ``factor`` and the slots that have gradients (``used``)."""
+        counts = self.steps[id(g)]
+        return EarlyInputs(factor, tuple(n is not None and u for n, u in zip(counts, used)),
+                           tuple(n + 1 if n is not None and u else n for n, u in zip(counts, used)),
+                           hyper_key(hyper), g.grad.version)
+
+    def on_grad_complete(self, group: "FlatParamGroup") -> None:
+        if (self.early is None or self._early_factor is None or not self.states.of(group)
+                or self._backwards + 1 != self._backwards_per_step or self.early.started(group)):
+            return
+        hyper = self._hyper_now()
+        self.early.start(group, self._inputs(group, self._early_factor, group.grad_used.tolist(), hyper), hyper)
+
+    def _predict_next(self) -> None:
+        """The factor the next early steps take: this step's, when every group has the same power of two."""
+        self._backwards_per_step, self._backwards = max(1, self._backwards), 0
+        if self.early is None:
+            return
+        factors = {f for g, f in ((g, self._factors[id(g)]) for g in self.groups) if self.states.of(g)}
+        one = factors.pop() if len(factors) == 1 else None
+        self._early_factor = one if one is not None and _power_of_two(one) else None
+
+    def drop_gradients(self) -> None:
+        self._backwards = 0
+        if self.early is not None:
+            self.early.roll_back_all()
 
     def wait(self) -> None:
         """Block until a background step has finished; raise its error here (and on every later call:
@@ -184,11 +234,14 @@ class OffloadedAdam:
             raise
 
     def after_backward(self) -> None:
+        self._backwards += 1
         if self.stash is not None:
             self.stash.flush()
 
     def settle(self) -> None:
         self.wait()
+        if self.early is not None:
+            self.early.join()
         self.states.settle()
 
     def _background(self) -> None:
@@ -204,8 +257,18 @@ class OffloadedAdam:
                 self.fence.finish(g)
 
     def _run(self) -> None:
-        for sg, states in self.states.sweep():
-            self._step(sg, states)
+        try:
+            if self.early is not None:  # the steps begun during the backward have finished
+                self.early.join()
+            with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
+                for sg, states in self.states.sweep():
+                    self._step(sg, states)
+        finally:
+            for store in self._stores():
+                store.end_update()
+
+    def _stores(self) -> list["ShardStore"]:
+        return list({id(g.store): g.store for g in self.groups}.values())
 
     def _finish_group(self, group: "FlatParamGroup") -> None:
         group.store.commit(group)
@@ -226,6 +289,17 @@ class OffloadedAdam:
             grad = None if resident is None else resident[sg.lo : sg.hi]
         factor = self._factors[id(g)]
         stepped, steps = self._stepped[id(g)], self.steps[id(g)]
+        kept = self._kept.get(id(g))
+        if kept:  # stepped during the backward with what this step takes: that step is this one
+            assert grad is not None and not stashed
+            out[sg.lo : sg.hi].copy_(master)
+            grad.zero_()
+            self.early.keep(sg)  # type: ignore[union-attr]
+            if sg.last_of_group:
+                self._finish_group(g)
+            return
+        if kept is False:
+            self.early.roll_back(sg)  # type: ignore[union-attr]
         for lo, hi, k, i in sg.segments:
             a, b = lo - sg.lo, hi - sg.lo
             if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None

@@ -35,6 +35,14 @@ class ShardOptimizer(Protocol):
         """A backward ended: finish the gradient writes it left in flight."""
         ...
 
+    def on_grad_complete(self, group: "FlatParamGroup") -> None:
+        """``group``'s gradient shard is complete in the backward (the reducer tells, on the training thread)."""
+        ...
+
+    def drop_gradients(self) -> None:
+        """The gradients are dropped without a step (a skipped step, ``zero_grad``): undo what was begun from them."""
+        ...
+
     def settle(self) -> None:
         """Wait for the step in flight and give back what was read ahead: the state's home alone holds it."""
         ...

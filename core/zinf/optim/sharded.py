@@ -121,6 +121,12 @@ class ShardedOptimizer:
     def after_backward(self) -> None:
         return None
 
+    def on_grad_complete(self, group: FlatParamGroup) -> None:
+        return None
+
+    def drop_gradients(self) -> None:
+        return None
+
     def settle(self) -> None:
         return None
 

@@ -43,6 +43,7 @@ from torch import nn
 from zinf.runtime.comm import Comm
 from zinf.runtime.gather import GroupState
 from zinf.runtime.gather_batch import GatherBatch
+from zinf.runtime.staging import mark_device
 from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.param.fence import UpdateFence
 from zinf.param.grad_shard import GradShard
@@ -147,6 +148,7 @@ class FlatParamGroup:
         else:
             self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
             self.full.untyped_storage().resize_(0)
+        mark_device(self.master, self.shard, self.full)  # [Note: staged device] in zinf/runtime/staging.py
         self._widen_from: torch.Tensor | None = None  # the gathered narrow vector finish_gather widens
         self.grad = GradShard(self, [self.local_range(i) for i in range(len(self.slots))], device)
         self._grad_full: torch.Tensor | None = None
@@ -462,6 +464,7 @@ class FlatParamGroup:
             assert self.state is GroupState.SHARDED
             self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
             self.full.untyped_storage().resize_(0)
+            mark_device(self.full)
 
     def refresh_shard_from_master(self) -> None:
         """After a device-tier optimizer step: the compute-dtype shard follows the fp32 master."""
@@ -476,15 +479,18 @@ class FlatParamGroup:
         """Place one parameter's full gradient in the flat gradient; True once every one has arrived.
 
         With one rank the gradient shard is the whole flat vector, so the gradient is accumulated into
-        it directly (the same 0 + g, then + g2, as through a flat buffer) and nothing is left to reduce."""
+        it directly (the same 0 + g, then + g2, as through a flat buffer) and nothing is left to reduce, unless the
+        shard is in host memory off the device (``off_device``): then it is reduced (a copy) and copied off as with
+        several ranks (see [Note: gradient landing] in zinf/param/grad_shard.py)."""
         index = self.index_of(param)
         slot = self.slots[index]
         self.grad_used[index] = True
-        if self.comm.world == 1:
+        if self.comm.world == 1 and not self.grad.off_device:
             self.grad.accumulating()[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(self.grad.device))
         else:
             if self._grad_full is None:
                 self._grad_full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
+                mark_device(self._grad_full)
             self._grad_full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
         complete_before = len(self._arrived) == self.num_grad_params
         self._arrived.add(index)
@@ -502,12 +508,13 @@ class FlatParamGroup:
         return self.num_grad_params > 0
 
     def take_grad_full(self, reduce_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        """The flat gradient to reduce-scatter (None with one rank: it is already in the shard). Zeros
+        """The flat gradient to reduce-scatter (None with one rank and the shard on the device: it is already in
+        the shard). Zeros
         when this rank produced none this time but another rank did (its part of the sum is zero)."""
         full, self._grad_full = self._grad_full, None
         self._arrived = set()
         self.reported_ready = False
-        if full is None and self.comm.world > 1:
+        if full is None and (self.comm.world > 1 or self.grad.off_device):
             full = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.device)
         return full
 

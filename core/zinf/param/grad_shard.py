@@ -14,15 +14,28 @@ fused consumer (the offloaded CPU-Adam) applies it inside its own pass (``take_f
 reads the shard after ``apply_pending``. Norms stay exact under pending power-of-two factors (fp16 unscaling):
 scaling by 2**k commutes with rounding, so norms * 2**k equal the norms of the scaled shard bit for bit; any
 other pending factor (a clip coefficient) makes the norms be taken again from the scaled values.
+
+[Note: gradient landing]
+A shard in host memory while compute runs on a device apart (``off_device``: an offloaded optimizer on CUDA, or the
+staged setting, see [Note: staged device] in zinf/runtime/staging.py) receives each reduce-scattered slice by a copy
+on the copy-out stream, issued once the reduce-scatter is done, into (pinned) host memory: the host does not wait.
+When nothing accumulates (EMPTY) the slice is copied straight into the shard; a later micro-batch's slice lands in a
+staging buffer of its own and is added on the host. The shard *lands* (its copies are waited for, the staged slices
+added in order, and the statistics due at completion taken) the first time the host reads it: norms, finiteness,
+the stash, the optimizer. The values are those of the add into zeros: 0 + x is x (a -0.0 becomes +0.0 there).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
+
+from zinf.runtime.staging import host_empty, host_zeros
+from zinf.runtime.streams import BufferFence, region, streams_for
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -53,7 +66,8 @@ def _exact_factor(f: float) -> bool:
 
 class GradShard:
     def __init__(self, group: "FlatParamGroup", ranges: Sequence[tuple[int, int]], device: torch.device,
-                 stash: GradStash | None = None, eager_stats: bool = False, check_finite: bool = False) -> None:
+                 stash: GradStash | None = None, eager_stats: bool = False, check_finite: bool = False,
+                 off_device: bool = False) -> None:
         self._group = group  # for the stash's records; the shard itself never reads the group
         self.numel = group.shard_numel
         self.ranges = list(ranges)  # per parameter slot: [start, end) of this rank's part, in shard coordinates
@@ -66,11 +80,19 @@ class GradShard:
         self._norms: torch.Tensor | None = None  # per-slot norms of the values as they were complete
         self._finite: bool | None = None
         self.pending: list[float] = []  # factors asked for and not yet applied, in order
+        # [Note: gradient landing]: host memory fed by copies off the compute device
+        self.off_device = off_device
+        self._landings: list[BufferFence] = []  # copies into the shard (or its staged slices) not waited for yet
+        self._staged: list[torch.Tensor] = []  # later micro-batches' slices, added once landed
+        self._stats_due = False  # completed while its copies were in flight: statistics taken when it lands
+        self._landing_lock = threading.Lock()  # an early optimizer step may land it off the training thread
+        self.version = 0  # counts additions: a step taken early (zinf/optim/early_steps.py) checks it is unchanged
 
     # -- memory -------------------------------------------------------------------------------
     @property
     def resident(self) -> torch.Tensor | None:
-        """The shard's memory when it has any (None before first use and while ON_NVME)."""
+        """The shard's memory when it has any (None before first use and while ON_NVME), landed."""
+        self._land()
         return self._tensor
 
     def tensor(self) -> torch.Tensor:
@@ -80,14 +102,65 @@ class GradShard:
             self._tensor = self.stash.read(self._group)
             self.state = GradState.RESIDENT
         elif self._tensor is None:
-            self._tensor = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._tensor = self._zeros()
         self.apply_pending()
         return self._tensor
+
+    def _zeros(self) -> torch.Tensor:
+        if self.off_device:  # pinned with CUDA: the copies off the device run without the host
+            return host_zeros(self.numel, torch.float32, self._group.device)
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def add_reduced(self, part: torch.Tensor, world: int, reduced: BufferFence) -> BufferFence | None:
+        """Add this rank's reduce-scattered slice (``part``: the sum over ranks, on the compute device; the
+        reduce-scatter's fence ``reduced``) as its mean over ranks. Off the device, the copy is only issued (see
+        [Note: gradient landing]); its fence is returned, holding the device tensors it reads until the compute
+        stream has waited for it (the caller's ``make_wait`` and ``release``)."""
+        if not self.off_device:
+            self.accumulating().add_(part.to(self.device, torch.float32).div_(world))
+            return None
+        if self.state is GradState.ON_NVME:
+            self.tensor()  # read back: the slice is added to it
+        streams = streams_for(part.device)
+        reduced.make_wait(streams.copy_out)
+        with region("d2h", self._group.name), streams.use(streams.copy_out):
+            mean = part.to(torch.float32).div_(world)
+            if self.state is GradState.EMPTY:  # nothing accumulates: a copy into the shard
+                if self._tensor is None:
+                    self._tensor = self._zeros()
+                self._tensor.copy_(mean, non_blocking=True)
+            else:
+                staged = host_empty(self.numel, torch.float32, part.device)
+                staged.copy_(mean, non_blocking=True)
+                self._staged.append(staged)
+            fence = streams.record(streams.copy_out, part, mean)
+        with self._landing_lock:
+            self._landings.append(fence)
+        self.state, self._norms, self._finite = GradState.ACCUMULATING, None, None
+        self.version += 1
+        return fence
+
+    def _land(self) -> None:
+        """Wait for the copies off the device and add the staged slices (see [Note: gradient landing])."""
+        if not self._landings:
+            return
+        with self._landing_lock:
+            for fence in self._landings:
+                fence.wait()
+            self._landings = []
+            assert self._tensor is not None
+            for staged in self._staged:
+                self._tensor.add_(staged)
+            self._staged = []
+            if self._stats_due:
+                self._stats_due = False
+                self._take_stats()
 
     def accumulating(self) -> torch.Tensor:
         """The shard to add a backward's gradient into (its complete-time statistics no longer hold)."""
         t = self.tensor()
         self.state, self._norms, self._finite = GradState.ACCUMULATING, None, None
+        self.version += 1
         return t
 
     def complete(self) -> None:
@@ -97,7 +170,11 @@ class GradShard:
         assert self._tensor is not None
         self.state = GradState.RESIDENT
         if self.eager_stats:
-            self._take_stats()
+            if self._landings and self.stash is None:
+                self._stats_due = True  # taken when the host first reads it (see [Note: gradient landing])
+            else:
+                self._land()
+                self._take_stats()
         if self.stash is not None:
             self.stash.write(self._group, self._tensor)
             self._tensor = None
@@ -106,6 +183,8 @@ class GradShard:
     def zero(self, memory_zeroed: bool = False) -> None:
         """After a step (or a skipped one): no gradient. Resident memory is zeroed (unless the consumer already
         did, ``memory_zeroed``: the fused Adam pass) and kept (a torch optimizer holds views of it)."""
+        self._land()
+        self._stats_due = False
         if self._tensor is not None and self.state is not GradState.EMPTY and not memory_zeroed:
             self._tensor.zero_()
         self.state, self._norms, self._finite, self.pending = GradState.EMPTY, None, None, []
@@ -119,6 +198,7 @@ class GradShard:
         """Per-slot 2-norms of the gradient as scaled so far (zeros when there is none)."""
         if self.state is GradState.EMPTY:
             return torch.zeros(len(self.ranges), device=self.device)
+        self._land()
         if self._norms is not None and all(_exact_factor(f) for f in self.pending):
             norms = self._norms
             for f in self.pending:
@@ -132,16 +212,19 @@ class GradShard:
     def finite(self) -> bool:
         if self.state is GradState.EMPTY:
             return True
+        self._land()
         if self._finite is None:
             self._finite = bool(torch.isfinite(self.tensor()).all())
         return self._finite
 
     def apply_pending(self) -> None:
         """Multiply the resident shard by the pending factors, one float32 multiply each, in order."""
+        self._land()
         if self.pending and self._tensor is not None:
             for f in self.pending:
                 self._tensor.mul_(f)
             self.pending = []
+            self.version += 1
             if self._norms is not None:
                 self._norms, self._finite = None, None
 

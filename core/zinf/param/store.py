@@ -49,6 +49,14 @@ class ShardStore(Protocol):
         """The new shard is written; store it."""
         ...
 
+    def begin_update(self) -> None:
+        """An optimizer step is about to write new shards (called on the training thread, before the step)."""
+        ...
+
+    def end_update(self) -> None:
+        """The optimizer step has written every new shard (called on the thread that stepped)."""
+        ...
+
     def keep_for_backward(self, keep: bool) -> None:
         """Whether shards gathered from now on are gathered again soon (a training forward's are, by its backward)."""
         ...
@@ -88,6 +96,12 @@ class DeviceShardStore:
         return group.shard
 
     def commit(self, group: "FlatParamGroup") -> None:
+        return None
+
+    def begin_update(self) -> None:
+        return None
+
+    def end_update(self) -> None:
         return None
 
     def keep_for_backward(self, keep: bool) -> None:

@@ -9,17 +9,20 @@ in place with no copy. The shard holds the average over ranks, accumulated acros
 until the optimizer step clears it.
 
 With CUDA the reduce-scatter runs on the reduce_scatter stream once it has waited for compute, and a
-shard that lives in host memory leaves the device on the copy_out stream (see [Note: streams] in
-zinf/runtime/streams.py); on CPU both are the plain calls.
+shard that lives in host memory leaves the device on the copy_out stream without the host waiting (see
+[Note: streams] in zinf/runtime/streams.py and [Note: gradient landing] in zinf/param/grad_shard.py); the
+compute stream waits for each such copy one drain later (at the end of the backward for the last ones), and
+only then are the device tensors it read let go. On CPU these are the plain calls.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from zinf.runtime.comm import Comm
+from zinf.runtime.staging import mark_device
 from zinf.runtime.streams import BufferFence, InFlight, Streams, region, streams_for
 from zinf.report import StepTimers
 
@@ -32,8 +35,10 @@ _MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
-    def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers) -> None:
+    def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers,
+                 on_complete: Callable[["FlatParamGroup"], None] | None = None) -> None:
         self.comm = comm
+        self.on_complete = on_complete  # told when a group's gradient shard is complete (an early optimizer step)
         self.bucket_bytes = bucket_bytes
         self.timers = timers
         self._bucket: list[tuple[FlatParamGroup, torch.Tensor]] = []
@@ -41,13 +46,14 @@ class GradReducer:
         # (the reduce-scatter, holding its input and output until compute waited for it,
         #  [(group, its slice of the output)])
         self._in_flight: list[tuple[InFlight, list[tuple[FlatParamGroup, torch.Tensor]]]] = []
+        self._copies_out: list[tuple[Streams, BufferFence]] = []  # gradient slices on their way to host memory
 
     def reduce(self, group: FlatParamGroup, reduce_dtype: torch.dtype = torch.float32) -> None:
         """Reduce-scatter ``group``'s flat gradient. With several ranks, only in the order every rank agreed
         on (see [Note: rounds] in zinf/schedule/rounds.py)."""
         full = group.take_grad_full(reduce_dtype)
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
-            group.grad.complete()
+            self._complete(group)
             return
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
@@ -60,6 +66,7 @@ class GradReducer:
             self._issue()
         while self._in_flight:
             self._drain_one()
+        self._let_go()
 
     def _issue(self) -> None:
         items, self._bucket, self._bucket_bytes = self._bucket, [], 0
@@ -78,6 +85,7 @@ class GradReducer:
                 slices.append((group, out[offset : offset + group.shard_numel]))
                 offset += group.shard_numel
             keep = (full,)
+        mark_device(out, keep[0])
         label = items[0][0].name if len(items) == 1 else f"{len(items)} groups"
         streams = streams_for(out.device)
         with self.timers.time("reduce_scatter"), region("reduce_scatter", label):
@@ -92,20 +100,22 @@ class GradReducer:
         work, slices = self._in_flight.pop(0)
         with self.timers.time("reduce_scatter"):
             done = work.join()  # compute waits for the reduce-scatter; its input gradient may then be freed
+        self._let_go()
         for group, part in slices:
-            if part.device != group.grad.device:  # pragma: no cover - CUDA: the shard is in host memory
-                with region("d2h", group.name):
-                    part = _off_device(work.streams, done, part)
-            group.grad.accumulating().add_(part.to(group.grad.device, torch.float32).div_(self.comm.world))
-            group.grad.complete()
+            copy = group.grad.add_reduced(part, self.comm.world, done)
+            if copy is not None:
+                self._copies_out.append((work.streams, copy))
+            self._complete(group)
 
+    def _complete(self, group: FlatParamGroup) -> None:
+        group.grad.complete()
+        if self.on_complete is not None:
+            self.on_complete(group)
 
-def _off_device(streams: Streams, reduced: BufferFence, part: torch.Tensor) -> torch.Tensor:  # pragma: no cover - CUDA
-    """``part`` (a slice of the reduce-scatter's output) in pinned host memory, copied on the copy_out stream once
-    the reduce-scatter (``reduced``) is done; the host waits for the copy, since the optimizer reads it next."""
-    host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
-    reduced.make_wait(streams.copy_out)
-    with streams.use(streams.copy_out):
-        host.copy_(part, non_blocking=True)
-    streams.record(streams.copy_out, part).wait()  # `part` is held until the copy has read it
-    return host
+    def _let_go(self) -> None:
+        """The compute stream waits for the copies off the device issued so far, then the device tensors they read
+        are let go (rule 2 of [Note: streams])."""
+        while self._copies_out:
+            streams, copy = self._copies_out.pop(0)
+            copy.make_wait(streams.current())
+            copy.release()

@@ -1,0 +1,49 @@
+"""The step report's ``nvme_floor``: the NVMe bytes a step moved, at the speed ``zinf info --nvme`` measured
+(zinf/offload/disk_speed.py); none without a measurement."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+from zinf.inspect_cli import info
+from zinf.offload.disk_speed import SPEED_FILE, load_speed, save_speed
+
+
+def _steps(nvme: Path) -> zinf.StepReport:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(nvme)],
+                                                    "pinned_pool_bytes": 4 << 20}})
+    with zinf.Init(config):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    for _ in range(2):
+        engine.backward(model(torch.randn(8, 64)).square().mean())
+        engine.step()
+    report = engine.report()
+    engine.close()
+    assert report is not None
+    return report
+
+
+def test_the_floor_is_the_bytes_at_the_measured_speed(tmp_path: Path) -> None:
+    assert "nvme_floor" not in _steps(tmp_path).seconds  # never measured
+    save_speed(str(tmp_path), write_gbs=0.5, read_gbs=2.0, direct=True)
+    report = _steps(tmp_path)
+    read, written = report.counts["nvme_read_bytes"], report.counts["nvme_written_bytes"]
+    assert read > 0 and written > 0
+    assert report.seconds["nvme_floor"] == pytest.approx(read / 2e9 + written / 0.5e9)
+    assert "nvme_floor" in report.summary()
+
+
+def test_zinf_info_keeps_what_it_measured(tmp_path: Path) -> None:
+    if info(io.StringIO(), [str(tmp_path)], 8 << 20) != 0:
+        pytest.skip("the directory could not be measured here")
+    speed = load_speed([str(tmp_path)])
+    assert (tmp_path / SPEED_FILE).exists()
+    assert speed is None or (speed.read_bytes_per_s > 0 and speed.write_bytes_per_s > 0)  # None: no O_DIRECT here
