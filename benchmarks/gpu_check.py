@@ -13,7 +13,7 @@ Writes ``OUT/<date>-<gpu>/summary.md`` (the machine, the goals met or missed, ea
 4. ``zinf info --nvme`` on the work directory's disk: the bandwidth the NVMe step is judged against;
 5. two ranks on one device with gloo and the device's tensors, fp32, against plain PyTorch's losses;
 2. benchmarks/bench_host_overhead.py when the tree has it, and a torch.profiler trace of zinf steps summarised;
-3. the side by side (harness/systems.py) on ``gpt:xl`` (1.3B) in bf16: plain PyTorch, FSDP2, FSDP2
+3. the side by side (harness/systems.py) on ``gpt:xl:L18`` (0.97B) in bf16: plain PyTorch, FSDP2, FSDP2
    CPUOffloadPolicy, zinf in memory, optimizer on CPU, parameters and optimizer on CPU, on NVMe; tokens/s and MFU
    against the bf16 matmul peak measured first, device and host peak memory.
 
@@ -91,13 +91,15 @@ def run_parts(check: Check, parts: list[Part], deadline: float, jobs: int, on_do
         return fn(check, left)
 
     def finish(part: Part, done: dict, started: float, errors: dict) -> None:
+        """The part's record from the tasks that ran; a task that did not (out of time, or the check's own error)
+        is named in the note, and makes the part ``timed out`` (or ``failed``)."""
+        late = all(isinstance(e, TimeoutError) for e in errors.values())
+        record = part.combine(check, done) if done else {"status": "skipped" if late else "failed", "note": ""}
         if errors:
-            record = {"status": "skipped" if all(isinstance(e, TimeoutError) for e in errors.values()) else "failed",
-                      "note": "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items())}
-            if len(errors) < len(part.tasks):
-                record["done"] = done
-        else:
-            record = part.combine(check, done)
+            if done:
+                record["status"] = "timed out" if late else "failed"
+            record["note"] = "; ".join([*(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items()),
+                                        *([record["note"]] if record["note"] else [])])
         record.update(title=part.title, elapsed_s=time.monotonic() - started, limit_s=limits[part.key])
         on_done(part, record)
 
@@ -129,7 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/gpu", help="the results folder is made in here")
     p.add_argument("--smoke", action="store_true", help="the same parts on the CPU with tiny models, in seconds")
-    p.add_argument("--budget-s", type=float, help="every part ends by then (default 390 on a GPU, 150 smoke)")
+    p.add_argument("--budget-s", type=float, help="every part ends by then (default 360 on a GPU, 150 smoke)")
     p.add_argument("--parts", help=f"a comma-separated subset of {','.join(pt.key for pt in gpu_parts.parts(gpu_parts.GPU))}")
     p.add_argument("--work-dir", help="NVMe files and logs (its disk is the one measured; default: a new temporary "
                                       "directory, removed at the end)")
@@ -141,7 +143,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         raise SystemExit("gpu_check.py: torch sees no CUDA device; on a CPU run --smoke")
-    budget_s = args.budget_s or (150.0 if args.smoke else 390.0)
+    budget_s = args.budget_s or (150.0 if args.smoke else 360.0)
     deadline = time.monotonic() + budget_s
     start = time.monotonic()
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="zinf-gpu-check-")
