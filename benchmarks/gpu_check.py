@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,16 +42,15 @@ from harness.gpu_parts import Check, Part  # noqa: E402
 MIN_PART_S = 15.0  # a part with less time left than this is skipped
 
 
-def describe(settings: gpu_parts.Settings, device: str, command: str, budget_s: float) -> dict:
+def describe(settings: gpu_parts.Settings, device: str, command: str, budget_s: float, commit: str | None) -> dict:
     import torch
 
-    from harness.machine import describe as machine, gpu_summary, matmul_peak_flops
+    from harness.machine import describe as machine, gpu_summary
 
-    meta = machine(device, 64, None)  # the CPU, memory and versions; its small fp32 peak is replaced below
+    meta = machine(device, settings.peak_n, None, dtype=torch.bfloat16, inner=10 if device == "cuda" else 1,
+                   transformers=False)
+    meta["versions"]["zinf_commit"] = commit or meta["versions"].get("zinf_commit") or "unknown (no git checkout)"
     meta.update(gpu_summary() if device == "cuda" else {})
-    meta["matmul_n"] = settings.peak_n
-    meta["peak_flops"] = matmul_peak_flops(settings.peak_n, device=device, dtype=torch.bfloat16,
-                                           inner=10 if device == "cuda" else 1)
     if device == "cuda":
         torch.cuda.empty_cache()
     meta.update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), smoke=settings.smoke,
@@ -70,11 +70,22 @@ def results_folder(out: str, meta: dict) -> str:
 
 
 def write(folder: str, results: dict) -> None:
-    results["goals"] = gpu_report.goals(results)
+    """results.json, then summary.md; a failure to judge or render (the check's own bug) is written in their place
+    and the raw results are kept."""
+    try:
+        results["goals"] = gpu_report.goals(results)
+    except Exception:  # noqa: BLE001
+        results["goals"] = [{"goal": "judging the goals", "target": "", "result": "not measured",
+                             "measured": traceback.format_exc().strip().splitlines()[-1], "figures": ""}]
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    try:
+        text = gpu_report.markdown(results)
+    except Exception:  # noqa: BLE001
+        text = f"# zinf GPU check\n\nwriting this summary failed (the figures are in results.json):\n\n" \
+               f"```\n{traceback.format_exc()}```\n"
     with open(os.path.join(folder, "summary.md"), "w") as f:
-        f.write(gpu_report.markdown(results))
+        f.write(text)
 
 
 def run_parts(check: Check, parts: list[Part], deadline: float, jobs: int, on_done) -> None:
@@ -94,11 +105,18 @@ def run_parts(check: Check, parts: list[Part], deadline: float, jobs: int, on_do
         """The part's record from the tasks that ran; a task that did not (out of time, or the check's own error)
         is named in the note, and makes the part ``timed out`` (or ``failed``)."""
         late = all(isinstance(e, TimeoutError) for e in errors.values())
-        record = part.combine(check, done) if done else {"status": "skipped" if late else "failed", "note": ""}
+        try:
+            record = part.combine(check, done) if done else {"status": "skipped" if late else "failed", "note": ""}
+        except Exception as exc:  # noqa: BLE001 - the check's own bug: keep what ran, go on with the next part
+            record = {"status": "failed", "note": f"summarising the part failed: {exc!r}", "done": done,
+                      "traceback": traceback.format_exc()}
         if errors:
             if done:
                 record["status"] = "timed out" if late else "failed"
-            record["note"] = "; ".join([*(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items()),
+            out_of_time = [k for k, e in errors.items() if isinstance(e, TimeoutError)]
+            record["note"] = "; ".join([*([f"out of time, not run: {', '.join(out_of_time)}"] if out_of_time else []),
+                                        *(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items()
+                                          if not isinstance(e, TimeoutError)),
                                         *([record["note"]] if record["note"] else [])])
         record.update(title=part.title, elapsed_s=time.monotonic() - started, limit_s=limits[part.key])
         on_done(part, record)
@@ -131,11 +149,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/gpu", help="the results folder is made in here")
     p.add_argument("--smoke", action="store_true", help="the same parts on the CPU with tiny models, in seconds")
-    p.add_argument("--budget-s", type=float, help="every part ends by then (default 360 on a GPU, 150 smoke)")
+    p.add_argument("--budget-s", type=float, help="every part ends by then (default 360 on a GPU, 280 smoke)")
     p.add_argument("--parts", help=f"a comma-separated subset of {','.join(pt.key for pt in gpu_parts.parts(gpu_parts.GPU))}")
     p.add_argument("--work-dir", help="NVMe files and logs (its disk is the one measured; default: a new temporary "
                                       "directory, removed at the end)")
     p.add_argument("--jobs", type=int, help="tasks at a time (default 1 on a GPU, 3 smoke)")
+    p.add_argument("--commit", help="the zinf commit of this tree, where it is no git checkout (a copied tree)")
     args = p.parse_args()
     import torch
 
@@ -143,7 +162,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         raise SystemExit("gpu_check.py: torch sees no CUDA device; on a CPU run --smoke")
-    budget_s = args.budget_s or (150.0 if args.smoke else 360.0)
+    budget_s = args.budget_s or (280.0 if args.smoke else 360.0)
     deadline = time.monotonic() + budget_s
     start = time.monotonic()
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="zinf-gpu-check-")
@@ -155,7 +174,8 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--parts: unknown {unknown}; choose from {','.join(pt.key for pt in parts)}")
         parts = [pt for pt in parts if pt.key in keys]
-    meta = describe(settings, device, " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]), budget_s)
+    meta = describe(settings, device, " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]), budget_s,
+                    args.commit)
     folder = results_folder(args.out, meta)
     print(f"zinf GPU check: {meta.get('gpu') or 'CPU (smoke)'}, driver {meta.get('driver', '-')}, torch "
           f"{meta['versions']['torch']} (CUDA {meta.get('cuda', '-')}), bf16 matmul peak "

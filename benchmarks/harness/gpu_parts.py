@@ -64,10 +64,10 @@ GPU = Settings(smoke=False, model="gpt:xl:L18", global_batch=32,  # 0.97B parame
                test_workers=2, run_cap_s=120,
                part_limits_s={"tests": 150, "nvme": 30, "ranks": 60, "host": 75, "side_by_side": 240})
 SMOKE = Settings(smoke=True, model="gpt:tiny", global_batch=2, steps={s: (2, 1) for s in GPU.systems},
-                 ranks_model="gpt:tiny", ranks_batch=2, ranks_steps=3, profile_model="gpt:tiny", profile_batch=2, profile_steps=(1, 2),
+                 ranks_model="gpt:tiny", ranks_batch=2, ranks_steps=3, profile_model="gpt:tiny", profile_batch=2, profile_steps=(1, 1),
                  ranks_systems=("zinf-optcpu",),  # its gathers, reduce-scatters and copy-out: one run fewer in CI
                  peak_n=256, nvme_test_mib=16, rss_limit_gib=8.0, test_timeout_s=60, test_workers=1, run_cap_s=90,
-                 part_limits_s={"tests": 90, "nvme": 40, "ranks": 90, "host": 90, "side_by_side": 90})
+                 part_limits_s={"tests": 120, "nvme": 60, "ranks": 120, "host": 120, "side_by_side": 120})
 
 
 @dataclass
@@ -280,7 +280,7 @@ def _host_combine(check: Check, done: dict[str, dict]) -> dict:
         failed = True
         notes.append("profile " + ("timed out" if prof["timed_out"] else "failed: " + _tail(prof["output"], 1)))
         out["profile_output_tail"] = _tail(prof["output"])
-    elif p["launch_bound"] is None:
+    elif p["device_busy_share"] is None:
         notes.append(f"profile: {p['step_ms_mean']:.1f} ms a step on the CPU (launch-bound: not a CPU question)")
     else:
         notes.append(f"profile: {p['step_ms_mean']:.1f} ms a step, device busy {p['device_busy_share'] * 100:.0f}%, "

@@ -20,6 +20,13 @@ def flops(value: float) -> str:
     return f"{value / 1e12:,.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:,.1f} GFLOP/s"
 
 
+def nbytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:.0f} B"
+
+
 def _ok_rows(results: dict) -> dict[str, dict]:
     rows = results["parts"].get("side_by_side", {}).get("rows", [])
     return {r["system"]: r for r in rows if r["status"] == "ok"}
@@ -78,8 +85,8 @@ def goals(results: dict) -> list[dict]:
     else:
         hidden = nb["io_hidden_share"]
         add("NVMe step against its disk bound", f"<= {NVME_GOAL:.1f}x", nb["ratio"] <= NVME_GOAL,
-            f"{nb['ratio']:.2f}x ({nb['step_s']:.2f} s against {nb['bound_s']:.2f} s for "
-            f"{nb['read_bytes'] / 1e9:.2f} GB read + {nb['written_bytes'] / 1e9:.2f} GB written)",
+            f"{nb['ratio']:.2f}x ({nb['step_s']:.2f} s against {nb['bound_s']:.3f} s for "
+            f"{nbytes(nb['read_bytes'])} read + {nbytes(nb['written_bytes'])} written)",
             breakdown(rows["zinf-nvme"]) + (f"; I/O hidden {hidden:.0%}" if hidden is not None else ""))
     ranks = parts.get("ranks")
     add("two ranks on one device match plain PyTorch", "fp32 losses within 2e-5", None if ranks is None else
@@ -129,8 +136,8 @@ def markdown(results: dict) -> str:
         nb = nvme_bound(results)
         text += ["## 4. zinf info --nvme", "```\n" + "\n".join(parts["nvme"].get("info", [])) + "\n```"]
         if nb:
-            text.append(f"NVMe step {nb['step_s']:.2f} s; its bytes at that bandwidth: {nb['bound_s']:.2f} s "
-                        f"({nb['read_bytes'] / 1e9:.2f} GB read, {nb['written_bytes'] / 1e9:.2f} GB written a step)")
+            text.append(f"NVMe step {nb['step_s']:.2f} s; its bytes at that bandwidth: {nb['bound_s']:.3f} s "
+                        f"({nbytes(nb['read_bytes'])} read, {nbytes(nb['written_bytes'])} written a step)")
     if parts.get("ranks", {}).get("rows"):
         p = parts["ranks"]
         text += ["## 5. two ranks on one device (gloo), fp32, against plain PyTorch",

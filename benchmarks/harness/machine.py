@@ -65,12 +65,15 @@ def lscpu_summary() -> str:
     return "; ".join(f"{k}: {fields[k]}" for k in keep if k in fields)
 
 
-def versions(ds_python: str | None) -> dict[str, str]:
+def versions(ds_python: str | None, transformers: bool = True) -> dict[str, str]:
+    """Python, torch, transformers (unless ``transformers`` is False: its import takes seconds), zinf's commit and
+    DeepSpeed's version in ``ds_python``."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
     try:
-        import transformers
+        if transformers:
+            import transformers as hf
 
-        out["transformers"] = transformers.__version__
+            out["transformers"] = hf.__version__
     except ImportError:
         pass
     try:
@@ -89,13 +92,15 @@ def versions(ds_python: str | None) -> dict[str, str]:
     return out
 
 
-def describe(device: str, peak_n: int, ds_python: str | None) -> dict:
-    """Everything the tables' header and docs/benchmarks.md say about the machine, with the measured peak."""
+def describe(device: str, peak_n: int, ds_python: str | None, *, dtype: torch.dtype = torch.float32,
+             inner: int = 1, transformers: bool = True) -> dict:
+    """Everything the tables' header and docs/benchmarks.md say about the machine, with the measured peak (a
+    ``peak_n`` matmul in ``dtype``, see matmul_peak_flops)."""
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     info = {"cpu": lscpu_summary(), "memory_gib": round(mem_gib, 1), "threads": torch.get_num_threads(),
-            "device": device, "versions": versions(ds_python)}
+            "device": device, "versions": versions(ds_python, transformers)}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     info["matmul_n"] = peak_n
-    info["peak_flops"] = matmul_peak_flops(peak_n, device=device)
+    info["peak_flops"] = matmul_peak_flops(peak_n, device=device, dtype=dtype, inner=inner)
     return info

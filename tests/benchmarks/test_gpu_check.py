@@ -18,7 +18,7 @@ GOALS = 7  # tests/gpu, three step ratios, MFU, the NVMe bound, two ranks
 
 def test_gpu_check_smoke(tmp_path: Path) -> None:
     proc = processes.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(tmp_path),
-                          "--work-dir", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+                          "--work-dir", str(tmp_path / "work")], capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith("-cpu-smoke")]
     results = json.loads((folder / "results.json").read_text())
