@@ -53,18 +53,20 @@ class Settings:
     systems: tuple[str, ...] = ("plain", "fsdp2", "zinf-mem", "fsdp2-offload", "zinf-optcpu", "zinf-nvme", "zinf-cpu")
 
 
-# zinf's first step records the trace and its second is the first to prefetch: two warm-up steps for zinf; FSDP2's
-# CPUOffloadPolicy steps with torch's AdamW on the CPU (seconds a step at this size): one
+# zinf's first step records the trace and its second is the first to prefetch: two warm-up steps for zinf, one on
+# NVMe (a step moves the optimizer states twice: about 25 GB at this size); FSDP2's CPUOffloadPolicy steps with
+# torch's AdamW on the CPU (seconds a step at this size): one
 _FAST, _OFFLOADED = (6, 2), (4, 2)
 GPU = Settings(smoke=False, model="gpt:xl:L18", global_batch=32,  # 0.97B parameters, 5.95 GFLOP a token
                steps={"plain": _FAST, "fsdp2": _FAST, "zinf-mem": _FAST, "fsdp2-offload": (3, 1),
-                      "zinf-optcpu": _OFFLOADED, "zinf-cpu": _OFFLOADED, "zinf-nvme": (3, 2)},
+                      "zinf-optcpu": _OFFLOADED, "zinf-cpu": _OFFLOADED, "zinf-nvme": (2, 1)},
                ranks_model="gpt:small", ranks_batch=8, ranks_steps=6, profile_model="gpt:large", profile_batch=8,
                profile_steps=(3, 3), peak_n=8192, nvme_test_mib=1024, rss_limit_gib=100.0, test_timeout_s=120,
                test_workers=2, run_cap_s=120,
-               part_limits_s={"tests": 150, "nvme": 30, "ranks": 60, "host": 75, "side_by_side": 240})
+               part_limits_s={"tests": 150, "nvme": 30, "ranks": 60, "host": 75, "side_by_side": 280})
 SMOKE = Settings(smoke=True, model="gpt:tiny", global_batch=2, steps={s: (2, 1) for s in GPU.systems},
-                 ranks_model="gpt:tiny", ranks_batch=2, ranks_steps=3, profile_model="gpt:tiny", profile_batch=2, profile_steps=(1, 1),
+                 ranks_model="gpt:tiny", ranks_batch=2, ranks_steps=3, profile_model="gpt:tiny", profile_batch=2,
+                 profile_steps=(1, 1),
                  ranks_systems=("zinf-optcpu",),  # its gathers, reduce-scatters and copy-out: one run fewer in CI
                  peak_n=256, nvme_test_mib=16, rss_limit_gib=8.0, test_timeout_s=60, test_workers=1, run_cap_s=90,
                  part_limits_s={"tests": 120, "nvme": 60, "ranks": 120, "host": 120, "side_by_side": 120})
@@ -120,11 +122,10 @@ def _harness(check: Check, limit_s: float, system: str, model: str, *, global_ba
              precision: str, ranks: int = 1, tag: str = "", **kw: Any) -> dict:
     from harness.launch import run_system
 
+    limits = Limits(rss_gib=check.settings.rss_limit_gib, cap_s=min(limit_s, check.settings.run_cap_s))
     return run_system(system, model, ranks=ranks, global_batch=global_batch, steps=steps, warmup=warmup,
-                      threads=check.threads,
-                      limits=Limits(rss_gib=check.settings.rss_limit_gib, cap_s=min(limit_s, check.settings.run_cap_s)), work_dir=check.work_dir,
-                      ds_python="", device=check.device, peak_flops=check.peak_flops, tag=tag, precision=precision,
-                      **kw)
+                      threads=check.threads, limits=limits, work_dir=check.work_dir, ds_python="", device=check.device,
+                      peak_flops=check.peak_flops, tag=tag, precision=precision, **kw)
 
 
 # -- 1. tests/gpu ---------------------------------------------------------------------------------------

@@ -162,10 +162,12 @@ def _profile_md(host: dict) -> str:
                      f"{p['host_us_per_launch']:.1f}", f"{p['host_self_ms_per_step']:.1f}", verdict]]),
             "host self time by operator (ms a step):",
             _table(["op", "calls a step", "self ms a step"],
-                   [[o["op"], f"{o['count_per_step']:.0f}", f"{o['self_host_ms_per_step']:.2f}"] for o in p["top_host_ops"]]),
+                   [[o["op"], f"{o['count_per_step']:.0f}", f"{o['self_host_ms_per_step']:.2f}"]
+                    for o in p["top_host_ops"]]),
             "zinf's labelled regions (host ms a step, inclusive):",
             _table(["region", "calls a step", "ms a step"],
-                   [[k, f"{v['count_per_step']:.0f}", f"{v['host_ms_per_step']:.2f}"] for k, v in p["zinf_regions"].items()])]
+                   [[k, f"{v['count_per_step']:.0f}", f"{v['host_ms_per_step']:.2f}"]
+                    for k, v in p["zinf_regions"].items()])]
     if "bench" in host:
         text.append(f"`{host['bench']['command']}` (last lines):\n\n```\n{host['bench']['output_tail']}\n```")
     return "\n\n".join(text)
