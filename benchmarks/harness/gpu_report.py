@@ -32,6 +32,13 @@ def _ok_rows(results: dict) -> dict[str, dict]:
     return {r["system"]: r for r in rows if r["status"] == "ok"}
 
 
+def _missing(results: dict, system: str) -> str:
+    """Why a system has no measured row: it did not start, or its status and error."""
+    rows = results["parts"].get("side_by_side", {}).get("rows", [])
+    row = next((r for r in rows if r["system"] == system), None)
+    return f"{system} did not run" if row is None else f"{system} {row['status']}: {row.get('error', '')}"[:200]
+
+
 def breakdown(row: dict) -> str:
     """zinf's median StepReport of a row, in ms: where its step went."""
     parts = [f"{label} {row[f'zinf_{key}'] * 1e3:.0f}" for key, label in BREAKDOWN
@@ -66,22 +73,23 @@ def goals(results: dict) -> list[dict]:
     for goal, zinf, base, most in RATIO_GOALS:
         z, b = rows.get(zinf), rows.get(base)
         if z is None or b is None:
-            add(goal, f"<= {most:.2f}x", None, f"{zinf} and {base} must both run: " +
-                ", ".join(f"{s} did not" for s, r in ((zinf, z), (base, b)) if r is None))
+            add(goal, f"<= {most:.2f}x", None, "; ".join(_missing(results, s) for s, r in ((zinf, z), (base, b))
+                                                         if r is None))
             continue
         ratio = z["step_s"] / b["step_s"]
         add(goal, f"<= {most:.2f}x", ratio <= most, f"{ratio:.2f}x ({z['step_s']:.3f} s against {b['step_s']:.3f} s)",
             breakdown(z))
     z = rows.get("zinf-mem")
     if z is None or z.get("peak_share") is None:
-        add("bf16 MFU of zinf in memory", f">= {MFU_GOAL:.0%}", None, "zinf in memory did not run")
+        add("bf16 MFU of zinf in memory", f">= {MFU_GOAL:.0%}", None, _missing(results, "zinf-mem"))
     else:
         add("bf16 MFU of zinf in memory", f">= {MFU_GOAL:.0%}", z["peak_share"] >= MFU_GOAL,
             f"{z['peak_share']:.1%} ({z['tokens_per_s']:,.0f} tokens/s)", breakdown(z))
     nb = nvme_bound(results)
     if nb is None or nb["ratio"] is None:
         add("NVMe step against its disk bound", f"<= {NVME_GOAL:.1f}x", None,
-            "needs the NVMe row, its bytes and the disk's bandwidth")
+            _missing(results, "zinf-nvme") if "zinf-nvme" not in rows else
+            "no disk bandwidth (part 4)" if nb is None else "the NVMe row moved no bytes")
     else:
         hidden = nb["io_hidden_share"]
         add("NVMe step against its disk bound", f"<= {NVME_GOAL:.1f}x", nb["ratio"] <= NVME_GOAL,
