@@ -1,8 +1,8 @@
 """One rank of one benchmark run: ``python benchmarks/harness/child.py '<json spec>'`` (started by launch.py).
 
 Sets up the system, trains ``steps`` steps on its rows of the global batch and prints PHASE lines for the
-watchdog and, on rank 0, one RESULT line: construction seconds, each step's seconds and loss, zinf's per-step
-breakdown, the device's peak allocated bytes (max over ranks, CUDA only) and the bytes in the run's NVMe
+watchdog and, on rank 0, one RESULT line: construction seconds, each step's seconds and loss (the mean over the
+ranks: the global batch's, as one process computes it), zinf's per-step breakdown, the device's peak allocated bytes (max over ranks, CUDA only) and the bytes in the run's NVMe
 directory (all ranks' files) at the end of training (before the engine removes its files)."""
 
 from __future__ import annotations
@@ -27,18 +27,22 @@ def main(spec: dict) -> None:
     kind = systems.SYSTEMS[name].kind
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() and spec["device"] == "cuda"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    # ranks beyond the GPUs share them (gloo with CUDA tensors runs several ranks on one GPU)
+    local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count() if cuda else 1)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    backend = spec.get("backend") or ("nccl" if cuda else "gloo")
     if kind == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        deepspeed.init_distributed(dist_backend=backend)
     elif kind != "plain":
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend)
     model_spec = models.parse(spec["model"])
     ctx = systems.Context(rank=rank, world=world, device=device, global_batch=spec["global_batch"],
-                          nvme_dir=spec["nvme_dir"])
+                          nvme_dir=spec["nvme_dir"], precision=spec.get("precision", "fp32"),
+                          build_on_cpu=spec.get("build_on_cpu", False))
     phase("construction")
     t0 = time.perf_counter()
     run = systems.setup(name, model_spec, ctx)
@@ -65,6 +69,9 @@ def main(spec: dict) -> None:
         both = torch.tensor([device_peak, disk], dtype=torch.float64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)  # every rank sees the run's whole NVMe directory
         device_peak, disk = int(both[0]), int(both[1])
+        mean = torch.tensor(losses, dtype=torch.float64, device=device)  # once, after the timed steps
+        dist.all_reduce(mean)
+        losses = (mean / world).tolist()
     phase("close")
     run.close()
     if rank == 0:

@@ -29,14 +29,16 @@ BREAKDOWN = ("forward", "backward", "compute", "all_gather", "reduce_scatter", "
 
 def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps: int, warmup: int, threads: int,
                limits: Limits, work_dir: str, ds_python: str, device: str, peak_flops: float,
-               tag: str = "") -> dict:
+               tag: str = "", precision: str = "fp32", backend: str | None = None, build_on_cpu: bool = False) -> dict:
+    """``backend``: the process group's (default NCCL on CUDA, gloo on the CPU); ``build_on_cpu``: see
+    systems.Context."""
     spec = models.parse(model)
     info = systems.SYSTEMS[system]
     counts = models.counts(spec)
     row: dict = {"model": spec.name, "family": spec.family, "n_layer": spec.n_layer, "n_embd": spec.n_embd,
                  "numel": counts.numel, "system": system, "label": info.label, "ranks": ranks,
                  "global_batch": global_batch, "block": spec.block, "steps": steps, "warmup": warmup,
-                 "flops_per_token": counts.flops_per_token, "device": device, "tag": tag}
+                 "flops_per_token": counts.flops_per_token, "device": device, "tag": tag, "precision": precision}
     if global_batch % ranks:
         raise SystemExit(f"global batch {global_batch} does not split over {ranks} ranks: pass a --global-batch "
                          f"that {ranks} divides")
@@ -52,7 +54,8 @@ def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps:
     os.makedirs(nvme_dir, exist_ok=True)
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
     child_spec = {"system": system, "model": model, "global_batch": global_batch, "steps": steps,
-                  "nvme_dir": nvme_dir, "device": device}
+                  "nvme_dir": nvme_dir, "device": device, "precision": precision, "backend": backend,
+                  "build_on_cpu": build_on_cpu}
     port = free_port()
     envs = []
     for r in range(ranks):

@@ -1,4 +1,5 @@
-"""The machine a benchmark ran on: its measured fp32 matmul peak and a description (CPU, memory, versions)."""
+"""The machine a benchmark ran on: its measured matmul peak (fp32, or bf16 on a GPU) and a description (CPU, memory,
+versions, GPU and driver)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,42 @@ import time
 import torch
 
 
-def matmul_peak_flops(n: int = 4096, repeats: int = 5, device: str = "cpu") -> float:
-    """The best FLOP/s of an fp32 ``n x n`` torch.mm over ``repeats`` runs after one warm-up, with all the
-    threads this process has (CPU) or on one GPU: the machine's fp32 matmul peak as torch reaches it."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+def matmul_peak_flops(n: int = 4096, repeats: int = 5, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32, inner: int = 1) -> float:
+    """The best FLOP/s of an ``n x n`` torch.mm in ``dtype`` over ``repeats`` timings after one warm-up, with all
+    the threads this process has (CPU) or on one GPU: the machine's matmul peak as torch reaches it. Each timing
+    covers ``inner`` products back to back (on a GPU, one product of n=8192 takes about a millisecond: several
+    keep the launch and the synchronisation out of the figure). Random operands: zeros run faster."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        torch.mm(a, b)
+        for _ in range(inner):
+            torch.mm(a, b)
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, (time.perf_counter() - t) / inner)
     return 2.0 * n**3 / best
+
+
+def gpu_summary() -> dict[str, str]:
+    """The GPU's name, memory and driver (nvidia-smi), and the CUDA version torch was built with; empty without a
+    GPU."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {"gpu": torch.cuda.get_device_name(), "cuda": str(torch.version.cuda),
+           "gpu_memory_gib": f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}"}
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+        out["driver"] = text.splitlines()[0] if text else "unknown (nvidia-smi printed nothing)"
+    except (OSError, subprocess.SubprocessError) as exc:
+        out["driver"] = f"unknown ({exc})"
+    return out
 
 
 def lscpu_summary() -> str:
@@ -44,12 +65,15 @@ def lscpu_summary() -> str:
     return "; ".join(f"{k}: {fields[k]}" for k in keep if k in fields)
 
 
-def versions(ds_python: str | None) -> dict[str, str]:
+def versions(ds_python: str | None, transformers: bool = True) -> dict[str, str]:
+    """Python, torch, transformers (unless ``transformers`` is False: its import takes seconds), zinf's commit and
+    DeepSpeed's version in ``ds_python``."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
     try:
-        import transformers
+        if transformers:
+            import transformers as hf
 
-        out["transformers"] = transformers.__version__
+            out["transformers"] = hf.__version__
     except ImportError:
         pass
     try:
@@ -68,13 +92,15 @@ def versions(ds_python: str | None) -> dict[str, str]:
     return out
 
 
-def describe(device: str, peak_n: int, ds_python: str | None) -> dict:
-    """Everything the tables' header and docs/benchmarks.md say about the machine, with the measured peak."""
+def describe(device: str, peak_n: int, ds_python: str | None, *, dtype: torch.dtype = torch.float32,
+             inner: int = 1, transformers: bool = True) -> dict:
+    """Everything the tables' header and docs/benchmarks.md say about the machine, with the measured peak (a
+    ``peak_n`` matmul in ``dtype``, see matmul_peak_flops)."""
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     info = {"cpu": lscpu_summary(), "memory_gib": round(mem_gib, 1), "threads": torch.get_num_threads(),
-            "device": device, "versions": versions(ds_python)}
+            "device": device, "versions": versions(ds_python, transformers)}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     info["matmul_n"] = peak_n
-    info["peak_flops"] = matmul_peak_flops(peak_n, device=device)
+    info["peak_flops"] = matmul_peak_flops(peak_n, device=device, dtype=dtype, inner=inner)
     return info

@@ -2,7 +2,10 @@
 CPUOffloadPolicy), DeepSpeed ZeRO-3 (CPU / NVMe offload) and zinf in each placement.
 
 Every system trains the same model from seed 0 with AdamW(lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
-0.01) in fp32 on its rank's rows of the same global batch. DeepSpeed takes its optimizer from its config (its
+0.01) on its rank's rows of the same global batch, in fp32 or in bf16 (``Context.precision``). bf16 is each system's
+own mixed precision, all with fp32 master weights and optimizer states: plain PyTorch and DDP under
+``torch.autocast``, FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, zinf with
+``precision="bf16"``, DeepSpeed with its ``bf16`` section. DeepSpeed takes its optimizer from its config (its
 CPU Adam when offloaded: it refuses a client optimizer with ZeRO-Offload) and builds the model under
 ``deepspeed.zero.Init``, as zinf builds it under ``zinf.Init``; the others build it whole on every rank.
 
@@ -11,6 +14,7 @@ into the system's placement), to compare settings with the same harness."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -58,6 +62,13 @@ class Context:
     device: torch.device
     global_batch: int
     nvme_dir: str
+    precision: str = "fp32"  # or "bf16" (the module docstring says what each system does with it)
+    build_on_cpu: bool = False  # plain, DDP, FSDP2: build on the CPU then move, drawing the initial weights from
+    # the CPU generator as zinf.Init does (zinf/init.py, [Note: edits draw where plain PyTorch would]); needed where
+    # losses are compared with zinf's, not for speed
+
+
+PRECISIONS = ("fp32", "bf16")
 
 
 class Run:
@@ -66,15 +77,17 @@ class Run:
 
     def __init__(self, model: torch.nn.Module, call: Callable, backward: Callable, step: Callable, spec: models.ModelSpec,
                  breakdown: Callable[[], dict | None] = lambda: None, finish: Callable[[], None] = lambda: None,
-                 close: Callable[[], None] = lambda: None) -> None:
+                 close: Callable[[], None] = lambda: None,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         from harness import models
 
         self.model, self.call, self._backward, self._step = model, call, backward, step
         self.loss = models.loss_fn(spec)
-        self.breakdown, self.finish, self.close = breakdown, finish, close
+        self.breakdown, self.finish, self.close, self.autocast = breakdown, finish, close, autocast
 
     def train_step(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        loss = self.loss(self.call, idx, tgt)
+        with self.autocast():
+            loss = self.loss(self.call, idx, tgt)
         self._backward(loss)
         self._step()
         return loss
@@ -86,13 +99,17 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     from harness import models
 
     kind = SYSTEMS[name].kind
+    if ctx.precision not in PRECISIONS:
+        raise SystemExit(f"precision '{ctx.precision}': the benchmarks compare {' or '.join(PRECISIONS)}")
     if kind == "zinf":
         return _zinf(name, spec, ctx)
     if kind == "deepspeed":
         return _deepspeed(name, spec, ctx)
     torch.manual_seed(0)
-    with ctx.device:
+    with torch.device("cpu") if ctx.build_on_cpu else ctx.device:
         model = models.build(spec)
+    model.to(ctx.device)
+    bf16 = ctx.precision == "bf16"
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -102,6 +119,10 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         kw: dict = {"mesh": init_device_mesh(ctx.device.type, (ctx.world,))}
+        if bf16:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if name == "fsdp2-offload":
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
         if name == "fsdp2-keep":  # every block stays gathered from its forward to its backward
@@ -117,7 +138,10 @@ def setup(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Run(model, call, lambda loss: loss.backward(), step, spec)
+    autocast = contextlib.nullcontext
+    if bf16 and not name.startswith("fsdp2"):
+        autocast = lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)  # noqa: E731
+    return Run(model, call, lambda loss: loss.backward(), step, spec, autocast=autocast)
 
 
 def _nvme_pool_bytes(spec: models.ModelSpec) -> int:
@@ -143,12 +167,13 @@ def _zinf(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
         offload["nvme_paths"] = [ctx.nvme_dir]
         offload["pinned_pool_bytes"] = _nvme_pool_bytes(spec)
     extra = json.loads(os.environ.get("ZINF_BENCH_EXTRA", "{}"))
-    config = zinf.ZeroConfig.from_dict({**extra, "offload": {**offload, **extra.get("offload", {})}})
+    config = zinf.ZeroConfig.from_dict({"precision": ctx.precision, **extra,
+                                        "offload": {**offload, **extra.get("offload", {})}})
     torch.manual_seed(0)
-    with zinf.Init(config):
+    with zinf.Init(config, device=ctx.device):  # the device named: with gloo, zinf would otherwise compute on the CPU
         model = models.build(spec)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    engine = zinf.initialize(model, opt, config)
+    engine = zinf.initialize(model, opt, config, device=ctx.device)
 
     def breakdown() -> dict | None:
         report = engine.report()
@@ -169,7 +194,8 @@ def _deepspeed(name: str, spec: models.ModelSpec, ctx: Context) -> Run:
     config = {"train_micro_batch_size_per_gpu": ctx.global_batch // ctx.world, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
               "zero_optimization": {"stage": 3, "offload_param": dict(tier), "offload_optimizer": dict(tier)},
-              "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+              "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
+              "bf16": {"enabled": ctx.precision == "bf16"}}
     models.import_model_code(spec)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
