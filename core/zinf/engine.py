@@ -59,7 +59,7 @@ class ZeroInfinityEngine:
         install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
         self.config = config or ZeroConfig()
         self.device = compute_device(device)
-        self.comm = comm or Comm.current(device=self.device)
+        self.comm = (comm or Comm.current(device=self.device)).with_host_group()
         self.module = model
         _check_model(model)
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)

@@ -333,6 +333,8 @@ class FlatParamGroup:
             gathered = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)
         if batch is not None and gathered is not source:
             self._work = batch.start(gathered, source, (source, gathered))
+        elif not self.owns_full:  # one rank, the shard in device memory: nothing moves, nothing to order
+            self._work = None
         else:
             with region("all_gather", self.name):
                 streams.all_gather.wait_stream(streams.current())
