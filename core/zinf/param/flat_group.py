@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from zinf.runtime.comm import Comm
-from zinf.runtime.gather import GroupState
+from zinf.param.state import GroupState
 from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.param.fence import UpdateFence

@@ -280,6 +280,11 @@ class SharedWork:
     def __init__(self) -> None:
         self.joined: BufferFence | None = None
 
+    def mark_joined(self, fence: BufferFence) -> None:
+        """Compute has waited for the shared work (``fence``, recorded after it): later joins return at once."""
+        assert self.joined is None, "zinf: shared work is joined once"
+        self.joined = fence
+
     def wait(self) -> None:  # pragma: no cover - subclasses wait for their collective
         raise NotImplementedError
 
@@ -317,7 +322,7 @@ class InFlight:
         fence.make_wait(self.streams.current())
         fence.release()  # compute now comes after the side stream's work: its blocks may be reused
         if shared is not None:
-            shared.joined = fence
+            shared.mark_joined(fence)
         return fence
 
 
@@ -401,7 +406,7 @@ class RankFilter(logging.Filter):
 def install_rank_filter(logger_name: str = "zinf") -> RankFilter:
     """Put one :class:`RankFilter` on ``logger_name`` and on every logger below it that exists now.
 
-    A filter on a logger is not consulted for records of its child loggers (``zinf.runtime.gather``),
+    A filter on a logger is not consulted for records of its child loggers (``zinf.schedule.fetcher``),
     hence the walk over existing descendants; call again after importing more modules. Idempotent:
     loggers that already carry a RankFilter keep it, and that filter is returned.
     """

@@ -52,7 +52,7 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.comm import Comm
-from zinf.runtime.gather import ParamFetcher
+from zinf.schedule.fetcher import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
@@ -63,7 +63,7 @@ from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
 from zinf.schedule.units import choose_units, is_called
-from zinf.runtime.reduce import GradReducer
+from zinf.schedule.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
 

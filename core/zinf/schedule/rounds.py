@@ -43,7 +43,7 @@ from zinf.errors import CollectiveMismatchError, ZinfError
 from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
-from zinf.runtime.reduce import GradReducer
+from zinf.schedule.reduce import GradReducer
 
 __all__ = ["Post", "Rounds", "RoundResult"]
 
