@@ -37,6 +37,7 @@ class ModelSpec:
 # n_embd, n_layer, n_head, vocab, block
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 512, 32),  # smoke runs
+    "host": (16, 12, 2, 128, 8),  # a real module tree at negligible width: a step is host work alone
     "small": (256, 6, 4, 8192, 128),  # ~7M parameters
     "medium": (512, 8, 8, 16384, 256),  # ~34M
     "large": (1024, 12, 16, 32768, 256),  # ~185M

@@ -75,9 +75,8 @@ class OverlapConfig(_Checked):
     under it, and a module that alone needs more is an error that names it (tile it: ``tiling``).
     ``coalesce_gathers`` ("auto", "on", "off") issues the gathers every rank agreed on in one round as one
     collective per dtype (see [Note: one collective per round] in zinf/runtime/gather_batch.py) instead of one
-    all-gather per group. "auto" (default): on with gloo, where with blocks gathered as units
-    (``unit_policy``) it measured no slower than one all-gather per group (``bench_rounds.py``; figures in
-    docs/benchmarks.md); off with NCCL, where its path has not run on a GPU yet.
+    all-gather per group. "auto" (default) and "on": coalesced on every backend (with NCCL one grouped launch
+    for a whole block, as FSDP2 issues one all-gather per block); "off": one all-gather per group.
     ``reshard_after_forward`` says which groups go back to their shards after their module's forward (see
     [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
     first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their
@@ -104,7 +103,7 @@ class OverlapConfig(_Checked):
         _require(self.prefetch_modules >= 0, "overlap.prefetch_modules", self.prefetch_modules, "an integer >= 0")
         _require(self.persistent_numel >= 0, "overlap.persistent_numel", self.persistent_numel, "an integer >= 0")
         _require(self.coalesce_gathers in ("auto", "on", "off"), "overlap.coalesce_gathers", self.coalesce_gathers,
-                 "one of ['auto', 'on', 'off'] ('auto': on with gloo, off with NCCL)")
+                 "one of ['auto', 'on', 'off'] ('off': one all-gather per group)")
         _require(self.reshard_after_forward in RESHARD_AFTER_FORWARD, "overlap.reshard_after_forward",
                  self.reshard_after_forward, f"one of {list(RESHARD_AFTER_FORWARD)} ('never': keep every group "
                  "gathered from its forward to its backward)")
@@ -119,7 +118,7 @@ class OverlapConfig(_Checked):
 
     def coalesces(self, backend: str) -> bool:
         """Whether a round's gathers go out as one collective on ``backend`` (``coalesce_gathers``)."""
-        return self.coalesce_gathers == "on" or (self.coalesce_gathers == "auto" and backend == "gloo")
+        return self.coalesce_gathers != "off"
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,7 @@ from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
 from zinf.runtime.comm import Comm, compute_device
-from zinf.runtime.gather import ParamFetcher
+from zinf.schedule.fetcher import ParamFetcher
 from zinf.runtime.streams import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.placement import Placement
@@ -41,7 +41,7 @@ from zinf.schedule.tensors import map_tensors
 from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
-from zinf.runtime.reduce import GradReducer
+from zinf.schedule.reduce import GradReducer
 
 __all__ = ["ZeroInfinityEngine", "initialize"]
 
@@ -59,7 +59,7 @@ class ZeroInfinityEngine:
         install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
         self.config = config or ZeroConfig()
         self.device = compute_device(device)
-        self.comm = comm or Comm.current(device=self.device)
+        self.comm = (comm or Comm.current(device=self.device)).with_host_group()
         self.module = model
         _check_model(model)
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)

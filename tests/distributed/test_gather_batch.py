@@ -60,7 +60,7 @@ def test_one_collective_moves_what_one_gather_each_moves() -> None:
 
 
 def _engine(rank: int, world: int, coalesce: str) -> dict:
-    import zinf.runtime.gather as gather
+    import zinf.schedule.fetcher as gather
 
     counts = {"collectives": 0, "unions": 0, "groups": 0}
     issue = GatherBatch.issue

@@ -15,7 +15,7 @@ import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig, batches, build, make_optimizer
 from training import Recipe, reference, zinf_worker
-from zinf.runtime.gather import GroupState
+from zinf.param.state import GroupState
 
 pytestmark = pytest.mark.distributed
 

@@ -119,12 +119,12 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_statements(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except under ``if TYPE_CHECKING:``."""
+def _import_statements(tree: ast.Module, typing_too: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, except under ``if TYPE_CHECKING:`` (unless ``typing_too``)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not typing_too:
             for child in node.orelse:
                 visit(child)
             return
@@ -174,14 +174,15 @@ def _targets(modules: Modules, importer: str, node: ast.Import | ast.ImportFrom)
     return found
 
 
-def _graph(packages: dict[str, Path]) -> Graph:
+def _graph(packages: dict[str, Path], typing_too: bool = False) -> Graph:
+    """The import graph; with ``typing_too`` the imports under ``if TYPE_CHECKING:`` are edges as well."""
     modules = _modules(packages)
     graph: Graph = {name: {} for name in modules}
     for importer, path in modules.items():
         if path is None:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _import_statements(tree):
+        for node in _import_statements(tree, typing_too):
             for target, implied in _targets(modules, importer, node):
                 edges = graph[importer].setdefault(target, [])
                 edge = Edge(_relative(path), node.lineno, implied)
@@ -507,3 +508,17 @@ def test_no_package_cycle(graph: Graph) -> None:
     if cycles:
         print(report)
     assert not cycles, f"{len(cycles)} cycle(s) between zinf's packages:\n{report}"
+
+
+def test_packages_are_layers_with_typing_imports() -> None:
+    """The layers hold for the names a module only annotates with, too: a lower package never refers to a higher
+    one, not even under ``if TYPE_CHECKING:`` (``runtime`` knows nothing of flat groups or the schedule: it moves
+    tensors; ``param`` holds the groups; ``schedule`` decides when they are gathered and reduced)."""
+    packages = _package_graph(_graph(PACKAGES, typing_too=True), "zinf")
+    cycles = _cycles(packages)
+    report = "\n".join(_describe(packages, chain) for chain in cycles)
+    assert not cycles, f"{len(cycles)} cycle(s) between zinf's packages, imports under TYPE_CHECKING counted:\n{report}"
+    below_param = {"zinf.runtime"}
+    for low in below_param:
+        upward = sorted(t for t in packages.get(low, {}) if t not in below_param)
+        assert not upward, f"{low} imports {upward}: it must not know the layers above it"

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from zinf.runtime.comm import Comm
-from zinf.runtime.gather import GroupState
+from zinf.param.state import GroupState
 from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.staging import mark_device
 from zinf.runtime.streams import InFlight, region, streams_for
@@ -335,6 +335,8 @@ class FlatParamGroup:
             gathered = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)
         if batch is not None and gathered is not source:
             self._work = batch.start(gathered, source, (source, gathered))
+        elif not self.owns_full:  # one rank, the shard in device memory: nothing moves, nothing to order
+            self._work = None
         else:
             with region("all_gather", self.name):
                 streams.all_gather.wait_stream(streams.current())

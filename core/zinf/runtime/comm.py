@@ -6,6 +6,7 @@ with ``async_op=True`` the returned work object is waited on where the result is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -52,6 +53,9 @@ class Comm:
     world: int
     group: Any = None
     device: torch.device = torch.device("cpu")  # where small control tensors (flags, norms) live
+    # a gloo group over the same ranks for host-side control messages, where ``group``'s backend takes device
+    # tensors only (NCCL); None: ``group`` itself takes host tensors (see [Note: host-side agreement])
+    host_group: Any = None
 
     @functools.cached_property
     def backend(self) -> str:
@@ -67,6 +71,33 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), group=group, device=device)
         return cls(rank=0, world=1, group=None, device=device)
+
+    def with_host_group(self) -> "Comm":
+        """[Note: host-side agreement] What the ranks tell each other inside a pass (the rounds of
+        zinf/schedule/rounds.py, which parameters got gradients) are a few host integers. Sent over NCCL they would be
+        copied to the device and read back, and each read waits for every kernel queued before it: the CPU could never
+        run ahead of the GPU. They go over a gloo group of the same ranks instead, in host memory, so that nothing
+        between the first forward operation and the end of the backward waits for the device. With gloo (or a group
+        whose backends include gloo) the group itself takes host tensors and no second group is made. Every rank of
+        the default group must call this together (it creates a group)."""
+        if self.world == 1 or self.host_group is not None or "gloo" in self.backend:
+            return self
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        return dataclasses.replace(self, host_group=dist.new_group(ranks=ranks, backend="gloo"))
+
+    def host_all_gather_into(self, out: torch.Tensor, message: torch.Tensor, async_op: bool) -> Any:
+        """:meth:`all_gather_into` for host tensors (see [Note: host-side agreement])."""
+        if self.world == 1:
+            out.copy_(message)
+            return None
+        return _all_gather_single(out, message, group=self.host_group or self.group, async_op=async_op)
+
+    def host_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """:meth:`all_reduce` for a host tensor (see [Note: host-side agreement])."""
+        if self.world > 1:
+            red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            dist.all_reduce(tensor, op=red, group=self.host_group or self.group)
+        return tensor
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Any:
         """``out`` (world * shard.numel()) receives every rank's shard, rank-major."""

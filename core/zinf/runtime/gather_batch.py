@@ -3,18 +3,15 @@
 [Note: one collective per round]
 With several ranks, every gather is started from a round's union (see [Note: rounds] in
 zinf/schedule/rounds.py): the same groups, in the same order, on every rank. Issued one by one, each
-of those gathers pays a collective's fixed cost (on gloo about 0.4 ms per call, measured with 30 gathers
-issued back to back; on NCCL a kernel launch and a proxy round trip).
+of those gathers pays a collective's fixed cost (on gloo a round trip between the ranks; on NCCL a kernel launch
+and a proxy round trip).
 A :class:`GatherBatch` collects them instead, the groups this rank starts (shard -> full buffer) and
 the ones it only serves (this rank's slice -> scratch), and issues them as one coalesced collective
-(torch's coalescing manager: one ``all_gather_single_coalesced`` on the backend). The values moved are
-the same bytes, in the same places; only the number of collectives changes. It is ``overlap.coalesce_gathers``,
-"auto" by default: on with gloo, off with NCCL. Gathering module by module it did not pay on 2 gloo ranks
-sharing 2 cores (0.90-1.03x of the per-group step over four runs of bench_rounds.py): a round carried 1.6
-gathers, and a gather's wait there is mostly one rank waiting for the other. With each block gathered as one
-unit (see [Note: blocks as units] in zinf/schedule/units.py) a round carries a whole block's groups, and the
-same benchmark measured 0.89-0.99x over three runs, so gloo coalesces by default. Its CUDA path has not run
-on a GPU yet: NCCL keeps one all-gather per group until it is measured there.
+(torch's coalescing manager: one ``all_gather_into_tensor_coalesced`` on the backend; with NCCL one grouped
+launch). The values moved are the same bytes, in the same places; only the number of collectives changes. It is
+``overlap.coalesce_gathers``, on by default on every backend: with each block gathered as one unit (see [Note:
+blocks as units] in zinf/schedule/units.py) a round carries a whole block's groups, so a block costs one
+collective, as FSDP2's one all-gather per ``fully_shard`` module.
 
 Each started group keeps an :class:`~zinf.runtime.streams.InFlight` on the batch's one handle
 (:class:`BatchWork`), so a module still waits only where it reads its own parameters; the first join
@@ -34,17 +31,19 @@ from typing import Any
 import torch
 
 from zinf.runtime.comm import Comm
-from zinf.runtime.streams import InFlight, Streams
+from zinf.runtime.streams import InFlight, SharedWork, Streams
 
 __all__ = ["BatchWork", "GatherBatch"]
 
 
-class BatchWork:
-    """The handle of a batch's collective, shared by every group gathered in it: waited for once."""
+class BatchWork(SharedWork):
+    """The handle of a batch's collective, shared by every group gathered in it: waited for, and joined by
+    compute, once (the first group's join; see :class:`~zinf.runtime.streams.SharedWork`)."""
 
     __slots__ = ("_work", "_issued")
 
     def __init__(self) -> None:
+        super().__init__()
         self._work: Any = None
         self._issued = False
 

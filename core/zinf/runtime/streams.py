@@ -83,6 +83,7 @@ __all__ = [
     "NullEvent",
     "NullStream",
     "RankFilter",
+    "SharedWork",
     "Streams",
     "current_rank",
     "install_rank_filter",
@@ -270,6 +271,24 @@ def streams_for(device: torch.device | str) -> Streams:
     return found
 
 
+class SharedWork:
+    """A handle several :class:`InFlight` share (one collective for several groups): the first join makes compute
+    wait for it and keeps the fence; compute runs in order, so the later joins have nothing left to wait for."""
+
+    __slots__ = ("joined",)
+
+    def __init__(self) -> None:
+        self.joined: BufferFence | None = None
+
+    def mark_joined(self, fence: BufferFence) -> None:
+        """Compute has waited for the shared work (``fence``, recorded after it): later joins return at once."""
+        assert self.joined is None, "zinf: shared work is joined once"
+        self.joined = fence
+
+    def wait(self) -> None:  # pragma: no cover - subclasses wait for their collective
+        raise NotImplementedError
+
+
 class InFlight:
     """Work issued on a side stream (a collective, or a copy) until the compute stream has waited for it.
 
@@ -291,6 +310,10 @@ class InFlight:
     def join(self) -> BufferFence:
         """Compute waits for the work (the host only where the backend blocks); returns the recorded fence,
         which other streams may still wait for (``make_wait``)."""
+        shared = self._work if isinstance(self._work, SharedWork) else None
+        if shared is not None and shared.joined is not None:  # compute waited for the shared collective already
+            self._work, self._keep = None, ()
+            return shared.joined
         with self.streams.use(self.stream):
             if self._work is not None:
                 self._work.wait()
@@ -298,6 +321,8 @@ class InFlight:
         self._work, self._keep = None, ()
         fence.make_wait(self.streams.current())
         fence.release()  # compute now comes after the side stream's work: its blocks may be reused
+        if shared is not None:
+            shared.mark_joined(fence)
         return fence
 
 
@@ -381,7 +406,7 @@ class RankFilter(logging.Filter):
 def install_rank_filter(logger_name: str = "zinf") -> RankFilter:
     """Put one :class:`RankFilter` on ``logger_name`` and on every logger below it that exists now.
 
-    A filter on a logger is not consulted for records of its child loggers (``zinf.runtime.gather``),
+    A filter on a logger is not consulted for records of its child loggers (``zinf.schedule.fetcher``),
     hence the walk over existing descendants; call again after importing more modules. Idempotent:
     loggers that already carry a RankFilter keep it, and that filter is returned.
     """

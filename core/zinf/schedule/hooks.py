@@ -52,7 +52,7 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.comm import Comm
-from zinf.runtime.gather import ParamFetcher
+from zinf.schedule.fetcher import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
@@ -63,7 +63,7 @@ from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
 from zinf.schedule.trace import ModuleTrace
 from zinf.schedule.units import choose_units, is_called
-from zinf.runtime.reduce import GradReducer
+from zinf.schedule.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
 
@@ -332,11 +332,10 @@ class ModuleHooks:
     def _adopt_units(self) -> None:
         if not self.rounds.take_divergent():  # ranks agreed on every gather of the pass
             return
-        counts = torch.tensor(self._calls, dtype=torch.int64, device=self.comm.device)
+        counts = torch.tensor(self._calls, dtype=torch.int64)  # host: see [Note: host-side agreement]
         low, high = counts.clone(), counts.clone()
-        self.comm.all_reduce(low, op="min")
-        self.comm.all_reduce(high, op="max")
-        low, high = low.cpu(), high.cpu()
+        self.comm.host_all_reduce(low, op="min")
+        self.comm.host_all_reduce(high, op="max")
         varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
         adopted: dict[nn.Module, list[str]] = {}
         for start in varies:
@@ -470,9 +469,8 @@ class ModuleHooks:
         trainable = [g for g in self.groups if g.trainable]
         if not trainable:
             return
-        used = torch.cat([g.grad_used for g in trainable]).to(self.comm.device, torch.int32)
-        self.comm.all_reduce(used, op="max")
-        used = used.cpu()
+        used = torch.cat([g.grad_used for g in trainable]).to(torch.int32)  # host: [Note: host-side agreement]
+        self.comm.host_all_reduce(used, op="max")
         offset = 0
         for g in trainable:
             n = g.grad_used.numel()

@@ -43,7 +43,7 @@ from zinf.errors import CollectiveMismatchError, ZinfError
 from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 from zinf.report import StepTimers
-from zinf.runtime.reduce import GradReducer
+from zinf.schedule.reduce import GradReducer
 
 __all__ = ["Post", "Rounds", "RoundResult"]
 
@@ -159,7 +159,7 @@ class Rounds:
         ready, self._ready_local = self._ready_local[:room], self._ready_local[room:]
         return ready
 
-    def _apply(self, rows: list[torch.Tensor], post: Post, label: str, result: RoundResult, seen: set[int]) -> bool:
+    def _apply(self, rows: list[list[int]], post: Post, label: str, result: RoundResult, seen: set[int]) -> bool:
         """Apply one round's messages (the same on every rank); True if some rank has more to send."""
         self._check_abort(rows)
         posts = [int(r[0]) for r in rows]
@@ -198,13 +198,13 @@ class Rounds:
         """This rank's pass raised: one round tells every other rank to stop too (instead of waiting for it)."""
         self._exchange(Post.ABORT, 0, [], [], False)
 
-    def _exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool) -> list[torch.Tensor]:
+    def _exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool) -> list[list[int]]:
         out, _ = self._start_exchange(post, flags, gathers, ready, more, wait=True)
         return self._rows(out)
 
-    def _rows(self, out: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's message, on the host."""
-        return list(out.cpu().view(self.comm.world, -1))
+    def _rows(self, out: torch.Tensor) -> list[list[int]]:
+        """Every rank's message, as host integers."""
+        return out.view(self.comm.world, -1).tolist()
 
     def _start_exchange(self, post: Post, flags: int, gathers: list[int], ready: list[int], more: bool,
                         wait: bool = False) -> tuple[torch.Tensor, Any]:
@@ -213,13 +213,12 @@ class Rounds:
         host[:_HEADER] = torch.tensor([int(post), flags, len(gathers), len(ready), int(more)])
         if ids:
             host[_HEADER : _HEADER + len(ids)] = torch.tensor(ids)
-        msg = host.to(self.comm.device)  # NCCL takes device tensors only; gloo's device is the CPU
-        out = torch.empty(self.comm.world * msg.numel(), dtype=torch.int64, device=self.comm.device)
-        with self.timers.time("rounds"):
-            work = self.comm.all_gather_into(out, msg, async_op=not wait)
+        out = torch.empty(self.comm.world * host.numel(), dtype=torch.int64)  # host memory: see [Note: host-side
+        with self.timers.time("rounds"):                                      # agreement] in zinf/runtime/comm.py
+            work = self.comm.host_all_gather_into(out, host, async_op=not wait)
         return out, work
 
-    def _check_abort(self, rows: list[torch.Tensor]) -> None:
+    def _check_abort(self, rows: list[list[int]]) -> None:
         stopped = [r for r, row in enumerate(rows) if int(row[0]) == Post.ABORT and r != self.comm.rank]
         if stopped:
             self.failed = True

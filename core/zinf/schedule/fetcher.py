@@ -6,10 +6,10 @@ round and every rank starts what any rank asked for (see [Note: rounds] in zinf/
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from zinf.config import OverlapConfig
+from zinf.param.state import GroupState
 from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.streams import InFlight, region, streams_for
 from zinf.report import StepTimers
@@ -19,21 +19,7 @@ if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
     from zinf.schedule.rounds import Rounds
 
-__all__ = ["ParamFetcher", "FetchCounts", "GroupState"]
-
-
-class GroupState(enum.Enum):
-    """A flat group's state (zinf/param/flat_group.py moves it through its verbs): which tensors hold memory.
-
-    SHARDED: the shard (and the fp32 master, unless frozen: see [Note: frozen groups]) only; parameters'
-    ``.data`` are placeholders.
-    GATHERING: an all-gather into the full buffer is in flight; parameters still placeholders.
-    GATHERED: the full buffer holds the whole flat vector; parameters are views into it.
-    """
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
+__all__ = ["ParamFetcher", "FetchCounts"]
 
 
 class FetchCounts(NamedTuple):
