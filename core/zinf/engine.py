@@ -115,7 +115,7 @@ class ZeroInfinityEngine:
             raise PartlyLoadedError(self.load_failed)
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
-        mode = self._external_mode if self._external_mode is not None else contextlib.nullcontext()
+        mode = self._external_watch(torch.is_grad_enabled())
         self.placement.before_forward(torch.is_grad_enabled())
         with stops_deferred(), self.watchdog.watch("forward"), self.timers.time("forward"), mode:
             try:
@@ -124,6 +124,13 @@ class ZeroInfinityEngine:
                 self.hooks.unwind()  # see [Note: balanced hooks] in zinf/schedule/hooks.py
                 self.hooks.abort_pass()
                 raise
+
+    def _external_watch(self, grad: bool) -> Any:
+        """The external-parameter watch of the next forward: every operation while its module order is recorded,
+        parameter lookups once it replays (see [Note: external parameters, paid once] in zinf/schedule/external.py)."""
+        if self._external_mode is None:
+            return contextlib.nullcontext()
+        return self.hooks.lookups.watching() if self.hooks.replays(grad) else self._external_mode
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:

@@ -58,10 +58,11 @@ from zinf.param.partition import module_groups
 from zinf.param.registry import group_of, groups_of
 from zinf.report import StepTimers
 from zinf.schedule.buffers import BufferSync
+from zinf.schedule.external import ParamLookups
 from zinf.schedule.keep import BackwardKeep
 from zinf.schedule.rounds import Post, Rounds
 from zinf.schedule.tensors import tensors_in
-from zinf.schedule.trace import ModuleTrace
+from zinf.schedule.trace import ModuleTrace, TraceState
 from zinf.schedule.units import choose_units, is_called
 from zinf.schedule.reduce import GradReducer
 
@@ -187,6 +188,10 @@ class ModuleHooks:
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
             self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
         self._handles.append(model.register_forward_hook(self._forward_end))  # after the root's post-hook
+        # parameter lookups, watched in forwards that replay their order: see [Note: external parameters, paid once]
+        self.lookups = ParamLookups(self, model)
+        if config.detect_external_params:
+            self.lookups.install()
         seen: set[int] = set()
         for p in model.parameters():
             if p.requires_grad and id(p) not in seen:
@@ -197,6 +202,11 @@ class ModuleHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.lookups.remove()
+
+    def replays(self, grad: bool) -> bool:
+        """Whether the next forward pass (training with ``grad``, else eval) replays a recorded module order."""
+        return self.traces["forward" if grad else "eval"].state is TraceState.REPLAYING
 
     @property
     def units(self) -> list[str]:
