@@ -28,8 +28,14 @@ __all__ = ["ALLOWED", "dump_client_state", "load_client_state", "ALLOW_PICKLE_HI
 
 # qualified name -> who stores it
 ALLOWED: dict[str, str] = {
-    "lightning.fabric.utilities.data.AttributeDict": "Lightning's hyper-parameters (save_hyperparameters)",
-    "lightning_fabric.utilities.data.AttributeDict": "Lightning's hyper-parameters (standalone lightning_fabric)",
+    **{f"omegaconf.{name}": "Lightning's hyper-parameters given as an OmegaConf/Hydra config (and their type)"
+       for name in ("dictconfig.DictConfig", "listconfig.ListConfig", "base.Metadata", "base.ContainerMetadata",
+                    "nodes.AnyNode", "nodes.StringNode", "nodes.IntegerNode", "nodes.FloatNode", "nodes.BooleanNode",
+                    "nodes.BytesNode", "nodes.PathNode")},
+    "typing.Any": "an OmegaConf config's element type",
+    "collections.defaultdict": "an OmegaConf config's flags",
+    **{f"builtins.{name}": "an OmegaConf config's element types and defaultdict factories"
+       for name in ("int", "float", "str", "bool", "bytes", "dict", "list", "tuple")},
     "argparse.Namespace": "hyper-parameters saved from argparse's result",
     "pathlib.PosixPath": "paths (a callback's directory)",
     "pathlib.WindowsPath": "paths (a callback's directory)",

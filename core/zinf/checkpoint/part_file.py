@@ -44,7 +44,7 @@ from zinf.errors import CheckpointError
 from zinf.file_io import read_at, write_at
 
 __all__ = ["PartWriter", "PartReader", "TensorSpec", "CHUNK", "META", "CLIENT_STATE", "CHECKSUMS", "PICKLED_FORMAT",
-           "payload"]
+           "payload", "bytes_tensor"]
 
 CHUNK = 4 << 20  # bytes covered by one CRC32C
 META = RECORD
@@ -58,7 +58,7 @@ def _chunks(nbytes: int) -> int:
     return (nbytes + CHUNK - 1) // CHUNK
 
 
-def _bytes_tensor(data: bytes) -> torch.Tensor:
+def bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
@@ -66,7 +66,7 @@ def payload(meta: dict[str, Any], client_state: Any) -> dict[str, torch.Tensor]:
     """The tensors a part holds besides the state: the record (JSON), the tensors it refers to, the client
     state (a torch file)."""
     text, tensors = encode_record(meta)
-    return {META: _bytes_tensor(text), **tensors, CLIENT_STATE: _bytes_tensor(dump_client_state(client_state))}
+    return {META: bytes_tensor(text), **tensors, CLIENT_STATE: bytes_tensor(dump_client_state(client_state))}
 
 
 class PartWriter:
