@@ -44,7 +44,7 @@ def craft(checkpoint: str | os.PathLike, how: str, marker: Path, client_state: A
         evil = RunsCode(marker)
         fmt = FORMAT
         if how == "client":
-            extra = payload(meta, {"kept": own_client, "payload": evil})
+            extra = payload(meta, {**own_client, "payload": evil})  # the part's own keys kept beside it
         elif how == "record":
             extra = {META: bytes_tensor(pickle.dumps({**meta, "payload": evil})),
                      CLIENT_STATE: bytes_tensor(dump_client_state(own_client))}

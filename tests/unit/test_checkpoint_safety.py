@@ -78,7 +78,7 @@ def test_a_client_state_that_would_run_code_is_refused_and_nothing_is_loaded(tmp
     assert not marker.exists()
     # the setting is the one gate: a trusted file is unpickled, and this one then runs its code
     trusting = _engine(allow_pickle=True)
-    assert trusting.load_checkpoint(str(ckpt))["kept"] == {"epoch": 3}
+    assert trusting.load_checkpoint(str(ckpt))["epoch"] == 3
     assert marker.exists()
     fresh.close()
     trusting.close()
