@@ -127,13 +127,21 @@ def load_client_state(data: bytes, file: Path, allow_pickle: bool) -> Any:
         missing = [n for n in needed if _allowed(n) and _resolve(n) is None]
         raise _refused(file, refused + missing, "not importable here: " + ", ".join(missing) if missing else "")
     try:
-        with _safe_globals(_with_dtype_classes(resolved)):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        text = " ".join(str(exc).split())
-        found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", text)
-        name = (found.group(1) or found.group(2)) if found else ""
-        raise _refused(file, [name] if name else [], "" if name else text[:300]) from None
-    except RuntimeError as exc:
+        for _ in range(len(ALLOWED) + 2):  # torch < 2.5 cannot list the names first: each refusal names the next
+            try:
+                with _safe_globals(_with_dtype_classes(resolved)):
+                    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                text = " ".join(str(exc).split())
+                found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", text)
+                name = (found.group(1) or found.group(2)) if found else ""
+                obj = _resolve(name) if name and _allowed(name) else None
+                if obj is None or obj in resolved:
+                    raise _refused(file, [name] if name else [], "" if name else text[:300]) from None
+                resolved.append(obj)
+        raise _refused(file, [], "more types than the allowed ones")
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:  # a CheckpointError is one too: passed on above
         raise CheckpointError(f"zinf checkpoint: {file}'s client state is not a torch file ({exc}). Nothing was "
                               "loaded; restore the file from a copy or load another checkpoint.") from None
