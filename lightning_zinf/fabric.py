@@ -184,7 +184,8 @@ class ZeroInfinityFabricStrategy(DDPStrategy, _Sharded):
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        client_state = self._engine().load_checkpoint(str(path))
+        # Fabric's weights_only=False is the user saying the file is trusted (else the config's checkpoint.allow_pickle)
+        client_state = self._engine().load_checkpoint(str(path), allow_pickle=True if weights_only is False else None)
         if not isinstance(state, dict):  # a module, an optimizer or nothing: the engine restored what there is
             return client_state if not state else {}
         for name, obj in state.items():

@@ -244,8 +244,8 @@ class ZeroInfinityStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.engine is not None
         path = Path(checkpoint_path)
-        if path.is_dir():
-            return self.engine.load_checkpoint(str(path))
+        if path.is_dir():  # Lightning's weights_only=False is the user saying the file is trusted
+            return self.engine.load_checkpoint(str(path), allow_pickle=True if weights_only is False else None)
         # an ordinary single-file Lightning checkpoint (e.g. one made by convert_to_lightning_checkpoint):
         # weights only, written into the shards by load_model_state_dict
         log.warning("zero_infinity: %s is a single file; loading its weights only (no optimizer state).", path)

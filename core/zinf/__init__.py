@@ -7,7 +7,7 @@ gathered just in time by module hooks, with no change to model code.
 import logging
 
 from zinf.recompute import ActivationMeter
-from zinf.config import CheckpointingConfig, LossScaleConfig, OverlapConfig, TilingConfig, ZeroConfig
+from zinf.config import CheckpointConfig, CheckpointingConfig, LossScaleConfig, OverlapConfig, TilingConfig, ZeroConfig
 from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,
                          UnsupportedModelError, ZinfError)
@@ -31,6 +31,7 @@ __all__ = [
     "OverlapConfig",
     "TilingConfig",
     "CheckpointingConfig",
+    "CheckpointConfig",
     "TiledLinear",
     "tile_linears",
     "ActivationMeter",

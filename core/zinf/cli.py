@@ -1,5 +1,5 @@
 """``zinf`` command line: inspect the installation and measure drives (``zinf info``), summarise a run's log
-(``zinf report``; both in zinf.inspect_cli), consolidate sharded checkpoints, launch an Accelerate script on
+(``zinf report``; both in zinf.inspect_cli), consolidate sharded checkpoints or convert earlier ones, launch an Accelerate script on
 zinf (``zinf launch``, from the accelerate_zinf package)."""
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ def _main(argv: list[str]) -> int:
     rep = sub.add_parser("report", help="summarise the 'zinf: step ...' lines of a training log")
     rep.add_argument("logfile")
     _consolidate_arguments(sub)
+    upgrade = sub.add_parser("upgrade-checkpoint", help="convert a checkpoint of the earlier, pickled format once, so "
+                             "that it loads as data (reads its pickles: only for a checkpoint you trust)",
+                             description=_UPGRADE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    upgrade.add_argument("checkpoint_dir", metavar="CKPT", help="the checkpoint directory (holding commit.json)")
     sub.add_parser("launch", help="run an Accelerate script on zinf: zinf launch --config run.yaml train.py [args]")
     from zinf.plan.cli import PARSER_OPTIONS as plan_options, add_arguments as plan_arguments, run as run_plan
 
@@ -78,6 +82,8 @@ def _main(argv: list[str]) -> int:
         from zinf.inspect_cli import report
 
         return report(args.logfile, sys.stdout, sys.stderr)
+    if args.command == "upgrade-checkpoint":
+        return _upgrade(args)
     return _consolidate(args)
 
 
@@ -96,6 +102,28 @@ was when anything fails. A tied weight is written once in safetensors (transform
 and under every name in torch files; tiled layers come out under their untiled names."""
 
 
+_UPGRADE = """\
+Convert the parts of a checkpoint written before checkpoints held data only (format zinf-sharded-v2, whose record
+and client state are pickles) to the current format, in place:
+
+  zinf upgrade-checkpoint CKPT
+
+This reads the old pickles, which can run any code: run it only on a checkpoint you trust. Afterwards the
+checkpoint loads without checkpoint.allow_pickle, like any checkpoint of this zinf (a client state holding types
+outside the allowed ones still needs it). Each part is rewritten beside itself and renamed into place; a run that
+stops part way can be run again. On node-local storage run it on every node."""
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from zinf.checkpoint.upgrade import upgrade_checkpoint
+
+    done = upgrade_checkpoint(args.checkpoint_dir)
+    sys.stdout.write(f"converted {len(done.converted)} part(s), {len(done.current)} already current"
+                     + (f", {len(done.absent)} not in this directory (another node's)" if done.absent else "")
+                     + f": {args.checkpoint_dir}\n")
+    return 0
+
+
 def _consolidate_arguments(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     cons = sub.add_parser("consolidate", help="write a sharded checkpoint as a state_dict file, safetensors or torch "
                           "shards, or the Hugging Face layout (streamed)", description=_CONSOLIDATE,
@@ -110,6 +138,9 @@ def _consolidate_arguments(sub: "argparse._SubParsersAction[argparse.ArgumentPar
                       "2GiB (default 5GB)")
     cons.add_argument("--config", metavar="PATH", help="the model's config.json, or a directory holding it (and "
                       "generation_config.json): copied into OUT, its dtype set to the written one (--format hf)")
+    cons.add_argument("--allow-pickle", action="store_true", help="read a checkpoint of the earlier, pickled format "
+                      "as it is (runs its pickles: only for a checkpoint you trust; 'zinf upgrade-checkpoint' converts "
+                      "it once instead)")
     cons.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -127,7 +158,8 @@ def _consolidate(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
     try:
         done = export_checkpoint(args.checkpoint_dir, args.output, format=args.format, dtype=args.dtype,
-                                 max_shard_size=args.max_shard_size, config=args.config)
+                                 max_shard_size=args.max_shard_size, config=args.config,
+                                 allow_pickle=args.allow_pickle)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

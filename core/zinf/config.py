@@ -21,6 +21,7 @@ from zinf.errors import ConfigError
 from zinf.units import format_bytes
 
 __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "TilingConfig", "CheckpointingConfig",
+           "CheckpointConfig",
            "PRECISIONS", "TIERS", "load_config_file", "build_config"]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -239,6 +240,22 @@ class CheckpointingConfig(_Checked):
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig(_Checked):
+    """Reading sharded checkpoints (see docs/checkpoints.md, "What a checkpoint may contain").
+
+    allow_pickle: False (default): a checkpoint is read as data only; its client state loads with torch's
+        ``weights_only`` rules plus the types the front ends store, and anything else is refused, as is a
+        checkpoint of the earlier, pickled format. True says "I trust every checkpoint this run loads": the
+        client state may hold any Python object and earlier checkpoints load, which runs their pickles (and any
+        code a pickle names)."""
+
+    allow_pickle: bool = False
+
+    def validate(self) -> None:
+        check_types(self, "checkpoint.")
+
+
+@dataclass(kw_only=True)
 class ZeroConfig(_Checked):
     """Everything the engine needs to know.
 
@@ -293,6 +310,7 @@ class ZeroConfig(_Checked):
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     tiling: TilingConfig = field(default_factory=TilingConfig)
     activation_checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log_every_n_steps: int = 0
     collective_timeout_s: float = 0.0
 
@@ -327,6 +345,7 @@ class ZeroConfig(_Checked):
         self.offload.validate()
         self.tiling.validate()
         self.activation_checkpointing.validate()
+        self.checkpoint.validate()
 
     @property
     def compute_dtype(self) -> torch.dtype:

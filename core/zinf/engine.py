@@ -248,13 +248,15 @@ class ZeroInfinityEngine:
         zinf/checkpoint/commit.py). Collective."""
         save_sharded(self, path, client_state)
 
-    def load_checkpoint(self, path: str) -> dict:
+    def load_checkpoint(self, path: str, allow_pickle: bool | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote, on any world size and placement (see [Note: resharding] in
-        zinf/checkpoint/model_state.py); returns the client state. Collective."""
+        zinf/checkpoint/model_state.py); returns the client state. Collective. ``allow_pickle``: whether the user
+        trusts the files (``None``: the config's ``checkpoint.allow_pickle``; see docs/checkpoints.md)."""
         self.load_failed = None
         self.fetcher.drop_kept()
+        trusted = self.config.checkpoint.allow_pickle if allow_pickle is None else allow_pickle
         try:
-            loaded = load_sharded(self, path)
+            loaded = load_sharded(self, path, trusted)
         except PartlyLoadedError as exc:
             self.load_failed = str(exc)
             raise

@@ -199,11 +199,12 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str | None = None,
                       dtype: str | torch.dtype | None = None, max_shard_size: int | str | None = None,
-                      config: str | os.PathLike | None = None) -> "Exported":
+                      config: str | os.PathLike | None = None, allow_pickle: bool = False) -> "Exported":
     """Write the current save in ``checkpoint`` to ``out`` (see ``zinf consolidate --help``); no process group
-    needed. Options are checked (:func:`resolve_target`) before anything is read or written."""
+    needed. Options are checked (:func:`resolve_target`) before anything is read or written. Only the record and
+    the tensors are read (never the client state); ``allow_pickle`` opens parts of the earlier, pickled format."""
     target = resolve_target(out, format=format, dtype=dtype, max_shard_size=max_shard_size, config=config)
-    specs, tied = state_specs(checkpoint)
+    specs, tied = state_specs(checkpoint, allow_pickle=allow_pickle)
     hint = " The checkpoint's record is inconsistent; consolidate it with the zinf that wrote it."
     plan = plan_shards(specs, tied, target.limit_bytes, target.dtype, duplicate_hint=hint)
     log.info("zinf consolidate: %s -> %s: %d tensors, %s, %d %s file(s)", checkpoint, target.out, len(plan.specs),
@@ -220,7 +221,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     progress = _Progress(plan.total_bytes, len(plan.specs))
     try:
         with torch.no_grad():
-            for name, value in iter_state(checkpoint):
+            for name, value in iter_state(checkpoint, allow_pickle=allow_pickle):
                 if name in tied:  # the writer places a tied weight's other names itself
                     continue
                 writer.add(name, value)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from zinf.checkpoint.names import param_names, persistent_buffers
-from zinf.checkpoint.part_file import PartReader, PartWriter, TensorSpec
+from zinf.checkpoint.part_file import PartReader, PartWriter, TensorSpec, payload
 from zinf.errors import CheckpointError, UnsupportedModelError
 from zinf.tiling import merge_tiles, split_tiles, tile_spec
 
@@ -191,7 +191,7 @@ def write_part(engine: "ZeroInfinityEngine", file: Any, record: dict[str, Any], 
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "buffers": list(buffers), "tiling": _user_tiles(engine),
     }
-    writer = PartWriter(file, specs, meta, client_state, format_name)
+    writer = PartWriter(file, specs, payload(meta, client_state), format_name)
     try:
         for gi, g in enumerate(engine.groups):
             writer.write(_master(gi), g.read_master().detach().to("cpu", torch.float32))
@@ -229,10 +229,11 @@ class Loaded:
 
 
 def load_parts(engine: "ZeroInfinityEngine", first: dict[str, Any], part: Callable[[int], PartReader], old_world: int,
-               buffers_from: int) -> "Loaded":
+               buffers_from: int, client_state: Any) -> "Loaded":
     """Restore this rank's state from the parts of a checkpoint of ``old_world`` ranks: ``first`` is rank 0's
     record, ``part(k)`` rank ``k``'s reader (opened and checked by the caller), buffers from rank
-    ``buffers_from``'s part; returns the step and client state (for the engine to take). The caller has checked the layout (``check_fits``)."""
+    ``buffers_from``'s part; returns the step and ``client_state`` (read by the caller before anything changed) for
+    the engine to take. The caller has checked the layout (``check_fits``)."""
     ranges = _Ranges(part, old_world, first["layout"])
     optimizer = engine.optimizer if first["optimizer"] is not None else None
     if optimizer is not None:
@@ -252,8 +253,7 @@ def load_parts(engine: "ZeroInfinityEngine", first: dict[str, Any], part: Callab
         optimizer.finish_load()
     if engine.loss_scaler is not None and first["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(first["loss_scaler"])
-    return Loaded(global_step=first["global_step"],
-                  client_state=part(engine.comm.rank if old_world == engine.comm.world else 0).client_state())
+    return Loaded(global_step=first["global_step"], client_state=client_state)
 
 
 def check_fits(engine: "ZeroInfinityEngine", meta: dict[str, Any]) -> None:

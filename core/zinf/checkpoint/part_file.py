@@ -14,8 +14,11 @@ header itself. A reader checks the chunks it reads, so a rank that takes a slice
 resharded load) reads and checks only the chunks covering it: at most one chunk more at each end.
 
 The engine's other values (format, world, rank, group layout, optimizer hyper-parameters and step counts, loss
-scaler, step, client state) are pickled into the uint8 tensors ``zinf.meta`` and ``zinf.client_state``: they
-are covered by the same checksums, and a foreign safetensors file (no ``zinf.meta``) is told apart at once.
+scaler, step) are the record ``zinf.meta``, JSON with its tensors stored as tensors (see [Note: a record that is
+data] in zinf/checkpoint/record.py); the client state is ``zinf.client_state``, a torch file read with
+``weights_only`` (see [Note: client state loading] in zinf/checkpoint/client_state.py). Both are covered by the
+same checksums, a foreign safetensors file (no ``zinf.meta``) is told apart at once, and opening a part runs no
+code. A part of the earlier format (``zinf-sharded-v2``: both pickled) is opened only with ``allow_pickle``.
 Why safetensors rather than torch's distributed checkpoint: DCP plans a save from whole state-dict objects and
 reshards DTensors by their placements; zinf's state is flat per group shards streamed from three tiers, and a
 resharded read is a byte range of a flat shard, which safetensors' explicit offsets give directly (read with
@@ -34,36 +37,45 @@ from typing import Any
 import torch
 
 from zinf import native
+from zinf.checkpoint.client_state import ALLOW_PICKLE_HINT, dump_client_state, load_client_state
+from zinf.checkpoint.record import RECORD, TENSOR_PREFIX, decode_record, encode_record
 from zinf.checkpoint.safetensors_header import DTYPES_BY_NAME, TensorSpec, build_header, widest_first
 from zinf.errors import CheckpointError
 from zinf.file_io import read_at, write_at
 
-__all__ = ["PartWriter", "PartReader", "TensorSpec", "CHUNK", "META", "CLIENT_STATE", "CHECKSUMS"]
+__all__ = ["PartWriter", "PartReader", "TensorSpec", "CHUNK", "META", "CLIENT_STATE", "CHECKSUMS", "PICKLED_FORMAT",
+           "payload", "bytes_tensor"]
 
 CHUNK = 4 << 20  # bytes covered by one CRC32C
-META = "zinf.meta"
+META = RECORD
 CLIENT_STATE = "zinf.client_state"
 CHECKSUMS = "zinf.checksums"
+PICKLED_FORMAT = "zinf-sharded-v2"  # the earlier format: record and client state pickled
 _FORMAT_KEY = "zinf_format"
+
 
 def _chunks(nbytes: int) -> int:
     return (nbytes + CHUNK - 1) // CHUNK
 
 
-def _pickled(value: Any) -> torch.Tensor:
-    data = pickle.dumps(value, protocol=4)
+def bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-class PartWriter:
-    """Writes one part: ``PartWriter(file, specs, meta, client_state)``, then ``write(name, tensor)`` for every spec
-    in any order, then ``finish()``. ``file`` must not exist (a fresh name: nothing current is overwritten)."""
+def payload(meta: dict[str, Any], client_state: Any) -> dict[str, torch.Tensor]:
+    """The tensors a part holds besides the state: the record (JSON), the tensors it refers to, the client
+    state (a torch file)."""
+    text, tensors = encode_record(meta)
+    return {META: bytes_tensor(text), **tensors, CLIENT_STATE: bytes_tensor(dump_client_state(client_state))}
 
-    def __init__(self, file: Path, specs: list[TensorSpec], meta: dict[str, Any], client_state: Any,
-                 format_name: str) -> None:
-        meta_bytes, client_bytes = _pickled(meta), _pickled(client_state)
-        specs = [*specs, TensorSpec(META, torch.uint8, meta_bytes.shape),
-                 TensorSpec(CLIENT_STATE, torch.uint8, client_bytes.shape)]
+
+class PartWriter:
+    """Writes one part: ``PartWriter(file, specs, payload(meta, client_state), format_name)``, then
+    ``write(name, tensor)`` for every spec in any order, then ``finish()``. ``file`` must not exist (a fresh name:
+    nothing current is overwritten)."""
+
+    def __init__(self, file: Path, specs: list[TensorSpec], extra: dict[str, torch.Tensor], format_name: str) -> None:
+        specs = [*specs, *(TensorSpec(name, t.dtype, t.shape) for name, t in extra.items())]
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or CHECKSUMS in names:
             raise CheckpointError(f"zinf checkpoint: duplicate tensor names in a part ({sorted(names)[:4]} ...)")
@@ -86,8 +98,8 @@ class PartWriter:
         self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.write(self._fd, head)
-            self.write(META, meta_bytes)
-            self.write(CLIENT_STATE, client_bytes)
+            for name, tensor in extra.items():
+                self.write(name, tensor)
         except BaseException:
             self.abort()
             raise
@@ -129,10 +141,12 @@ class PartWriter:
 
 class PartReader:
     """Reads tensors, whole or an element range of their flat view, from one part, checking the chunks read.
-    ``meta`` and ``client_state()`` give the pickled values."""
+    ``meta`` is the engine's record, ``client_state()`` the client state. A part of the earlier, pickled format
+    opens only with ``allow_pickle`` (``pickled`` is then True)."""
 
-    def __init__(self, file: Path, format_name: str) -> None:
+    def __init__(self, file: Path, format_name: str, allow_pickle: bool = False) -> None:
         self.file = file
+        self.allow_pickle = allow_pickle
         try:
             self._fd = os.open(file, os.O_RDONLY)
         except FileNotFoundError:
@@ -163,7 +177,15 @@ class PartReader:
             found = header.get("__metadata__", {}).get(_FORMAT_KEY)
         except (ValueError, AttributeError) as exc:
             raise self._bad(f"not a checkpoint part (its header is not safetensors JSON: {exc})") from exc
-        if found != format_name:
+        self.pickled = found == PICKLED_FORMAT
+        if self.pickled and not self.allow_pickle:
+            raise CheckpointError(
+                f"zinf checkpoint: {self.file} is a {PICKLED_FORMAT} part, written by an earlier zinf that stored the "
+                "record and the client state as pickles, which can run any code when read; it is not opened unless "
+                f"you trust it. If you trust whoever wrote it, convert it once with 'zinf upgrade-checkpoint "
+                f"{self.file.parent}' (afterwards it loads like any checkpoint), or read it as it is: "
+                f"{ALLOW_PICKLE_HINT} (zinf consolidate: --allow-pickle).")
+        if found != format_name and not self.pickled:
             what = f"a {found} part (another zinf version)" if found else "a safetensors file, not a zinf checkpoint part"
             raise CheckpointError(f"zinf checkpoint: {self.file} is {what}; this zinf reads {format_name}. Load it "
                                   "with the zinf that wrote it (or consolidate it there with 'zinf consolidate').")
@@ -196,7 +218,19 @@ class PartReader:
             chunk += _chunks(self._entries[name][3] - self._entries[name][2]) if name != CHECKSUMS else 0
         if chunk + 1 != self._crcs.numel():
             raise self._bad("damaged (its checksums do not cover its tensors)")
-        self.meta: dict[str, Any] = pickle.loads(self._read_bytes(META))
+        self.meta: dict[str, Any] = self._record()
+
+    def _record(self) -> dict[str, Any]:
+        if self.pickled:  # opened with allow_pickle: the user trusts the file
+            return pickle.loads(self._read_bytes(META))
+        try:
+            meta = decode_record(self._read_bytes(META), self.read)
+        except ValueError as exc:
+            raise self._bad(f"damaged: its record (zinf.meta) is not zinf's JSON record ({exc}); a record that is not "
+                            "data is never unpickled") from None
+        if not isinstance(meta, dict):
+            raise self._bad(f"damaged: its record (zinf.meta) is a JSON {type(meta).__name__}, not an object")
+        return meta
 
     def _read_bytes(self, name: str) -> bytes:
         return self.read(name).numpy().tobytes()
@@ -205,7 +239,7 @@ class PartReader:
         return name in self._entries
 
     def names(self) -> list[str]:
-        return [n for n in self._entries if n not in (META, CLIENT_STATE, CHECKSUMS)]
+        return [n for n in self._entries if n not in (META, CLIENT_STATE, CHECKSUMS) and not n.startswith(TENSOR_PREFIX)]
 
     def spec(self, name: str) -> TensorSpec:
         """Tensor ``name``'s dtype and shape, from the header (nothing read)."""
@@ -239,8 +273,13 @@ class PartReader:
         out = raw[lo * size - start : hi * size - start].view(dtype)
         return out.view(shape) if whole else out
 
-    def client_state(self) -> Any:
-        return pickle.loads(self._read_bytes(CLIENT_STATE))
+    def client_state(self, allow_pickle: bool = False) -> Any:
+        """The client state (see [Note: client state loading] in zinf/checkpoint/client_state.py); any Python
+        object with ``allow_pickle`` (the user trusts the file), else only data and the allowed types."""
+        data = self._read_bytes(CLIENT_STATE) if CLIENT_STATE in self._entries else b""
+        if self.pickled:
+            return pickle.loads(data) if data else {}
+        return load_client_state(data, self.file, allow_pickle or self.allow_pickle)
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:

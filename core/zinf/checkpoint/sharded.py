@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "state_specs", "open_checkpoint",
            "read_client_state", "Checkpoint", "CheckpointError", "FORMAT"]
 
-FORMAT = "zinf-sharded-v2"
+FORMAT = "zinf-sharded-v3"  # record as JSON, client state loaded weights_only (zinf-sharded-v2: pickled)
 
 
 def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_state: Any = None) -> Path:
@@ -53,10 +53,11 @@ def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_s
 
 class Checkpoint:
     """The current save of a checkpoint directory; each rank's part is opened (and checked to belong to that
-    save) on first use."""
+    save) on first use. ``allow_pickle``: the user trusts the files (see [Note: client state loading] in
+    zinf/checkpoint/client_state.py)."""
 
-    def __init__(self, path: Path, commit: Commit) -> None:
-        self.path, self.commit = path, commit
+    def __init__(self, path: Path, commit: Commit, allow_pickle: bool = False) -> None:
+        self.path, self.commit, self.allow_pickle = path, commit, allow_pickle
         self._parts: dict[int, PartReader] = {}
 
     def part(self, rank: int) -> PartReader:
@@ -67,7 +68,7 @@ class Checkpoint:
                     f"zinf checkpoint: {file} does not exist, but {self.path / 'commit.json'} names it as rank {rank}'s "
                     f"part of {self.commit.describe()}: the checkpoint is incomplete{self.commit.where(rank)}. Restore "
                     "the file, or load another checkpoint.")
-            reader = PartReader(file, FORMAT)
+            reader = PartReader(file, FORMAT, self.allow_pickle)
             try:
                 check_part(reader.meta.get("commit"), self.commit, rank, file)
             except BaseException:
@@ -88,24 +89,26 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """The current save in ``path`` (no process group needed)."""
+def open_checkpoint(path: str | os.PathLike, allow_pickle: bool = False) -> Checkpoint:
+    """The current save in ``path`` (no process group needed); ``allow_pickle``: the user trusts its files."""
     path = Path(path)
-    return Checkpoint(path, require_commit(path))
+    return Checkpoint(path, require_commit(path), allow_pickle)
 
 
-def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> Loaded:
+def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, allow_pickle: bool = False) -> Loaded:
     """Restore the checkpoint that ``path/commit.json`` names into ``engine``, whatever world size and placement
-    wrote it; returns the step and client state for the engine to take. Collective. Every part this rank needs is opened and checked against the
-    model before anything changes; when any rank finds a problem, every rank raises CheckpointError. A checksum
-    failure while the state streams in (a byte flipped inside a tensor) raises PartlyLoadedError on every rank."""
+    wrote it; returns the step and client state for the engine to take. Collective. Every part this rank needs is
+    opened and checked against the model, and the client state read, before anything changes; when any rank finds a
+    problem, every rank raises CheckpointError. A checksum failure while the state streams in (a byte flipped inside
+    a tensor) raises PartlyLoadedError on every rank. ``allow_pickle``: the user trusts the files (client state of
+    any type, parts of the earlier pickled format)."""
     path = Path(path)
     comm = engine.comm
     commit = agreed_commit(path, comm)
     tidy(path, commit, comm.rank, comm.world, loading=True)  # files of a killed or failed save
-    checkpoint = Checkpoint(path, commit)
+    checkpoint = Checkpoint(path, commit, allow_pickle)
     try:
-        problem, error, first = None, None, None
+        problem, error, first, client_state = None, None, None, None
         try:
             if commit.world != comm.world and not commit.shared:
                 raise CheckpointError(
@@ -124,12 +127,14 @@ def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike) -> Loade
             check_fits(engine, first)
             for rank in _sources(engine, first, commit):
                 checkpoint.part(rank)
+            client_state = checkpoint.part(comm.rank if commit.world == comm.world else 0).client_state()
         except Exception as exc:  # noqa: BLE001
             error, problem = exc, _problem(exc)
         raise_if_any(comm, problem, error)
         own = commit.world == comm.world and (not commit.shared or not engine.config.broadcast_buffers)
         try:
-            loaded = load_parts(engine, first, checkpoint.part, commit.world, buffers_from=comm.rank if own else 0)
+            loaded = load_parts(engine, first, checkpoint.part, commit.world, buffers_from=comm.rank if own else 0,
+                                client_state=client_state)
         except Exception as exc:  # noqa: BLE001
             error, problem = exc, _problem(exc)
         try:
@@ -163,18 +168,21 @@ def _sources(engine: "ZeroInfinityEngine", first: dict[str, Any], commit: Commit
     return sorted(needed)
 
 
-def read_client_state(path: str | os.PathLike) -> Any:
-    """The ``client_state`` saved with the current checkpoint in ``path`` (the same on every rank; rank 0's)."""
-    with open_checkpoint(path) as checkpoint:
+def read_client_state(path: str | os.PathLike, allow_pickle: bool = False) -> Any:
+    """The ``client_state`` saved with the current checkpoint in ``path`` (the same on every rank; rank 0's), read
+    as [Note: client state loading] in zinf/checkpoint/client_state.py says."""
+    with open_checkpoint(path, allow_pickle) as checkpoint:
         return checkpoint.part(0).client_state()
 
 
-def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_state(path: str | os.PathLike, *, prefix: str | None = None,
+               allow_pickle: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The full fp32 state of the current checkpoint in ``path``, one tensor at a time under the user's module's
     names: parameters group by group (each group gathered from the parts, one group in memory at a time; a tied
     weight under each of its names), then persistent buffers. A tiled layer's weight comes whole, when its last
-    tile has been read. ``prefix``: a prefix to remove from every name."""
-    with open_checkpoint(path) as checkpoint:
+    tile has been read. ``prefix``: a prefix to remove from every name. The client state is not read;
+    ``allow_pickle`` opens parts of the earlier, pickled format."""
+    with open_checkpoint(path, allow_pickle) as checkpoint:
         first = checkpoint.part(0).meta
         world = checkpoint.commit.world
         tiles = first.get("tiling", {})
@@ -207,12 +215,13 @@ def iter_state(path: str | os.PathLike, *, prefix: str | None = None) -> Iterato
             raise CheckpointError(f"zinf checkpoint: {path}: tiles {sorted(pending)[:4]} have no complete layer.")
 
 
-def state_specs(path: str | os.PathLike, *, prefix: str | None = None) -> tuple[list[TensorSpec], dict[str, str]]:
+def state_specs(path: str | os.PathLike, *, prefix: str | None = None,
+                allow_pickle: bool = False) -> tuple[list[TensorSpec], dict[str, str]]:
     """What :func:`iter_state` yields, from rank 0's record alone (no tensor is read): every tensor's name, dtype
     (fp32 for parameters, a buffer's own) and shape, a tied weight once under its first name, in the order
     ``iter_state`` yields them (a tiled layer's weight at its first tile's place: ``iter_state`` yields it after
     its last); and alias -> first name for the other names of each tied weight."""
-    with open_checkpoint(path) as checkpoint:
+    with open_checkpoint(path, allow_pickle) as checkpoint:
         part = checkpoint.part(0)
         first = part.meta
         tiles = first.get("tiling", {})
@@ -248,8 +257,8 @@ def _strip(name: str, prefix: str | None) -> str:
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
-def consolidate(path: str | os.PathLike, *, prefix: str | None = None) -> dict[str, torch.Tensor]:
+def consolidate(path: str | os.PathLike, *, prefix: str | None = None, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """An ordinary fp32 ``state_dict`` (parameters and buffers) from the current checkpoint in ``path``, under the
     names of the user's module: ``model.load_state_dict(state)`` takes it. Holds the whole model; to write a large
     one to disk with bounded memory use ``zinf consolidate`` (or :func:`iter_state`)."""
-    return dict(iter_state(path, prefix=prefix))
+    return dict(iter_state(path, prefix=prefix, allow_pickle=allow_pickle))
