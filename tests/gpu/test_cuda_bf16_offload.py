@@ -14,7 +14,6 @@ Skipped without a GPU.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,12 @@ import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.usefixtures("deterministic")]
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts here or in a spawned rank
 
 STEPS = 6
 RTOL = torch.finfo(torch.bfloat16).eps / 32
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 def _reference_bf16_cuda(kind: str, steps: int) -> list[float]:

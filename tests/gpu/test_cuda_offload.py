@@ -8,7 +8,6 @@ Skipped without a GPU.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from models import batches, build, make_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 STEPS = 20
 

@@ -9,7 +9,6 @@ Skipped without a GPU.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -18,16 +17,9 @@ import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
-
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts here or in a spawned rank
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.usefixtures("deterministic")]
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 def _reference_cuda(kind: str, steps: int) -> list[float]:
