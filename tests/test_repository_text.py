@@ -116,3 +116,17 @@ def test_the_patterns_find_what_they_are_for(line: str, suffix: str) -> None:
 ])
 def test_the_patterns_leave_other_words_alone(line: str, suffix: str) -> None:
     assert not hits_in_line(line, suffix)
+
+
+def test_docs_tables_stay_readable() -> None:
+    """The README and every page under docs/ keep each table cell under 300 characters (a longer one belongs in the
+    text around the table), and the README stays a ten-minute read (at most 250 lines)."""
+    long_cells = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("|"):
+                long_cells += [f"{path.relative_to(ROOT)}:{number} ({len(cell)} characters)"
+                               for cell in line.strip().strip("|").split(" | ") if len(cell) > 300]
+    assert not long_cells, "table cells over 300 characters:\n" + "\n".join(long_cells)
+    num_lines = len((ROOT / "README.md").read_text().splitlines())
+    assert num_lines <= 250, f"README.md has {num_lines} lines; move detail to a page under docs/"
