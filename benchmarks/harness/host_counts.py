@@ -104,10 +104,11 @@ class _Dispatch(TorchDispatchMode):
 class _Replay(TorchFunctionMode):
     """The device placement replay of [Note: device replay]."""
 
-    def __init__(self, counts: Counts) -> None:
+    def __init__(self, counts: Counts, device: dict[int, weakref.ref] | None = None) -> None:
         super().__init__()
         self.counts = counts
-        self.device: dict[int, weakref.ref] = {}  # id -> the tensor (a weak set would compare tensors with ==)
+        # id -> the tensor (a weak set would compare tensors with ==); shared by the replays of one HostWork
+        self.device: dict[int, weakref.ref] = {} if device is None else device
 
     def mark(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
@@ -175,9 +176,8 @@ def _fresh(out: Any, source: Any) -> Any:
 class _StreamCounter:
     """Wraps the methods of stream and event classes (and zinf's host messages) to count their calls."""
 
-    def __init__(self, counts: Counts, replay: _Replay) -> None:
+    def __init__(self, counts: Counts) -> None:
         self.counts = counts
-        self.replay = replay
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, owner: Any, attr: str, kind: str) -> None:
@@ -264,7 +264,8 @@ class HostWork:
 
     def counting(self, *models: torch.nn.Module) -> "HostWork":
         """Count from ``__enter__`` on; the parameters and buffers of ``models`` live on the device."""
-        self.counts.__init__()  # type: ignore[misc]
+        self.counts = Counts()
+        self._replay = _Replay(self.counts, self._replay.device)
         self._models = models
         return self
 
@@ -272,9 +273,7 @@ class HostWork:
     def tracking(self) -> Iterator[None]:
         """Replay placements without counting (building a system, its first steps): tensors made before the
         counted step and kept (shards, gathered buffers, gradient buffers) are known as device tensors then."""
-        replay = _Replay(Counts())
-        replay.device = self._replay.device
-        with replay:
+        with _Replay(Counts(), self._replay.device):
             yield
 
     def on_device(self, *tensors: torch.Tensor) -> None:
@@ -286,7 +285,7 @@ class HostWork:
         for m in self._models:
             for t in (*m.parameters(), *m.buffers()):
                 self._replay.mark(t)
-        streams = _StreamCounter(self.counts, self._replay)
+        streams = _StreamCounter(self.counts)
         streams.install()
         self._stack = contextlib.ExitStack()
         self._stack.callback(streams.remove)
