@@ -1,7 +1,8 @@
 """bf16 parameters on the GPU with the optimizer on the CPU and on NVMe, one rank (see [Note: staged updates] in
 zinf/offload/staged_store.py and [Note: gradient landing] in zinf/param/grad_shard.py): the updates reach the
 device through pinned staging, the gradient shards leave it into pinned host memory, and the run tracks the fp32
-PyTorch reference within bf16's tolerance (5e-3 relative loss, tests/distributed/test_precision.py's).
+PyTorch reference as closely as bf16 allows (``references.bf16_bound``: 5e-3 relative loss, as on the CPU, or 1.25x
+plain PyTorch's own bf16 drift where that is larger).
 
 Skipped without a GPU.
 """
@@ -16,26 +17,12 @@ import torch
 import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
+from references import bf16_bound, max_relative, plain_losses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
 
 STEPS = 20
-
-
-def _reference_cuda() -> list[float]:
-    torch.manual_seed(0)
-    model = build("gpt").cuda()
-    opt = make_optimizer(model)
-    out = []
-    for x, y in batches("gpt", STEPS, 8):
-        loss = model(x.cuda(), y.cuda())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
 
 
 def _worker(rank: int, world: int, optimizer: str, nvme: str) -> dict:
@@ -62,8 +49,9 @@ def _worker(rank: int, world: int, optimizer: str, nvme: str) -> dict:
 
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
 def test_bf16_on_gpu_with_optimizer_offloaded(optimizer: str, tmp_path: Path) -> None:
-    ref = _reference_cuda()
+    ref, plain_bf16 = plain_losses("gpt", STEPS, clip=1.0), plain_losses("gpt", STEPS, "bf16", clip=1.0)
     got = run_distributed(_worker, 1, optimizer, str(tmp_path), backend="nccl")[0]
-    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got["losses"]))
-    assert rel < 5e-3, f"bf16, optimizer on {optimizer}: {rel:.2e} from the fp32 reference"
+    rel = max_relative(ref, got["losses"])
+    assert rel <= bf16_bound(ref, plain_bf16), f"bf16, optimizer on {optimizer}: {rel:.2e} from the fp32 reference; " \
+                                               f"plain PyTorch's bf16: {max_relative(ref, plain_bf16):.2e}"
     assert got["pinned"] == {"grad": True, "staging": True}

@@ -16,24 +16,9 @@ import torch
 import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
+from references import bf16_bound, max_relative, plain_losses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.usefixtures("deterministic")]
-
-
-
-
-def _reference_cuda(kind: str, steps: int) -> list[float]:
-    torch.manual_seed(0)
-    model = build(kind).cuda()
-    opt = make_optimizer(model)
-    out = []
-    for x, y in batches(kind, steps, 8):
-        loss = model(x.cuda(), y.cuda())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
 
 
 def _worker(rank: int, world: int, kind: str, steps: int, precision: str) -> list[float]:
@@ -58,17 +43,19 @@ def _worker(rank: int, world: int, kind: str, steps: int, precision: str) -> lis
 @pytest.mark.parametrize("kind", ["gpt", "gpt_functional", "cnn", "twice"])
 def test_cuda_fp32_matches_pytorch(kind: str) -> None:
     world = min(torch.cuda.device_count(), 4)
-    ref = _reference_cuda(kind, 30)
+    ref = plain_losses(kind, 30)
     got = run_distributed(_worker, world, kind, 30, "fp32", backend="nccl")[0]
-    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    rel = max_relative(ref, got)
     assert rel < 1e-5, f"{kind} on {world} GPU(s): max relative loss difference {rel:.2e}"
 
 
 def test_cuda_bf16_tracks_fp32() -> None:
     world = min(torch.cuda.device_count(), 4)
-    ref = _reference_cuda("gpt", 30)
+    ref, plain_bf16 = plain_losses("gpt", 30), plain_losses("gpt", 30, "bf16")
     got = run_distributed(_worker, world, "gpt", 30, "bf16", backend="nccl")[0]
-    assert max(abs(a - b) / abs(a) for a, b in zip(ref, got)) < 5e-3
+    rel = max_relative(ref, got)
+    assert rel <= bf16_bound(ref, plain_bf16), \
+        f"bf16 on {world} GPU(s): {rel:.2e} from fp32; plain PyTorch's bf16: {max_relative(ref, plain_bf16):.2e}"
 
 
 def _built_values(rank: int, world: int, kind: str) -> dict[str, torch.Tensor]:

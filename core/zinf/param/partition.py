@@ -56,7 +56,7 @@ def _fingerprint(v: torch.Tensor) -> torch.Tensor:
     else:
         bits = flat
     # summed a chunk at a time: the int64 copy of a whole tensor would double a large module's memory
-    total = torch.zeros((), dtype=torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for chunk in bits.split(_FINGERPRINT_CHUNK):
         total += chunk.sum(dtype=torch.int64)
     return total + flat.numel()
