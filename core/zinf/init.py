@@ -50,11 +50,14 @@ _METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, to
 
 
 # In-place random fills. [Note: edits draw where plain PyTorch would] A parameter edited after its module was
-# partitioned is gathered on the compute device, but without zinf it would still be on the device the model is
-# built on (the CPU, unless a ``torch.device`` block says otherwise): a fill there draws from that device's
-# generator, so the fill (a Tensor method below, or any ``torch.nn.init`` function, which reaches this mode as
-# itself with the tensor as ``tensor=``) runs on a copy on the construction device and is copied in. On CUDA, an edit such as
-# GPT's ``apply(_init_weights)`` then gives the values of ``build().cuda()``, as the module's own initialisation does.
+# partitioned is gathered on the compute device and in the compute dtype, but without zinf it would still be on the
+# device the model is built on (the CPU, unless a ``torch.device`` block says otherwise) and in the dtype it was built
+# with: a fill there draws from that device's generator, at that width (torch's bf16 and fp32 fills need not
+# draw the same numbers, nor consume the generator alike). So the fill (a Tensor method below, or any
+# ``torch.nn.init`` function, which reaches this mode as itself with the tensor as ``tensor=``) runs on a copy on the
+# construction device, in the parameter's built dtype, and is copied in. An edit such as GPT's
+# ``apply(_init_weights)`` then gives the values of ``build().cuda()`` (rounded to bf16 under ``precision="bf16"``),
+# as the module's own initialisation does.
 _RANDOM_FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_,
                            torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
                            torch.Tensor.log_normal_, torch.Tensor.cauchy_})
@@ -90,10 +93,12 @@ class _EditMode(TorchFunctionMode):
         if func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             home = torch.get_default_device()
-            if (isinstance(target, torch.Tensor) and target.device != home and home.type != "meta"
-                    and kwargs.get("generator") is None
-                    and self._in_gathered(target, touched)):  # [Note: edits draw where plain PyTorch would]
-                local = target.detach().to(home)
+            group = (self._gathered_group(target, touched) if isinstance(target, torch.Tensor)
+                     and home.type != "meta" and kwargs.get("generator") is None else None)
+            dtype = group.built_dtype_at(target) if group is not None else None
+            if group is not None and (target.device != home or target.dtype != dtype):
+                # [Note: edits draw where plain PyTorch would]
+                local = target.detach().to(home, dtype)
                 if args:
                     func(local, *args[1:], **kwargs)
                 else:
@@ -103,12 +108,13 @@ class _EditMode(TorchFunctionMode):
                 return target
         return func(*args, **kwargs)
 
-    def _in_gathered(self, target: torch.Tensor, touched: list[FlatParamGroup]) -> bool:
-        """Whether ``target`` is a partitioned parameter, or a view of one (``weight.data``), gathered here."""
-        if touched:
-            return True
-        ptr = target.untyped_storage().data_ptr() if target.numel() > 0 else None
-        return ptr is not None and any(g.full.untyped_storage().data_ptr() == ptr for g in self.open)
+    def _gathered_group(self, target: torch.Tensor, touched: list[FlatParamGroup]) -> FlatParamGroup | None:
+        """The group whose gathered vector holds ``target``: a partitioned parameter, or a view of one
+        (``weight.data``) gathered here; None for any other tensor."""
+        if target.numel() == 0:
+            return None
+        ptr = target.untyped_storage().data_ptr()
+        return next((g for g in (*touched, *self.open) if g.full.untyped_storage().data_ptr() == ptr), None)
 
     def close(self, group: FlatParamGroup) -> None:
         if group not in self.open:  # closed already by an operation that ran while closing another

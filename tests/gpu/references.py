@@ -28,9 +28,10 @@ def plain_losses(kind: str, steps: int, precision: str = "fp32", clip: float | N
                 w.copy_(p)  # rounded to bf16
         loss = compute(x.cuda(), y.cuda())
         loss.backward()
-        for p, w in pairs:
-            p.grad = None if w.grad is None else w.grad.float()
-        compute.zero_grad(set_to_none=True)
+        if pairs:
+            for p, w in pairs:
+                p.grad = None if w.grad is None else w.grad.float()
+            compute.zero_grad(set_to_none=True)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         opt.step()

@@ -58,21 +58,23 @@ def test_cuda_bf16_tracks_fp32() -> None:
         f"bf16 on {world} GPU(s): {rel:.2e} from fp32; plain PyTorch's bf16: {max_relative(ref, plain_bf16):.2e}"
 
 
-def _built_values(rank: int, world: int, kind: str) -> dict[str, torch.Tensor]:
+def _built_values(rank: int, world: int, kind: str, precision: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    config = zinf.ZeroConfig()
+    config = zinf.ZeroConfig(precision=precision)
     with zinf.Init(config):
         model = build(kind)
     engine = zinf.initialize(model, make_optimizer(model), config)
     return {k: v.cpu() for k, v in engine.full_state_dict().items()}
 
 
-def test_init_on_cuda_gives_the_values_of_a_model_built_on_cpu() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_init_on_cuda_gives_the_values_of_a_model_built_on_cpu(precision: str) -> None:
     """GPT re-initialises its children's weights after they are partitioned (``apply(_init_weights)``): those
-    fills draw from the CPU generator, as they would in ``build().cuda()`` ([Note: edits draw where plain PyTorch
-    would] in zinf/init.py). Before, they ran on the gathered CUDA tensor and differed by up to 0.13."""
+    fills draw from the CPU generator at the built dtype (fp32), as they would in ``build().cuda()`` ([Note: edits
+    draw where plain PyTorch would] in zinf/init.py), then bf16 rounds them."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     torch.manual_seed(0)
-    ref = build("gpt").state_dict()
-    got = run_distributed(_built_values, 1, "gpt", backend="nccl")[0]
+    ref = {k: v.to(dtype) for k, v in build("gpt").state_dict().items()}
+    got = {k: v.to(dtype) for k, v in run_distributed(_built_values, 1, "gpt", precision, backend="nccl")[0].items()}
     assert sorted(got) == sorted(ref)
     assert all(torch.equal(ref[k], got[k]) for k in ref), [k for k in ref if not torch.equal(ref[k], got[k])]

@@ -24,6 +24,33 @@ def test_init_gives_same_values_as_plain_construction() -> None:
         assert torch.equal(full[k], v), k
 
 
+class _Refilled(nn.Module):
+    """Re-initialises its children after they are built (as Hugging Face models do), with fills whose bf16 and
+    fp32 draws differ in torch (``uniform_``: about one value in a thousand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Embedding(50, 64)
+        for m in (self.a, self.b):
+            m.weight.data.uniform_(-1.0, 1.0)
+        nn.init.uniform_(self.a.bias, -0.5, 0.5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fills_after_partitioning_draw_at_the_built_dtype(precision: str) -> None:
+    """[Note: edits draw where plain PyTorch would]: a 16-bit gathered parameter is filled as the fp32 model
+    would be, then rounded, whatever torch's 16-bit fills draw."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    torch.manual_seed(0)
+    plain = _Refilled().state_dict()
+    torch.manual_seed(0)
+    with zinf.Init(zinf.ZeroConfig(precision=precision)):
+        model = _Refilled()
+    full = zinf.initialize(model).full_state_dict()
+    for k, v in plain.items():
+        assert torch.equal(full[k].to(dtype), v.to(dtype)), k
+
+
 def test_released_parameters_keep_shape_and_refuse_writes() -> None:
     with zinf.Init():
         model = nn.Linear(4, 3)

@@ -77,6 +77,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+    dtype: torch.dtype = torch.float32  # the parameter's dtype as the model built it (a fill draws at it)
 
 
 class FlatParamGroup:
@@ -108,7 +109,7 @@ class FlatParamGroup:
         slots, offset = [], 0
         values = list(full_values) if full_values is not None else [p.detach() for p in params]
         for n, v in zip(names, values):
-            slots.append(ParamSlot(name=n, shape=v.shape, offset=offset, numel=v.numel()))
+            slots.append(ParamSlot(name=n, shape=v.shape, offset=offset, numel=v.numel(), dtype=v.dtype))
             offset += v.numel()
         self.slots: list[ParamSlot] = slots
         self.numel = offset
@@ -523,6 +524,14 @@ class FlatParamGroup:
     # -- per-parameter views of this rank's shard -----------------------------------------------
     def index_of(self, param: nn.Parameter) -> int:
         return self._slot_of[id(param)]
+
+    def built_dtype_at(self, view: torch.Tensor) -> torch.dtype:
+        """The built dtype of the parameter that ``view`` (of the gathered vector) starts in."""
+        at = view.storage_offset() - self.full.storage_offset()
+        for slot in self.slots:
+            if slot.offset <= at < slot.offset + slot.numel:
+                return slot.dtype
+        return view.dtype
 
     def local_range(self, index: int) -> tuple[int, int]:
         """The part of parameter ``index`` held by this rank, as [start, end) into the shard."""

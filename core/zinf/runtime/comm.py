@@ -111,9 +111,12 @@ class Comm:
         """Every ``outs[i]`` receives every rank's ``shards[i]``, rank-major, as one collective per dtype (every
         rank passes the same sizes and dtypes in the same order); returns the handle to wait on (asynchronous).
         One per dtype: gloo's coalesced all-gather reads every tensor as the first one's dtype (measured with
-        torch 2.13: bf16 then fp32 comes back wrong). See [Note: one collective per round] in
+        torch 2.13: bf16 then fp32 comes back wrong). With gloo and device tensors, one call per tensor: gloo's
+        coalesced all-gather of CUDA tensors kills the process (SIGSEGV, measured with torch 2.11 on an H200),
+        where its single all-gather of them works. See [Note: one collective per round] in
         zinf/runtime/gather_batch.py."""
-        if self.world == 1 or len(outs) == 1 or _coalescing_manager is None:
+        if (self.world == 1 or len(outs) <= 1 or _coalescing_manager is None
+                or ("gloo" in self.backend and outs[0].device.type != "cpu")):
             works = [self.all_gather_into(o, s, async_op=True) for o, s in zip(outs, shards)]
             return _Works([w for w in works if w is not None])
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
