@@ -10,6 +10,9 @@ its own, zinf installs one that raises ``SystemExit(143)`` in the main thread: t
 as for an exception, in-flight I/O is waited for or abandoned by its owners, and the exit handler removes
 the files. A handler the program installed itself (to checkpoint and carry on) is left alone.
 
+``zinf.Init``'s construction spill files (zinf/offload/spill_store.py) are scratch of the same kind, with the
+owner's host and pid in their name instead of a header: they are locked, registered and collected alike.
+
 SIGKILL and power loss leave files behind. The owner holds a shared ``flock`` on each of its files for as
 long as it runs (the kernel drops it when the process dies, however it dies), and the header records its
 host and pid for the messages. A later run on the same paths removes every zinf swap file on which it can
@@ -35,6 +38,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -51,6 +55,8 @@ _LOCK = threading.Lock()
 _FILES: set[str] = set()
 _INSTALLED = False
 PATTERN = "zinf-r*-of-*-*.swap"
+SPILL_PATTERN = "zinf-init-*.spill"
+_SPILL_NAME = re.compile(r"zinf-init-(?P<host>.+)-(?P<pid>\d+)-r\d+\.spill")
 
 
 def _start_time(pid: int) -> int | None:
@@ -180,17 +186,43 @@ def _inspect(path: Path) -> Leftover:
     return Leftover(str(path), nbytes, False, f"left by {who}, which is gone")
 
 
+def _inspect_spill(path: Path) -> Leftover:
+    """A construction spill file: alive while its owner holds its lock, or while a process of its pid runs on
+    this host (the owner creates the file a moment before it locks it)."""
+    nbytes = path.stat().st_size
+    named = _SPILL_NAME.fullmatch(path.name)
+    if named is None:
+        return Leftover(str(path), nbytes, True, "not named as a zinf spill file")
+    host, pid = named["host"], int(named["pid"])
+    who = f"pid {pid} on host {host}"
+    if host == socket.gethostname() and _start_time(pid) is not None:
+        return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
+    try:
+        with open(path, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    except OSError:
+        return Leftover(str(path), nbytes, True, "it cannot be opened")
+    return Leftover(str(path), nbytes, False, f"left by {who}, which is gone")
+
+
 def collect_leftovers(dirs: list[str]) -> list[Leftover]:
-    """Remove swap files in ``dirs`` whose process is gone (logged); return the ones still owned by a live run."""
+    """Remove swap and spill files in ``dirs`` whose process is gone (logged); return the ones still owned by a
+    live run."""
     kept: list[Leftover] = []
     with _LOCK:
         ours = set(_FILES)
     for d in dirs:
-        for path in sorted(Path(d).glob(PATTERN)):
+        found = [(p, _inspect) for p in sorted(Path(d).glob(PATTERN))]
+        found += [(p, _inspect_spill) for p in sorted(Path(d).glob(SPILL_PATTERN))]
+        for path, inspect in found:
             if str(path) in ours:
                 continue
             try:
-                item = _inspect(path)
+                item = inspect(path)
             except FileNotFoundError:
                 continue
             if item.alive:

@@ -62,6 +62,7 @@ class SpillStore:
     def __init__(self, directory: str, rank: int) -> None:
         directory = os.path.abspath(directory)
         check_dir(directory)
+        cleanup.collect_leftovers([directory])  # a killed run's spill and swap files (see [Note: clean stops])
         self.path = os.path.join(directory, f"zinf-init-{socket.gethostname()}-{os.getpid()}-r{rank}.spill")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         cleanup.lock(self._fd)

@@ -1,5 +1,5 @@
 """Stopping a run that offloads to NVMe leaves no swap file: SIGTERM, Ctrl-C twice, and (found by the next
-run) SIGKILL. Real processes, real files."""
+run) SIGKILL, during training or during construction (its spill file). Real processes, real files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import processes
 import pytest
+import torch
 
+import zinf
 from zinf.offload import cleanup
 
 TRAIN = """
@@ -140,3 +142,54 @@ def test_files_of_a_live_run_are_kept_and_named(tmp_path: Path) -> None:
     other.write_bytes(b"not a zinf header".ljust(4096, b"\0"))
     assert [k.why for k in cleanup.collect_leftovers([str(tmp_path)])] == ["its header is unreadable"]
     assert other.exists()
+
+
+BUILD_AND_DIE = """
+import os, signal, sys, zinf
+from torch import nn
+cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [sys.argv[1]]}})
+class Dies(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 256)  # partitioned when its __init__ returns: its shard goes to the spill file
+        os.kill(os.getpid(), signal.SIGKILL)
+with zinf.Init(cfg):
+    Dies()
+"""
+
+
+def test_spill_file_of_a_killed_construction_is_removed_by_the_next_run(tmp_path: Path, caplog) -> None:
+    (tmp_path / "build.py").write_text(BUILD_AND_DIE)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "build.py"), str(tmp_path)], stderr=subprocess.PIPE,
+                            text=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err
+    left = f"zinf-init-{socket.gethostname()}-{proc.pid}-r0.spill"
+    assert sorted(p.name for p in tmp_path.glob("*.spill")) == [left]
+    assert (tmp_path / left).stat().st_size > 0
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path)],
+                                                 "pinned_pool_bytes": 16 << 20}})
+    with caplog.at_level("WARNING", logger="zinf"):
+        with zinf.Init(cfg):
+            model = torch.nn.Linear(8, 8)
+    assert not (tmp_path / left).exists()
+    assert f"left by pid {proc.pid} on host {socket.gethostname()}, which is gone" in caplog.text
+    zinf.initialize(model, torch.optim.AdamW(model.parameters()), cfg).close()
+    assert list(tmp_path.glob("*.spill")) == [] and _swap_files(tmp_path) == []
+
+
+def test_spill_file_of_a_live_run_is_kept(tmp_path: Path) -> None:
+    """Held by its owner's lock (another host's run on a shared drive), or named after a pid that runs here."""
+    elsewhere = tmp_path / "zinf-init-elsewhere-1-r0.spill"
+    elsewhere.write_bytes(b"\0" * 4096)
+    here = tmp_path / f"zinf-init-{socket.gethostname()}-{os.getpid()}-r1.spill"
+    here.write_bytes(b"\0" * 4096)
+    fd = cleanup.hold(str(elsewhere))
+    try:
+        kept = cleanup.collect_leftovers([str(tmp_path)])
+        assert sorted(k.why for k in kept) == sorted([f"in use by a live run (pid {os.getpid()} on host "
+                                                      f"{socket.gethostname()})",
+                                                      "in use by a live run (pid 1 on host elsewhere)"])
+    finally:
+        os.close(fd)
+    assert [k.path for k in cleanup.collect_leftovers([str(tmp_path)])] == [str(here)] and not elsewhere.exists()
