@@ -36,7 +36,7 @@ from zinf.optim.sharded import ShardedOptimizer
 from zinf.param.fence import UpdateFence
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.grad_shard import GradShard
-from zinf.param.store import DEVICE_STORE, ShardStore
+from zinf.param.store import DEVICE_STORE, DeviceShardStore, ShardStore
 from zinf.report import StepTimers
 from zinf.units import format_bytes
 
@@ -109,7 +109,7 @@ class Placement:
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
         if cfg.optimizer == "cpu":
-            self.states = CpuStateStore(self.subgroups, self.fence)
+            self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged))
         elif cfg.optimizer == "nvme":
             assert self.swap is not None and room is not None
             records = allocate_records(self.swap, self.subgroups, grads_on_nvme)
@@ -137,6 +137,18 @@ class Placement:
                                            early=cfg.step_during_backward)
         elif optimizer is not None:
             self.optimizer = ShardedOptimizer(optimizer, self.groups)
+
+    def _host_fp32_shards(self, staged: bool) -> dict[int, torch.Tensor]:
+        """The trained groups' parameter shards that are fp32 tensors in host memory, which the CPU-Adam can step
+        as their masters (see [Note: one fp32 master on the host] in zinf/offload/state_store.py)."""
+        if self.cfg.step_during_backward or staged or not isinstance(self.store, (CpuShardStore, DeviceShardStore)):
+            return {}
+        shards = {}
+        for g in self.groups:
+            shard = self.store.read(g) if g.trainable and g.storage_dtype == torch.float32 else None
+            if shard is not None and shard.device.type == "cpu":
+                shards[id(g)] = shard
+        return shards
 
     def _move_initial_state(self) -> None:
         """Hand each group's built shard and master to their stores (to NVMe: written, then freed),

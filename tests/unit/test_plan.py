@@ -49,9 +49,10 @@ def test_bytes_per_placement_by_hand(tmp_path: Path) -> None:
     # bf16: shard 2 + master 4 + gradient 4 + moments 8 = 18 x 23
     assert states(est["device/device bf16"], "device") == {"param_shards": 46, "master": 92, "optimizer_state": 184,
                                                            "grad_shards": 92}
-    # CPU optimizer: the shard stays (4), master + moments (12) and gradients (4) on the CPU
+    # CPU optimizer on a CPU machine: the fp32 shard (4, host memory) is the CPU-Adam's master; moments (8) and
+    # gradients (4) on the CPU
     e = est["device/cpu fp32"]
-    assert states(e, "device") == {"param_shards": 92} and e.bytes["cpu"] == {"optimizer_state": 276, "grad_shards": 92}
+    assert states(e, "device") == {"param_shards": 92} and e.bytes["cpu"] == {"optimizer_state": 184, "grad_shards": 92}
     # NVMe: one 4 KiB-aligned record per group (data + 64-byte trailer), states 12, gradients 4; the pool on the CPU
     e = est["nvme/nvme fp32"]
     assert e.bytes["nvme"] == {"param_shards": 2 * 4096, "optimizer_state": 276, "grad_shards": 92}
@@ -69,7 +70,7 @@ def test_bytes_two_ranks_pad_each_group() -> None:
     p = plan(tiny(), world=2, machine=machine(), placements=["device/device", "cpu/cpu"], batch_tokens=8)
     dd, cc = p.estimates
     assert dd.tier_bytes("device", states_only=True) == (8 + 4) * 16  # ceil(15/2) + ceil(8/2) per rank
-    assert cc.bytes["cpu"] == {"param_shards": 48, "optimizer_state": 144, "grad_shards": 48}
+    assert cc.bytes["cpu"] == {"param_shards": 48, "optimizer_state": 96, "grad_shards": 48}  # the shard is the master
     # the whole model fits overlap.prefetch_bytes: kept from the forward for the backward, gathered once a step
     assert dd.io_bytes["allgather"] == 12 * 4 and dd.io_bytes["reduce_scatter"] == 12 * 4
     assert dd.seconds["step"] != dd.seconds["step"] and p.recommended is None  # no all-gather bandwidth given: unknown

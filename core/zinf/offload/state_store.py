@@ -91,12 +91,38 @@ class _StateStore:
 
 
 class CpuStateStore(_StateStore):
+    """[Note: one fp32 master on the host] Where a group's parameter shard is itself an fp32 tensor in host memory
+    (parameters on the CPU, or on a CPU compute device), ``shards`` names it and its sub-groups' masters are views
+    of it: the CPU-Adam steps the shard the forward reads, and the parameters cost 16 bytes each (shard and master 4,
+    moments 8, gradient 4) instead of 20. Not with ``step_during_backward``, whose early steps write the master
+    before the step after the backward has checked them (zinf/optim/early_steps.py)."""
+
     tier = "cpu"
 
-    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence) -> None:
+    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence,
+                 shards: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__(subgroups, fence)
-        self._tensors = {id(sg): {name: torch.zeros(sg.numel, dtype=torch.float32) for name in STATES}
-                         for sg in self.subgroups}
+        shards = shards or {}
+        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._shared = 0  # elements whose master is their parameter shard
+        for sg in self.subgroups:
+            states = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in STATES if name != "master"}
+            shard = shards.get(id(sg.group))
+            if shard is not None:
+                states["master"] = shard[sg.lo : sg.hi]
+                self._shared += sg.numel
+            else:
+                states["master"] = torch.zeros(sg.numel, dtype=torch.float32)
+            self._tensors[id(sg)] = {name: states[name] for name in STATES}
+
+    def shares_master(self, group: "FlatParamGroup") -> bool:
+        """Whether ``group``'s master is its parameter shard (see the class note)."""
+        subs = self.of(group)
+        return bool(subs) and self._tensors[id(subs[0])]["master"].untyped_storage().data_ptr() == \
+            group.store.read(group).untyped_storage().data_ptr()
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() - self._shared * 4
 
     def begin_step(self) -> None:
         return None
@@ -124,7 +150,9 @@ class CpuStateStore(_StateStore):
         self.fence.wait_all()
         for sg in self.of(group):
             for name, value in states.items():
-                self._tensors[id(sg)][name].copy_(value[sg.lo : sg.hi])
+                mine, given = self._tensors[id(sg)][name], value[sg.lo : sg.hi]
+                if mine.data_ptr() != given.data_ptr():  # a shared master handed over as itself
+                    mine.copy_(given)
 
     def settle(self) -> None:
         return None

@@ -281,6 +281,8 @@ class OffloadedAdam:
         out = g.store.writer(g)
         fp32 = out.dtype == torch.float32
         master, m, v = states["master"], states["exp_avg"], states["exp_avg_sq"]
+        if out[sg.lo :].data_ptr() == master.data_ptr():  # [Note: one fp32 master on the host]: nothing to copy
+            out = None
         stashed = "grad" in states  # read from NVMe with the states (a pool buffer: nothing to zero)
         if stashed:
             grad: torch.Tensor | None = states["grad"]
@@ -291,7 +293,7 @@ class OffloadedAdam:
         stepped, steps = self._stepped[id(g)], self.steps[id(g)]
         kept = self._kept.get(id(g))
         if kept:  # stepped during the backward with what this step takes: that step is this one
-            assert grad is not None and not stashed
+            assert grad is not None and not stashed and out is not None
             out[sg.lo : sg.hi].copy_(master)
             grad.zero_()
             self.early.keep(sg)  # type: ignore[union-attr]
@@ -303,18 +305,21 @@ class OffloadedAdam:
         for lo, hi, k, i in sg.segments:
             a, b = lo - sg.lo, hi - sg.lo
             if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
-                out[lo:hi].copy_(master[a:b])
+                if out is not None:
+                    out[lo:hi].copy_(master[a:b])
                 if grad is not None and not stashed:
                     grad[a:b].zero_()
                 continue
             if grad is None:  # stepped with no gradient memory yet (zeros): only when nothing wrote one
                 grad = g.grad.tensor()[sg.lo : sg.hi]
             native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], self._hyper[k], step=steps[i],
-                             clip_coef=factor, param_out=None if fp32 else out[lo:hi], zero_grad=not stashed)
-            if fp32:
+                             clip_coef=factor, param_out=None if fp32 or out is None else out[lo:hi],
+                             zero_grad=not stashed)
+            if fp32 and out is not None:
                 out[lo:hi].copy_(master[a:b])
         for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
-            out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
+            if out is not None:
+                out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
             if grad is not None and not stashed:
                 grad[lo - sg.lo : hi - sg.lo].zero_()
         if sg.last_of_group:

@@ -14,7 +14,9 @@ and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_b
     device/device, fp32            device: shard = master 4, grad 4, Adam moments 8              16
     device/device, bf16            device: shard 2, master 4, grad 4, moments 8                  18
     device/cpu                     device: shard pb (fp32: 4) | cpu: master+moments 12, grad 4   pb | 16
+                                   (fp32 on a CPU-only machine: the shard is the master, cpu 16 in all)
     cpu/cpu                        cpu: shard pb, master+moments 12, grad 4                      pb + 16
+                                   (fp32: the shard is the master, 16)
     nvme/nvme (grads nvme)         nvme: shard pb (in 4 KiB-aligned records), states 12, grad 4  pb + 16
                                    + cpu: the pinned pool (offload.pinned_pool_bytes)
     nvme/nvme/cpu                  nvme: shard pb, states 12 | cpu: grad 4 + pool

@@ -212,7 +212,10 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
         add("device", "optimizer_state", trainable * 8)
         add("device", "grad_shards", trainable * 4)
     else:
-        add(pl.optimizer, "optimizer_state", trainable * 12)
+        # fp32 shards in host memory are the CPU-Adam's masters ([Note: one fp32 master on the host])
+        host_master = pb == 4 and pl.optimizer == "cpu" and (pl.params == "cpu" or (pl.params == "device"
+                                                                                    and machine_device == "cpu"))
+        add(pl.optimizer, "optimizer_state", trainable * (8 if host_master else 12))
         add(pl.grads, "grad_shards", trainable * 4)
     if "nvme" in (pl.params, pl.optimizer):
         add("cpu", "pinned_pool", pool_bytes)

@@ -1,0 +1,47 @@
+"""The CPU optimizer's states in host memory: one fp32 master where the parameter shard is one already
+([Note: one fp32 master on the host] in zinf/offload/state_store.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zinf
+
+
+def _train(params: str, optimizer: str, early: bool = False) -> tuple[dict[str, dict[str, int]], int, list[float]]:
+    cfg = zinf.ZeroConfig.from_dict({"offload": {"params": params, "optimizer": optimizer,
+                                                 "step_during_backward": early}})
+    torch.manual_seed(0)
+    with zinf.Init(cfg):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    numel = sum(p.numel() for p in model.parameters())
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(4):
+        loss = engine(torch.randn(8, 64)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.synchronize()
+    held = engine.resident_bytes()
+    engine.close()
+    return held, numel, losses
+
+
+@pytest.mark.parametrize("params", ["device", "cpu"])
+def test_fp32_parameters_and_optimizer_in_host_memory_take_16_bytes_each(params: str) -> None:
+    held, numel, losses = _train(params, "cpu")
+    cpu = held["cpu"]
+    per = {k: v / numel for k, v in cpu.items() if v}
+    assert per == {"param_shards": 4.0, "grad_shards": 4.0, "optimizer_state": 8.0}, per
+    # the master stepped in place is the shard the forward reads: the losses are the separate master's
+    assert losses == _train(params, "cpu", early=True)[2]
+
+
+def test_steps_during_the_backward_keep_a_master_of_their_own() -> None:
+    """An early step writes the master before the step after the backward has checked it: not the shard."""
+    held, numel, _ = _train("cpu", "cpu", early=True)
+    assert held["cpu"]["optimizer_state"] == 12 * numel
