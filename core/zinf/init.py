@@ -213,13 +213,15 @@ class Init:
 
     def _partition(self, module: nn.Module, name: str) -> None:
         assert self.comm is not None and self.device is not None
+        offload = self.config.offload
+        to_nvme = offload.enabled and offload.params == "nvme"
         group = partition_module_params(module, name, self.comm, self.config.compute_dtype, self.device,
-                                        storage_dtype=self.config.storage_dtype, agree=self._agree)
+                                        storage_dtype=self.config.storage_dtype, agree=self._agree,
+                                        placeholders=to_nvme and not self._agree)
         self._pending.discard(module)
         if group is None:
             return
-        offload = self.config.offload
-        if offload.enabled and offload.params == "nvme":
+        if to_nvme:
             if self._spill is None:
                 self._spill = SpillStore(offload.nvme_paths[0], self.comm.rank)
             group.spill_to(self._spill, placeholders=not self._agree)

@@ -78,6 +78,32 @@ def test_bf16_files_into_fp32_masters_are_exact(tmp_path: Path) -> None:
     _assert_loaded(model, values)
 
 
+def test_a_bf16_file_into_bf16_shards_built_on_nvme_is_read_as_it_is(tmp_path: Path, monkeypatch) -> None:
+    """[Note: reading at the storage width]: no fp32 master is written (no widening, comparing, narrowing), and
+    the values are the file's, before the engine and in the masters the placement makes from the shards."""
+    from zinf.param.flat_group import FlatParamGroup
+
+    values = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _values(3).items()
+              if k != "head.weight"}
+    save_file(values, tmp_path / "w.safetensors")
+    cfg = zinf.ZeroConfig.from_dict({"precision": "bf16", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path / "nvme")], "pinned_pool_bytes": 16 << 20}})
+    (tmp_path / "nvme").mkdir()
+    torch.manual_seed(123)
+    with zinf.Init(cfg) as init, init.placeholders():  # as transformers' from_pretrained builds it under zinf
+        model = Net()
+    widened: list[str] = []
+    write_master = FlatParamGroup.write_master
+    monkeypatch.setattr(FlatParamGroup, "write_master", lambda g, m: (widened.append(g.name), write_master(g, m))[1])
+    zinf.load_pretrained(model, tmp_path / "w.safetensors")
+    assert widened == []
+    _assert_loaded(model, values)
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters()), cfg)
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k].to(v.dtype), v) for k, v in values.items())
+    engine.close()
+
+
 def test_strict_refuses_missing_unexpected_and_mismatched_before_writing(tmp_path: Path) -> None:
     values = _values(3)
     model = _partitioned()

@@ -12,6 +12,13 @@ Keys are matched like ``load_state_dict``: a tied weight under any of its names,
 (without the head's ``base_model_prefix``) or of the model with it; values are cast to fp32 for the masters
 (bf16 files into an fp32 run are exact). A shape mismatch, and with ``strict`` a missing or unexpected key, is an
 error raised before anything is written.
+
+[Note: reading at the storage width]
+A group whose shard is its only copy (frozen, or built straight to NVMe under ``zinf.Init``: its master is made at
+the placement, from the shard) and whose parameters the files hold in its storage dtype (a bf16 checkpoint into
+bf16 storage, the usual LoRA base) gets the file's bytes as they are: read into the store's buffer and written,
+without the fp32 slice, the check that the storage dtype holds the values exactly (it holds its own dtype's
+values) or the narrowing. Any other group goes through its fp32 master.
 """
 
 from __future__ import annotations
@@ -158,8 +165,23 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
                               "what such a forward kept.")
     params = g.params
     keep = any(p is not None and id(p) not in key_of for p in params)
-    local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
     lo = g.comm.rank * g.shard_numel
+    if not keep and g.shard_only and g.master is None and all(
+            files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None):
+        def fill(out: torch.Tensor) -> None:  # [Note: reading at the storage width]
+            for i, (p, slot) in enumerate(zip(params, g.slots)):
+                a, b = g.local_range(i)
+                if a >= b:
+                    continue
+                if p is None:  # a parameter dropped from the model: zeros, as in the fp32 path
+                    out[a:b].zero_()
+                    continue
+                first = a + lo - slot.offset
+                files.read_into(key_of[id(p)], first, first + (b - a), out[a:b])
+            out[max(g.numel - lo, 0) :].zero_()  # the padding past the last parameter
+        g.write_shard(fill)
+        return
+    local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
     for i, (p, slot) in enumerate(zip(params, g.slots)):
         if p is None or id(p) not in key_of:
             continue

@@ -81,13 +81,30 @@ class TensorFiles:
         self.bytes_read += rows.numel() * rows.element_size()
         return flat
 
+    def read_into(self, name: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements ``[start, end)`` of tensor ``name`` flattened, into ``out`` (as many elements): read straight
+        into it where it is contiguous host memory of the file's dtype and the file a safetensors one (no buffer,
+        no copy), else copied from :meth:`read_range`."""
+        info = self.tensors[name]
+        if (end > start and info.offset >= 0 and self._state is None and out.device.type == "cpu"
+                and out.dtype == info.dtype and out.is_contiguous()):
+            nbytes = (end - start) * info.dtype.itemsize
+            if read_at(self._fd(info.file), out, info.offset + start * info.dtype.itemsize) < nbytes:
+                raise CheckpointError(f"zinf: {info.file} ends before its tensors do (truncated?).")
+            self.bytes_read += nbytes
+            return
+        out.copy_(self.read_range(name, start, end))
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        return fd
+
     def _pread(self, info: TensorInfo, first: int, end: int) -> torch.Tensor:
         """Elements ``[first, end)`` of a safetensors tensor, read with one ``pread`` of their bytes."""
         out = torch.empty(end - first, dtype=info.dtype)
-        fd = self._fds.get(info.file)
-        if fd is None:
-            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
-        if read_at(fd, out, info.offset + first * info.dtype.itemsize) < out.numel() * out.element_size():
+        if read_at(self._fd(info.file), out, info.offset + first * info.dtype.itemsize) < out.numel() * out.element_size():
             raise CheckpointError(f"zinf: {info.file} ends before its tensors do (truncated?).")
         return out
 

@@ -71,6 +71,7 @@ class SpillStore:
         self._where: dict[int, tuple[int, int]] = {}  # group id -> (offset, bytes)
         self._end = 0
         self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # writer()'s buffer, reused group after group
         self._heap = HeapTrimmer()
 
     # -- construction --------------------------------------------------------------------------------
@@ -114,7 +115,15 @@ class SpillStore:
         return None
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
-        buf = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        """A buffer for ``group``'s new shard, written by ``commit``: one kept for the next group when no other
+        write is pending (a loader writes group after group; fresh pages would be faulted in for every one)."""
+        nbytes = group.shard_numel * group.storage_dtype.itemsize
+        if self._pending:
+            buf = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        else:
+            if self._scratch.numel() < nbytes:
+                self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            buf = self._scratch[:nbytes].view(group.storage_dtype)
         self._pending[id(group)] = buf
         return buf
 
@@ -128,6 +137,7 @@ class SpillStore:
         return None
 
     def close(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         if self._fd < 0:
             return
         os.close(self._fd)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -93,6 +93,7 @@ class FlatParamGroup:
         device: torch.device,
         full_values: Sequence[torch.Tensor] | None = None,
         storage_dtype: torch.dtype | None = None,
+        placeholders: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
@@ -125,18 +126,24 @@ class FlatParamGroup:
         self._placeholders = [nan.as_strided(tuple(s.shape), (0,) * len(s.shape)) for s in self.slots]
         self._slot_of = {id(p): i for i, p in enumerate(params)}
 
-        # The fp32 master shard is cut from the original (full precision) values, then cast.
+        # The fp32 master shard is cut from the original (full precision) values, then cast. ``placeholders``:
+        # values a loader replaces, in a shard that goes straight to NVMe with none of them (``spill_to``): neither
+        # is made (the master and the cast would cost passes over the whole model for nothing)
         lo = comm.rank * self.shard_numel
-        master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
-        for slot, v in zip(slots, values):
-            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
-            if a < b:
-                master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
+        master: torch.Tensor | None = None
+        if not placeholders:
+            master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            for slot, v in zip(slots, values):
+                a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
+                if a < b:
+                    master[a - lo : b - lo].copy_(v.reshape(-1)[a - slot.offset : b - slot.offset])
         # master / shard become None when an offload placement takes them (``place``), the master also when
         # the group is frozen (see [Note: frozen groups])
         self.master: torch.Tensor | None = master
         self.shard_only = False
-        self.shard: torch.Tensor | None = master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype)
+        self.shard: torch.Tensor | None = (
+            torch.empty(self.shard_numel, dtype=self.storage_dtype, device=device) if master is None
+            else master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype))
         # [Note: placement] built on the device tier; an offload placement moves the group once (``place``)
         self.store: ShardStore = DEVICE_STORE
         self._master_home: MasterHome | None = None
@@ -301,6 +308,19 @@ class FlatParamGroup:
                     self._keep_inexact_master(master)
                 self.store.writer(self).copy_(master)
                 self.store.commit(self)
+            if self.persistent and self.owns_full:
+                self.to_sharded()
+                self.to_gathered()
+
+    def write_shard(self, fill: "Callable[[torch.Tensor], None]") -> None:
+        """Replace the parameter shard of a group whose shard is its only copy (``shard_only``: frozen, or built
+        straight to NVMe) by ``fill`` writing this rank's values at the storage width into the store's buffer: a
+        checkpoint in that dtype is loaded without widening, narrowing or comparing (see
+        [Note: reading at the storage width] in zinf/checkpoint/pretrained.py)."""
+        assert self.shard_only and self.master is None, f"{self.name}: write_shard on a group with a master"
+        with torch.no_grad():
+            fill(self.store.writer(self))
+            self.store.commit(self)
             if self.persistent and self.owns_full:
                 self.to_sharded()
                 self.to_gathered()

@@ -69,10 +69,12 @@ def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def partition_module_params(
     module: nn.Module, name: str, comm: Comm, compute_dtype: torch.dtype, device: torch.device,
     only: set[int] | None = None, storage_dtype: torch.dtype | None = None, agree: bool = True,
+    placeholders: bool = False,
 ) -> FlatParamGroup | None:
     """Group the direct parameters of ``module`` that no group holds yet (or the ids in ``only``). With ``agree``
     their values are first made equal to rank 0's (see [Note: initial values agree]); ``zinf.Init`` turns it off
-    while a loader builds placeholders that the checkpoint's values replace."""
+    while a loader builds placeholders that the checkpoint's values replace, and with ``placeholders`` (their shard
+    goes to NVMe at once) the group keeps none of their values (see ``FlatParamGroup``)."""
     picked: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
     for n, p in _direct_params(module):
@@ -93,7 +95,7 @@ def partition_module_params(
         agree_with_rank0([p.data for _, p in picked], comm, name or type(module).__name__)
     group = FlatParamGroup(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
-        comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype,
+        comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype, placeholders=placeholders,
     )
     return register_group(group)
 
