@@ -115,12 +115,6 @@ class CpuStateStore(_StateStore):
                 states["master"] = torch.zeros(sg.numel, dtype=torch.float32)
             self._tensors[id(sg)] = {name: states[name] for name in STATES}
 
-    def shares_master(self, group: "FlatParamGroup") -> bool:
-        """Whether ``group``'s master is its parameter shard (see the class note)."""
-        subs = self.of(group)
-        return bool(subs) and self._tensors[id(subs[0])]["master"].untyped_storage().data_ptr() == \
-            group.store.read(group).untyped_storage().data_ptr()
-
     def state_bytes(self) -> int:
         return super().state_bytes() - self._shared * 4
 
