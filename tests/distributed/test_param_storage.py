@@ -109,7 +109,9 @@ def test_16bit_storage_halves_the_bytes_at_rest_and_read(tmp_path: Path) -> None
             assert wide["bytes_per_param"] == pytest.approx(4.0, rel=rel), (rank, params, wide)
             assert narrow["bytes_per_param"] == pytest.approx(2.0, rel=rel), (rank, params, narrow)
         wide_reads, narrow_reads = r["precision/nvme"]["reads"], r["bf16/nvme"]["reads"]
-        assert all(n > 0 for n in narrow_reads), narrow_reads
+        # read from NVMe at all: one step's report may show none (seen once, under load, with the scalar CPU-Adam):
+        # reads count in the step that waits for them, and what the pool holds depends on the timing
+        assert sum(narrow_reads) > 0, narrow_reads
         # half the bytes per shard, and more of the shards stay cached in the same pool: at most half as many read
         ratio = sum(wide_reads) / sum(narrow_reads)
         assert ratio >= 2.0, f"rank {rank}: NVMe bytes read per step, fp32 {wide_reads} vs bf16 {narrow_reads}"
