@@ -165,28 +165,31 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
                               "what such a forward kept.")
     params = g.params
     keep = any(p is not None and id(p) not in key_of for p in params)
-    lo = g.comm.rank * g.shard_numel
     if not keep and g.shard_only and g.master is None and all(
             files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None):
-        def fill(out: torch.Tensor) -> None:  # [Note: reading at the storage width]
-            for i, (p, slot) in enumerate(zip(params, g.slots)):
-                a, b = g.local_range(i)
-                if a >= b:
-                    continue
-                if p is None:  # a parameter dropped from the model: zeros, as in the fp32 path
-                    out[a:b].zero_()
-                    continue
-                first = a + lo - slot.offset
-                files.read_into(key_of[id(p)], first, first + (b - a), out[a:b])
-            out[max(g.numel - lo, 0) :].zero_()  # the padding past the last parameter
-        g.write_shard(fill)
+        # [Note: reading at the storage width]; the buffer is the store's: what no file fills is zeroed, as in the
+        # fp32 path's fresh vector
+        g.write_shard(lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True))
         return
     local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
-    for i, (p, slot) in enumerate(zip(params, g.slots)):
-        if p is None or id(p) not in key_of:
-            continue
-        a, b = g.local_range(i)
-        if a < b:
-            first = a + lo - slot.offset
-            local[a:b].copy_(files.read_range(key_of[id(p)], first, first + (b - a)))
+    _read_slices(g, params, files, key_of, local, zero_rest=False)
     g.write_master(local.to(g.device))
+
+
+def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: TensorFiles, key_of: dict[int, str],
+                 out: torch.Tensor, zero_rest: bool) -> None:
+    """This rank's slice of every parameter of ``g`` that the files hold, into ``out`` (laid out as its shard, in
+    any dtype: read straight in where it is the file's); with ``zero_rest`` the rest of ``out`` (dropped
+    parameters, the padding past the last one) is zeroed, else left as it is."""
+    lo = g.comm.rank * g.shard_numel
+    for i, (p, slot) in enumerate(zip(params, g.slots)):
+        a, b = g.local_range(i)
+        if a >= b:
+            continue
+        if p is not None and id(p) in key_of:
+            first = a + lo - slot.offset
+            files.read_into(key_of[id(p)], first, first + (b - a), out[a:b])
+        elif zero_rest:
+            out[a:b].zero_()
+    if zero_rest:
+        out[max(g.numel - lo, 0) :].zero_()

@@ -168,6 +168,16 @@ def hold(path: str) -> int:
     return fd
 
 
+def _held(f: object) -> bool:
+    """Whether a live process holds its lock on the open file ``f`` (an exclusive lock cannot be taken)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[attr-defined]
+    except BlockingIOError:
+        return True
+    fcntl.flock(f.fileno(), fcntl.LOCK_UN)  # type: ignore[attr-defined]
+    return False
+
+
 def _inspect(path: Path) -> Leftover:
     nbytes = path.stat().st_size
     try:
@@ -176,11 +186,8 @@ def _inspect(path: Path) -> Leftover:
             if not isinstance(header, dict) or header.get("magic") != "ZINFSWAP":
                 return Leftover(str(path), nbytes, True, "not a zinf swap file (its header differs)")
             who = f"pid {header.get('pid', '?')} on host {header.get('host', '?')}"
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if _held(f):
                 return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
     except (OSError, ValueError):
         return Leftover(str(path), nbytes, True, "its header is unreadable")
     return Leftover(str(path), nbytes, False, f"left by {who}, which is gone")
@@ -199,11 +206,8 @@ def _inspect_spill(path: Path) -> Leftover:
         return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
     try:
         with open(path, "rb") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if _held(f):
                 return Leftover(str(path), nbytes, True, f"in use by a live run ({who})")
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
     except OSError:
         return Leftover(str(path), nbytes, True, "it cannot be opened")
     return Leftover(str(path), nbytes, False, f"left by {who}, which is gone")

@@ -106,14 +106,12 @@ class CpuStateStore(_StateStore):
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._shared = 0  # elements whose master is their parameter shard
         for sg in self.subgroups:
-            states = {name: torch.zeros(sg.numel, dtype=torch.float32) for name in STATES if name != "master"}
             shard = shards.get(id(sg.group))
+            self._tensors[id(sg)] = {
+                name: shard[sg.lo : sg.hi] if name == "master" and shard is not None
+                else torch.zeros(sg.numel, dtype=torch.float32) for name in STATES}
             if shard is not None:
-                states["master"] = shard[sg.lo : sg.hi]
                 self._shared += sg.numel
-            else:
-                states["master"] = torch.zeros(sg.numel, dtype=torch.float32)
-            self._tensors[id(sg)] = {name: states[name] for name in STATES}
 
     def state_bytes(self) -> int:
         return super().state_bytes() - self._shared * 4

@@ -308,9 +308,7 @@ class FlatParamGroup:
                     self._keep_inexact_master(master)
                 self.store.writer(self).copy_(master)
                 self.store.commit(self)
-            if self.persistent and self.owns_full:
-                self.to_sharded()
-                self.to_gathered()
+            self._regather_if_persistent()
 
     def write_shard(self, fill: "Callable[[torch.Tensor], None]") -> None:
         """Replace the parameter shard of a group whose shard is its only copy (``shard_only``: frozen, or built
@@ -321,9 +319,13 @@ class FlatParamGroup:
         with torch.no_grad():
             fill(self.store.writer(self))
             self.store.commit(self)
-            if self.persistent and self.owns_full:
-                self.to_sharded()
-                self.to_gathered()
+            self._regather_if_persistent()
+
+    def _regather_if_persistent(self) -> None:
+        """A persistent group gathered into a buffer of its own reads its changed shard again."""
+        if self.persistent and self.owns_full:
+            self.to_sharded()
+            self.to_gathered()
 
     # -- parameter state transitions ------------------------------------------------------------
     @property
