@@ -6,7 +6,7 @@ logged per-step losses (rank 0) to the JSON file named by the first argument.
 
 ``--pretrained``: the script builds the model itself with ``from_pretrained(MODEL_DIR)`` (test_trainer_pretrained.py),
 and every rank also writes ``OUT.json.rank<r>.json``: its resident share of the model's parameter bytes right after
-``from_pretrained`` and zinf's load summary (see pretrained_probe.py)."""
+``from_pretrained`` and again once ``Trainer`` is built, and zinf's load summary (see pretrained_probe.py)."""
 
 import argparse
 import json
@@ -41,6 +41,8 @@ def main() -> None:
                              learning_rate=2e-3, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(256, 16, cfg.vocab_size))
+    if probe is not None:  # Trainer has moved the model to args.device (cpu:0 under a launcher)
+        probe["resident_share_in_trainer"] = resident_share(model)
     trainer.train()
     if a.save:  # what a DDP-era script does next: save on the main process
         trainer.save_model(a.save)

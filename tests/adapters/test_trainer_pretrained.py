@@ -4,7 +4,7 @@ Accelerate DDP (tests/adapters/accelerate_trainer_script.py --pretrained): two g
 
 The launcher, not the script, makes ``from_pretrained`` build the model partitioned over both ranks (it joins the
 ranks first, as the Trainer will) and load it with zinf's streaming loader: each rank holds about half of the
-parameter bytes and read about half of the checkpoint's bytes (zinf's "loaded N tensors ... this rank read X of
+parameter bytes, still after ``Trainer`` has moved the model to its device, and read about half of the checkpoint's bytes (zinf's "loaded N tensors ... this rank read X of
 the files' Y" line). The logged per-step losses are DDP's.
 """
 
@@ -46,6 +46,8 @@ def test_trainer_from_pretrained_under_zinf_launch_streams_partitioned_and_train
 
     for rank, r in enumerate(our_loads):
         assert 0.49 < r["resident_share"] < 0.52, f"rank {rank} holds {r['resident_share']:.3f} of the model"
+        # Trainer moves the model to args.device (cpu:0): a dense copy of every placeholder would be the whole model
+        assert r["resident_share_in_trainer"] == r["resident_share"], (rank, r)
         (load,) = r["loads"]  # the streaming loader, not whole-model loading on each rank
         assert 0.45 < load["read_bytes"] / load["file_bytes"] < 0.62, (rank, load)
     assert all(r["resident_share"] == 1.0 and not r["loads"] for r in ddp_loads)
