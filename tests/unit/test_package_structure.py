@@ -346,6 +346,8 @@ _RECORDS = {
     ("runtime/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
     ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
     ("schedule/hooks.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
+    ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "
+        "per process, so that .to()/.cpu()/.half() see partitioned parameters",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
         "transformers' loading API: a loaded parameter is flagged _is_hf_initialized so that the model's own "
         "initialisation skips it",

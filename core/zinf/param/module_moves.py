@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
+from zinf.param.registry import group_of
 
 __all__ = ["install"]
 
@@ -36,8 +37,6 @@ def install() -> None:
 
 
 def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-    from zinf.param.registry import group_of
-
     assert _original is not None
     held = [(name, p) for name, p in self._parameters.items() if p is not None and group_of(p) is not None]
     if not held:

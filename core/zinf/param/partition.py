@@ -15,6 +15,7 @@ from torch import nn
 
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.comm import Comm
+from zinf.param import module_moves
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of, groups_of, register_group, unregister
 
@@ -97,6 +98,7 @@ def partition_module_params(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
         comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype, placeholders=placeholders,
     )
+    module_moves.install()  # [Note: moving a partitioned model]
     return register_group(group)
 
 

@@ -7,7 +7,6 @@ from typing import Iterable
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zinf.param import module_moves
 from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["group_of", "register_group", "groups_of", "unregister"]
@@ -20,7 +19,6 @@ def group_of(param: nn.Parameter) -> FlatParamGroup | None:
 
 
 def register_group(group: FlatParamGroup) -> FlatParamGroup:
-    module_moves.install()  # [Note: moving a partitioned model]
     for p in group.params:
         _GROUP_OF[p] = group
     return group
