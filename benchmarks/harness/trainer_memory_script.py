@@ -1,0 +1,106 @@
+"""A transformers ``Trainer`` full fine-tune as a user writes it (``from_pretrained``, ``Trainer``, ``train``), with
+each rank's resident memory sampled; run by bench_host_memory.py under ``accelerate launch`` (DDP) and
+``zinf launch``. Writes ``OUT.rank<r>.json``: the RSS growth over the process's RSS before ``from_pretrained`` at
+each mark (loaded, trainer built, each step's end: current and sampled peak so far), the kernel's high-water mark
+growth, each step's wall time, and with zinf the engine's own host bytes after each step.
+
+    trainer_memory_script.py MODEL_DIR OUT --steps N
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import threading
+import time
+
+import torch
+from torch.utils.data import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _Tokens(Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class _Sampler:
+    """The process's RSS every 5 ms on a thread, from a base taken now (the kernel's high-water mark reset)."""
+
+    def __init__(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = _status("VmRSS")
+        self.peak = self.base
+        self.marks: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status("VmRSS"))
+            self._stop.wait(0.005)
+
+    def mark(self, what: str, **extra: object) -> None:
+        self.marks.append({"what": what, "t": time.perf_counter(), "rss": _status("VmRSS") - self.base,
+                           "peak": self.peak - self.base, **extra})
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return _status("VmHWM") - self.base
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=4)
+    a = p.parse_args()
+    sampler = _Sampler()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    sampler.mark("loaded")
+    args = TrainingArguments(output_dir=a.out + ".trainer", max_steps=a.steps, per_device_train_batch_size=2,
+                             learning_rate=2e-5, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+
+    class Marks(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            engine = None
+            try:
+                from zinf.integrations.trainer import engine_of
+
+                engine = engine_of(trainer)
+            except ImportError:
+                pass
+            host = sum(engine.resident_bytes().get("cpu", {}).values()) if engine is not None else None
+            sampler.mark(f"step {state.global_step}", engine_host=host)
+
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64, 32, model.config.vocab_size),
+                      callbacks=[Marks()])
+    sampler.mark("trainer built")
+    trainer.train()
+    hwm = sampler.stop()
+    with open(f"{a.out}.rank{trainer.args.process_index}.json", "w", encoding="utf-8") as f:
+        json.dump({"marks": sampler.marks, "hwm": hwm}, f)
+
+
+if __name__ == "__main__":
+    main()
