@@ -177,6 +177,9 @@ class ZeroInfinityEngine:
         if skipped:
             self.zero_grad()
         else:
+            order = self.hooks.forward_order()
+            if order is not None:
+                self.optimizer.follow(order)
             self.optimizer.step()  # applies the gradients' pending factors, writes new shards, zeroes the gradients
             for g in self.groups:  # frozen groups never change (see [Note: frozen groups] in zinf/param/flat_group.py)
                 if g.persistent and g.owns_full and g.trainable:

@@ -47,6 +47,13 @@ READ_AHEAD_BYTES = 64 << 20  # optimizer-state reads in flight ahead of the step
 _Reads = tuple[SubGroup, dict[str, torch.Tensor], dict[str, int]]  # a sub-group's buffers and their reads in flight
 
 
+def _ordered(subgroups: Sequence[SubGroup], groups: Sequence["FlatParamGroup"]) -> list[SubGroup]:
+    """The sub-groups by their group's place in ``groups`` (those of groups not in it last), each group's sub-groups
+    and the unplaced ones in the order they had."""
+    place = {id(g): i for i, g in enumerate(groups)}
+    return sorted(subgroups, key=lambda sg: place.get(id(sg.group), len(place)))
+
+
 class _StateStore:
     """What both tiers share: the sub-group index and the master-home calls."""
 
@@ -58,6 +65,10 @@ class _StateStore:
         self._of: dict[int, list[SubGroup]] = {}
         for sg in self.subgroups:
             self._of.setdefault(id(sg.group), []).append(sg)
+
+    def reorder(self, groups: Sequence["FlatParamGroup"]) -> None:
+        """Sweep the sub-groups of ``groups`` first, in that order, then the others as before (between steps)."""
+        self.subgroups = _ordered(self.subgroups, groups)
 
     def of(self, group: "FlatParamGroup") -> list[SubGroup]:
         return self._of.get(id(group), [])
@@ -299,6 +310,19 @@ class NvmeStateStore(_StateStore):
             self.swap.wait(h, self.records[id(sg)][name])
             self.room.pool.release(bufs[name])
         return True
+
+    def reorder(self, groups: Sequence["FlatParamGroup"]) -> None:
+        """As the host store's. The read-ahead is a prefix of the sweep's order: what was read ahead beyond the part
+        the new order shares is given back (once per change of order) and read again in turn."""
+        new = _ordered(self.subgroups, groups)
+        with self._preread_lock:
+            while True:
+                with self._lock:
+                    ahead = [sg for sg, _, _ in self._preread]
+                if all(a is b for a, b in zip(ahead, new)) or not self._drop_preread():
+                    break
+            with self._lock:
+                self.subgroups = new
 
     # -- read-ahead of the next step's states --------------------------------------------------
     def read_ahead_states(self) -> None:

@@ -21,12 +21,22 @@ torch's clip_grad_norm_, fused AdamW and copy move 46 (54 with an fp16 unscale p
 
 [Note: background step]
 With ``offload.overlap_optimizer`` the step runs on a background thread (the C++ Adam and the I/O
-waits release the GIL), in group order, which is the order the next forward needs them. The update fence
+waits release the GIL), in the order the next forward needs the groups (below). The update fence
 (zinf/param/fence.py) holds each group until its new shard is committed and its gradient shard zeroed; its
 next gather (and any NVMe read-ahead of it) waits on that. The next backward waits for every group's
 update (``before_backward``), not for the state writes still trailing on disk; the next step,
 checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
 group raises the error instead of training on a half-updated model.
+
+[Note: stepped in the next forward's order]
+The forward that follows a background step gathers the groups in its recorded order, each waiting for its own
+update; a step that sweeps them in construction order makes the forward wait wherever the two orders differ (a
+head built before the embedding, a block defined before the one that runs first, a tied weight's group). Once the
+training forward's order replays (zinf/schedule/trace.py), the engine hands it to the optimizer (``follow``:
+``ModuleHooks.forward_order``, each group where the forward first gathers it) and the sweep steps those groups in
+that order, groups the forward never gathers last. On NVMe, states read ahead for the next step in the old order
+are given back and read again in turn (once per change of order). Each sub-group's step is independent of the
+others', so the order changes no value.
 
 [Note: a background step at exit]
 The thread is not a daemon, so interpreter exit waits for a running step instead of killing it inside
@@ -133,13 +143,23 @@ class OffloadedAdam:
         self.early = EarlySteps(states, self.timers) if early else None  # type: ignore[arg-type]
         self._early_factor: float | None = 1.0  # the factor an early step takes (None: none is predicted)
         self._backwards = 0  # backwards since the last step
+        self._order: Sequence["FlatParamGroup"] | None = None  # to apply at the next step
+        self._followed: Sequence["FlatParamGroup"] | None = None
         self._backwards_per_step = 1
         self._kept: dict[int, bool] = {}  # group -> whether its early step is the step (False: redone)
 
     # -- the step -------------------------------------------------------------------------------
+    def follow(self, order: Sequence["FlatParamGroup"]) -> None:
+        """See [Note: stepped in the next forward's order]; applied by the next step, once the one in flight is done."""
+        if order is not self._followed:
+            self._order, self._followed = order, order
+
     def step(self) -> None:
         """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
         self.wait()
+        if self._order is not None:
+            self.states.reorder(self._order)
+            self._order = None
         # hyper-parameters and gradient factors as they are now: an LR scheduler stepped right after engine.step()
         # returns must not change the learning rate of sub-groups the background step has not reached yet
         self._hyper = self._hyper_now()

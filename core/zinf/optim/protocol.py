@@ -8,7 +8,7 @@ store and leave every gradient shard zeroed. The engine holds one of them and ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -25,6 +25,11 @@ class ShardOptimizer(Protocol):
 
     def wait(self) -> None:
         """Block until a step in flight is done; raise its error (and on every later call)."""
+        ...
+
+    def follow(self, order: Sequence["FlatParamGroup"]) -> None:
+        """From the next step on, step the groups in ``order`` first, in that order (the next forward's: see
+        [Note: stepped in the next forward's order] in zinf/optim/offloaded.py); the others after them."""
         ...
 
     def before_backward(self) -> None:

@@ -115,6 +115,9 @@ class ShardedOptimizer:
     def wait(self) -> None:
         return None
 
+    def follow(self, order: Sequence[FlatParamGroup]) -> None:
+        return None  # stepped on the training thread, before the next forward starts: the order changes nothing
+
     def before_backward(self) -> None:
         return None
 

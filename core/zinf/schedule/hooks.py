@@ -170,6 +170,7 @@ class ModuleHooks:
         self.pass_trace: ModuleTrace | None = None  # the trace of the forward pass running now
         self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
                                  lambda m: self.states[m].needed())
+        self._forward_order: tuple[list[nn.Module], list[FlatParamGroup]] | None = None
         self._pass_post = Post.END_FORWARD
         self._calls = [0] * len(self.states)  # forward calls per module in this pass (see [Note: units])
         self._refused_units: set[str] = set()
@@ -207,6 +208,20 @@ class ModuleHooks:
     def replays(self, grad: bool) -> bool:
         """Whether the next forward pass (training with ``grad``, else eval) replays a recorded module order."""
         return self.traces["forward" if grad else "eval"].state is TraceState.REPLAYING
+
+    def forward_order(self) -> list[FlatParamGroup] | None:
+        """The groups in the order the recorded training forward first gathers them (its modules' own and external
+        groups); None until that order replays. The same list while the recorded order is."""
+        trace = self.traces["forward"]
+        if trace.state is not TraceState.REPLAYING:
+            return None
+        if self._forward_order is None or self._forward_order[0] is not trace.order:
+            seen: dict[int, FlatParamGroup] = {}
+            for module in trace.order:
+                for g in self.states[module].needed():
+                    seen.setdefault(id(g), g)
+            self._forward_order = (trace.order, list(seen.values()))
+        return self._forward_order[1]
 
     @property
     def units(self) -> list[str]:

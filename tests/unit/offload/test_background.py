@@ -56,3 +56,47 @@ def test_parameter_writes_do_not_fill_a_small_pool(tmp_path: Path) -> None:
     engine.synchronize()
     assert engine.placement.pool.bytes_in_use <= engine.placement.pool.capacity_bytes // 2
     engine.close()
+
+
+class _BuiltBackwards(nn.Module):
+    """Children built in the reverse of the order the forward runs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 4)
+        self.mid = nn.Linear(128, 64)
+        self.first = nn.Linear(32, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.first(x)))))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_groups_are_stepped_in_the_next_forwards_order(tier: str, tmp_path: Path) -> None:
+    """[Note: stepped in the next forward's order]: the sweep follows the recorded forward, not construction; and
+    the background step still gives the synchronous one's numbers."""
+
+    def run(overlap: bool) -> tuple[list[str], list[float]]:
+        torch.manual_seed(0)
+        config = zinf.ZeroConfig.from_dict({"offload": {
+            "optimizer": tier, "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 16 << 20, "sub_group_numel": 2048,
+            "overlap_optimizer": overlap}})
+        model = _BuiltBackwards()
+        engine = zinf.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), config)
+        built = [sg.group.name for sg in engine.placement.states.subgroups]
+        assert built.index("head") < built.index("first")  # construction order
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            loss = engine(torch.randn(8, 32, generator=g)).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.synchronize()
+        swept = list(dict.fromkeys(sg.group.name for sg in engine.placement.states.subgroups))
+        engine.close()
+        return swept, losses
+
+    order, background = run(True)
+    assert order == ["first", "mid", "head"]
+    assert run(False) == (order, background)
