@@ -6,6 +6,16 @@ pool's room-maker learns who can give room back from those constructors (the opt
 then the parameter store's idle slots). The checks that a placement fits (host memory,
 the pinned pool) run before anything is allocated. A device-only placement builds the device store and
 the user's torch optimizer over shards, and moves nothing.
+
+[Note: one copy on the drive]
+A model built under ``zinf.Init`` with its parameters on NVMe waits in a construction spill file
+(zinf/offload/spill_store.py) until the placement moves each shard to its swap record, punching the spill
+record's blocks out as it goes. Swap files are preallocated when they open, so that a drive without room fails
+before training starts; reserving the parameter records then too would hold every shard twice on the drive (the
+spill and its swap record), which fails a model that fits the drive once (a 13B checkpoint, its spill and its
+swap on one 73 GB drive). So the parameter records of shards whose spill is on the same drive are reserved one
+by one, just after each shard has left the spill (``SwapSpace.reserve``): the drive holds each shard once, plus
+the one in flight. The free-space check at opening counts everything else.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.state_store import CpuStateStore, NvmeStateStore
 from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
-from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, SwapSpace, align_up
+from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer
 from zinf.optim.sharded import ShardedOptimizer
@@ -123,8 +133,9 @@ class Placement:
                                  eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite,
                                  off_device=offloaded_opt and staged)
                 g.place(self.store, grad, self.fence, self.states if g.trainable else None)
+        self._deferred: dict[int, Record] = self._spill_returns() if isinstance(self.store, NvmeShardStore) else {}
         if self.swap is not None:
-            self.swap.open()
+            self.swap.open(deferred=list(self._deferred.values()))
         self.disk_speed = load_speed(cfg.nvme_paths) if self.swap is not None else None
         self._move_initial_state()
         for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
@@ -150,6 +161,17 @@ class Placement:
                 shards[id(g)] = shard
         return shards
 
+    def _spill_returns(self) -> dict[int, Record]:
+        """[Note: one copy on the drive]: the swap records of groups whose shards wait in a construction spill file on
+        the same drive, by group."""
+        assert isinstance(self.store, NvmeShardStore)
+        out = {}
+        for g in self.groups:
+            spill, rec = g.spill_path, self.store.records[id(g)]
+            if spill is not None and os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
+                out[id(g)] = rec
+        return out
+
     def _move_initial_state(self) -> None:
         """Hand each group's built shard and master to their stores (to NVMe: written, then freed),
         with a progress line every tenth of the groups when it goes to NVMe."""
@@ -157,7 +179,7 @@ class Placement:
         start, step = time.perf_counter(), max(1, len(self.groups) // 10)
         for i, g in enumerate(self.groups, 1):
             if nvme_params:
-                self.store.write_initial(g)  # type: ignore[union-attr]
+                self.store.write_initial(g, self._deferred.get(id(g)))  # type: ignore[union-attr]
             if self.states is not None and g.trainable:  # a frozen group has no master (see flat_group.py)
                 self.states.take_initial(g)
             if self.swap is not None and (i % step == 0 or i == len(self.groups)):

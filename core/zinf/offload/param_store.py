@@ -241,9 +241,13 @@ class NvmeShardStore:
     def keep_for_backward(self, keep: bool) -> None:
         self.keep_gathered = keep
 
-    def write_initial(self, group: "FlatParamGroup") -> None:
-        """After ``swap.open()``: the shard the group was built with goes to its file and its memory is freed."""
+    def write_initial(self, group: "FlatParamGroup", deferred: Record | None = None) -> None:
+        """After ``swap.open()``: the shard the group was built with goes to its file and its memory is freed.
+        ``deferred``: its record, whose room ``open`` left to be reserved once the shard has left its construction
+        spill (see [Note: one copy on the drive] in zinf/placement.py)."""
         shard = group.hand_over_shard()
+        if deferred is not None:
+            self.swap.reserve(deferred)
         self.writer(group).copy_(shard)
         self.commit(group)
         with self._lock:

@@ -25,7 +25,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -86,6 +86,18 @@ def _release(fds: list[int]) -> None:
     fds.clear()
 
 
+def _ranges(records: Sequence[Record], end: int) -> list[tuple[int, int]]:
+    """(offset, bytes) runs covering a file's header and ``records`` (merged where they touch), the last run reaching
+    ``end`` when the last record does."""
+    runs: list[list[int]] = [[0, ALIGN]]
+    for r in sorted(records, key=lambda r: r.offset):
+        if r.offset == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += r.span
+        else:
+            runs.append([r.offset, r.span])
+    return [(a, n) for a, n in runs if a < end]
+
+
 def _remove(files: list[str], held: list[int] | None = None) -> None:
     _release(held or [])
     for f in files:
@@ -125,6 +137,7 @@ class SwapSpace:
         self._ends = [ALIGN] * len(self.files)  # the header block comes first
         self.records: list[Record] = []
         self._opened = False
+        self._fds: dict[str, int] = {}  # each file's descriptor once open, for deferred reservations
         self.checksums = native.checksum_backend() != "python"
         if not self.checksums:
             log.warning("zinf offload: the native build is missing, so offloaded records are written and read "
@@ -154,10 +167,14 @@ class SwapSpace:
     def bytes_per_path(self) -> dict[str, int]:
         return {d: end for d, end in zip(self.dirs, self._ends)}
 
-    def open(self) -> None:
-        """Remove files of dead runs, check free space on every path, then create, preallocate and stamp the files."""
+    def open(self, deferred: Sequence[Record] = ()) -> None:
+        """Remove files of dead runs, check free space on every path, then create, preallocate and stamp the files.
+        ``deferred``: records whose room is reserved only when the placement writes them (``reserve``), because a
+        construction spill on the same drive gives that room back first (see [Note: one copy on the drive])."""
         alive = cleanup.collect_leftovers(self.dirs)  # see [Note: clean stops] in zinf/offload/cleanup.py
-        for d, need in self.bytes_per_path.items():
+        later = {id(r) for r in deferred}
+        for d, f, end in zip(self.dirs, self.files, self._ends):
+            need = end - sum(r.span for r in deferred if r.path == f)
             free = shutil.disk_usage(d).free
             if need > free:
                 others = [x for x in alive if os.path.dirname(x.path) == d]
@@ -179,11 +196,8 @@ class SwapSpace:
                 # locked before its header says it is a zinf file: another rank's (or run's) search for files
                 # of dead runs never takes a file being created for one (see [Note: clean stops])
                 cleanup.lock(fd)
-                try:
-                    os.posix_fallocate(fd, 0, end)
-                except OSError as exc:
-                    raise OffloadSpaceError(f"zinf offload: cannot reserve {end} bytes in {f}: {exc}. Free space on "
-                                            f"that drive or change {self.setting}.") from exc
+                for offset, nbytes in _ranges([r for r in self.records if r.path == f and id(r) not in later], end):
+                    self._reserve(fd, f, offset, nbytes)
                 header = json.dumps({"magic": _MAGIC.decode(), "version": _VERSION, "run": self.run_id.hex(),
                                      "rank": self.rank, "world": self.world, "bytes": end, **cleanup.owner()}).encode()
                 os.pwrite(fd, header.ljust(ALIGN, b"\0"), 0)
@@ -191,11 +205,23 @@ class SwapSpace:
             _release(held)
             raise
         self._opened = True
+        self._fds = dict(zip(self.files, held))
         # scratch, not checkpoints: removed by close(), and at interpreter exit after a failure too, so a
         # crashed run does not leave tens of GB behind (only a killed process can)
         self._cleanup = weakref.finalize(self, _remove, list(self.files), held)
         log.info("zinf offload: rank %d swap files %s", self.rank,
                  ", ".join(f"{f} ({e / 2**20:.0f} MiB)" for f, e in zip(self.files, self._ends)))
+
+    def reserve(self, rec: Record) -> None:
+        """Reserve the room of a record ``open`` deferred, before its first write."""
+        self._reserve(self._fds[rec.path], rec.path, rec.offset, rec.span)
+
+    def _reserve(self, fd: int, path: str, offset: int, nbytes: int) -> None:
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        except OSError as exc:
+            raise OffloadSpaceError(f"zinf offload: cannot reserve {nbytes} bytes in {path}: {exc}. Free space on "
+                                    f"that drive or change {self.setting}.") from exc
 
     def close(self, remove: bool = True) -> None:
         if remove:

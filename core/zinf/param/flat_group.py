@@ -65,6 +65,8 @@ class ShardSpill(ShardStore, Protocol):
     """Where ``zinf.Init`` keeps shards built for NVMe until the engine's placement takes them (see [Note:
     construction spill] in zinf/offload/spill_store.py)."""
 
+    path: str  # the file, whose disk space comes back as the placement takes the shards
+
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None: ...
     def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
 
@@ -219,6 +221,11 @@ class FlatParamGroup:
         self.store, self._spill = spill, spill
         if exact:
             self.master, self.shard_only = None, True
+
+    @property
+    def spill_path(self) -> str | None:
+        """The construction spill file the shard waits in for the placement, if it does."""
+        return self._spill.path if self._spill is not None else None
 
     def unspill(self) -> None:
         """The placement keeps shards on the device tier: a shard built straight to NVMe comes back into the group."""
