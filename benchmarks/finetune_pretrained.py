@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,33 +26,8 @@ import torch.distributed as dist
 
 import zinf
 
-
-def _proc(field: str, path: str = "/proc/self/status") -> int:
-    with open(path) as f:
-        for line in f:
-            if line.startswith(field):
-                value = line.split(":")[1].split()
-                return int(value[0]) * (1024 if len(value) > 1 and value[1] == "kB" else 1)
-    return 0
-
-
-class RssSampler:
-    """The process's resident set size every ``period`` seconds; ``peak`` is the largest sample."""
-
-    def __init__(self, period: float = 0.2) -> None:
-        self.period, self.peak, self._stop = period, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _proc("VmRSS:"))
-            self._stop.wait(self.period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness.rss import RssSampler, proc_field as _proc  # noqa: E402
 
 
 def main() -> None:

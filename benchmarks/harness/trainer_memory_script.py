@@ -12,20 +12,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import threading
 import time
 
 import torch
 from torch.utils.data import Dataset
+from rss import RssSampler, proc_field  # this folder: the script's own
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class _Tokens(Dataset):
@@ -40,32 +32,23 @@ class _Tokens(Dataset):
 
 
 class _Sampler:
-    """The process's RSS every 5 ms on a thread, from a base taken now (the kernel's high-water mark reset)."""
+    """The process's RSS every 5 ms (``RssSampler``), as growth over a base taken now (the high-water mark reset)."""
 
     def __init__(self) -> None:
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        self.base = _status("VmRSS")
-        self.peak = self.base
+        self.base = proc_field("VmRSS:")
+        self.rss = RssSampler(period=0.005)
         self.marks: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status("VmRSS"))
-            self._stop.wait(0.005)
 
     def mark(self, what: str, **extra: object) -> None:
-        self.marks.append({"what": what, "t": time.perf_counter(), "rss": _status("VmRSS") - self.base,
-                           "peak": self.peak - self.base, **extra})
+        self.marks.append({"what": what, "t": time.perf_counter(), "rss": proc_field("VmRSS:") - self.base,
+                           "peak": self.rss.peak - self.base, **extra})
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return _status("VmHWM") - self.base
+        self.rss.stop()
+        return proc_field("VmHWM:") - self.base
 
 
 def main() -> None:

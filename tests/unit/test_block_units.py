@@ -72,11 +72,15 @@ def test_a_block_with_a_tiled_layer_or_over_the_gather_budget_stays_module_by_mo
     caplog.set_level(logging.INFO, logger="zinf")
     tiled = _engine(GPT(GPTConfig()), tiling={"min_numel": 2000, "tiles": [2, 2]})
     assert tiled.hooks.units == []
-    assert "blocks.0 (Block) holds a tiled layer" in caplog.text
+    # one line for all the blocks set apart for one reason, naming them
+    assert "zinf: 2 block(s) (Block: blocks.0, blocks.1) hold a tiled layer" in caplog.text
+    caplog.clear()
     # a block of the test GPT: 12,704 parameters (49.6 KiB); its largest module, fc, 16.5 KiB
     small = _engine(GPT(GPTConfig()), overlap={"max_gathered_bytes": 32 * 1024})
     assert small.hooks.units == []
-    assert "over overlap.max_gathered_bytes (32.0 KiB): gathered module by module" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "block(s)" in r.getMessage()]
+    assert lines == ["zinf: 2 block(s) (Block: blocks.0, blocks.1) need more than overlap.max_gathered_bytes "
+                     "(32.0 KiB) gathered at once: gathered module by module"], lines
 
 
 def test_a_bad_unit_policy_names_the_setting_and_the_choices() -> None:

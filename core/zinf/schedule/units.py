@@ -98,24 +98,29 @@ def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, st
         return chosen
     configured = set(covered)  # the modules of the configured units
     limit = config.overlap.max_gathered_bytes
+    apart: dict[str, list[nn.Module]] = {}  # why blocks are gathered module by module: one log line each
+
     for block in _blocks(model):
         if id(block) in covered or any(id(m) in configured for m in block.modules()):
             continue
         if any(isinstance(m, TiledLinear) for m in block.modules()):
-            log.info("zinf: %s (%s) holds a tiled layer: gathered module by module (tile by tile), not as one unit",
-                     names[block], type(block).__name__)
+            apart.setdefault("hold a tiled layer: gathered module by module (tile by tile)", []).append(block)
             continue
         groups = groups_of(block.parameters())
         nbytes = sum(g.nbytes_full for g in groups)
         if limit and nbytes > limit:
-            log.info("zinf: %s (%s) needs %s gathered at once, over overlap.max_gathered_bytes (%s): gathered module "
-                     "by module", names[block], type(block).__name__, format_bytes(nbytes), format_bytes(limit))
+            apart.setdefault(f"need more than overlap.max_gathered_bytes ({format_bytes(limit)}) gathered at once: "
+                             "gathered module by module", []).append(block)
             continue
         if not stages(groups):
-            log.info("zinf: %s (%s): its shards read from NVMe at once need more of the pinned staging pool than the "
-                     "largest single module's, which is what the pool keeps room for: gathered module by module",
-                     names[block], type(block).__name__)
+            apart.setdefault("have shards whose reads from NVMe at once need more of the pinned staging pool than the "
+                             "largest single module's, which is what the pool keeps room for: gathered module by "
+                             "module (raise offload.pinned_pool_bytes to gather each as one unit)", []).append(block)
             continue
         take(block)
+    for why, blocks in apart.items():
+        kinds = sorted({type(b).__name__ for b in blocks})
+        shown = ", ".join(names[b] for b in blocks[:3]) + (f", ... {names[blocks[-1]]}" if len(blocks) > 3 else "")
+        log.info("zinf: %d block(s) (%s: %s) %s", len(blocks), "/".join(kinds), shown, why)
     order = {id(m): i for i, m in enumerate(names)}
     return sorted(chosen, key=lambda m: order[id(m)])
