@@ -174,7 +174,8 @@ class SwapSpace:
         alive = cleanup.collect_leftovers(self.dirs)  # see [Note: clean stops] in zinf/offload/cleanup.py
         later = {id(r) for r in deferred}
         for d, f, end in zip(self.dirs, self.files, self._ends):
-            need = end - sum(r.span for r in deferred if r.path == f)
+            # a spill record gives back its shard's bytes aligned; the swap record adds the trailer, up to a block more
+            need = end - sum(r.span - ALIGN for r in deferred if r.path == f)
             free = shutil.disk_usage(d).free
             if need > free:
                 others = [x for x in alive if os.path.dirname(x.path) == d]
