@@ -86,16 +86,15 @@ def _release(fds: list[int]) -> None:
     fds.clear()
 
 
-def _ranges(records: Sequence[Record], end: int) -> list[tuple[int, int]]:
-    """(offset, bytes) runs covering a file's header and ``records`` (merged where they touch), the last run reaching
-    ``end`` when the last record does."""
+def _ranges(records: Sequence[Record]) -> list[tuple[int, int]]:
+    """(offset, bytes) runs covering a file's header and ``records``, merged where they touch."""
     runs: list[list[int]] = [[0, ALIGN]]
     for r in sorted(records, key=lambda r: r.offset):
         if r.offset == runs[-1][0] + runs[-1][1]:
             runs[-1][1] += r.span
         else:
             runs.append([r.offset, r.span])
-    return [(a, n) for a, n in runs if a < end]
+    return [(a, n) for a, n in runs]
 
 
 def _remove(files: list[str], held: list[int] | None = None) -> None:
@@ -197,7 +196,7 @@ class SwapSpace:
                 # locked before its header says it is a zinf file: another rank's (or run's) search for files
                 # of dead runs never takes a file being created for one (see [Note: clean stops])
                 cleanup.lock(fd)
-                for offset, nbytes in _ranges([r for r in self.records if r.path == f and id(r) not in later], end):
+                for offset, nbytes in _ranges([r for r in self.records if r.path == f and id(r) not in later]):
                     self._reserve(fd, f, offset, nbytes)
                 header = json.dumps({"magic": _MAGIC.decode(), "version": _VERSION, "run": self.run_id.hex(),
                                      "rank": self.rank, "world": self.world, "bytes": end, **cleanup.owner()}).encode()

@@ -143,23 +143,21 @@ class OffloadedAdam:
         self.early = EarlySteps(states, self.timers) if early else None  # type: ignore[arg-type]
         self._early_factor: float | None = 1.0  # the factor an early step takes (None: none is predicted)
         self._backwards = 0  # backwards since the last step
-        self._order: Sequence["FlatParamGroup"] | None = None  # to apply at the next step
-        self._followed: Sequence["FlatParamGroup"] | None = None
+        self._followed: Sequence["FlatParamGroup"] | None = None  # the order the sweep follows now
         self._backwards_per_step = 1
         self._kept: dict[int, bool] = {}  # group -> whether its early step is the step (False: redone)
 
     # -- the step -------------------------------------------------------------------------------
     def follow(self, order: Sequence["FlatParamGroup"]) -> None:
-        """See [Note: stepped in the next forward's order]; applied by the next step, once the one in flight is done."""
+        """See [Note: stepped in the next forward's order]; once the step in flight is done."""
         if order is not self._followed:
-            self._order, self._followed = order, order
+            self.wait()
+            self.states.reorder(order)
+            self._followed = order
 
     def step(self) -> None:
         """Step every sub-group and zero the gradient shards (in the background with ``background``)."""
         self.wait()
-        if self._order is not None:
-            self.states.reorder(self._order)
-            self._order = None
         # hyper-parameters and gradient factors as they are now: an LR scheduler stepped right after engine.step()
         # returns must not change the learning rate of sub-groups the background step has not reached yet
         self._hyper = self._hyper_now()
