@@ -24,6 +24,7 @@ used as it is. ``--smoke`` runs the same parts with tiny models, several tasks a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -152,6 +153,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, help="every part ends by then (default 390 on a GPU, 280 smoke)")
     keys = ",".join(pt.key for pt in gpu_parts.parts(gpu_parts.GPU))
     p.add_argument("--parts", help=f"a comma-separated subset of {keys}")
+    p.add_argument("--systems", help="the side by side's rows, a comma-separated subset of "
+                                      f"{','.join(gpu_parts.GPU.systems)} (default: all, in that order)")
     p.add_argument("--work-dir", help="NVMe files and logs (its disk is the one measured; default: a new temporary "
                                       "directory, removed at the end)")
     p.add_argument("--jobs", type=int, help="tasks at a time (default 1 on a GPU, 3 smoke)")
@@ -160,6 +163,12 @@ def main() -> None:
     import torch
 
     settings = gpu_parts.SMOKE if args.smoke else gpu_parts.GPU
+    if args.systems:
+        chosen = args.systems.split(",")
+        unknown = [s for s in chosen if s not in settings.systems]
+        if unknown:
+            raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(settings.systems)}")
+        settings = dataclasses.replace(settings, systems=tuple(chosen))
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         raise SystemExit("gpu_check.py: torch sees no CUDA device; on a CPU run --smoke")

@@ -242,8 +242,8 @@ def _host_bench_task(check: Check, limit_s: float) -> dict:
     cmd = [sys.executable, HOST_OVERHEAD, "--out", os.path.join(check.work_dir, "host_overhead")]
     if check.settings.smoke:
         cmd += ["--smoke", "--worlds", "1", "--systems", "plain,fsdp2,zinf"]
-    else:  # one model (all three took more than the part's 75 s there)
-        cmd += ["--models", "gpt2:host"]
+    else:  # one model, one rank, 10 steps (one model at 1 and 2 ranks, 30 steps, took more than the part's 75 s)
+        cmd += ["--models", "gpt2:host", "--worlds", "1", "--steps", "10"]
     res = run_command(cmd, limit_s)
     return {"absent": False, "command": " ".join(cmd[1:]), **res}
 

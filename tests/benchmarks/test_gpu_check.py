@@ -41,3 +41,20 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     summary = (folder / "summary.md").read_text()
     assert "Smoke run" in summary and "| zinf in memory | 1 |" in summary
     assert (folder / "pytest.log").read_text()
+
+
+def test_gpu_check_runs_the_rows_asked_for(tmp_path: Path) -> None:
+    script = str(ROOT / "benchmarks" / "gpu_check.py")
+    bad = processes.run([sys.executable, script, "--smoke", "--out", str(tmp_path), "--systems", "zinf-nvme,ddp"],
+                        capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--systems: unknown ['ddp']" in bad.stderr, bad.stderr[-2000:]
+    proc = processes.run([sys.executable, script, "--smoke", "--out", str(tmp_path), "--work-dir", str(tmp_path / "w"),
+                          "--parts", "nvme,side_by_side", "--systems", "zinf-nvme"],
+                         capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith("-cpu-smoke")]
+    results = json.loads((folder / "results.json").read_text())
+    assert list(results["parts"]) == ["nvme", "side_by_side"]
+    assert [r["system"] for r in results["parts"]["side_by_side"]["rows"]] == ["zinf-nvme"]
+    nvme_goal = [g for g in results["goals"] if g["goal"].startswith("NVMe step")]
+    assert nvme_goal and nvme_goal[0]["result"] in ("met", "missed"), results["goals"]
