@@ -149,6 +149,11 @@ class OffloadConfig(_Checked):
         parameter (the rollback copies); see [Note: steps during the backward] in zinf/optim/early_steps.py.
     max_cpu_bytes: the most host memory zinf may use for offloaded state (0: what the machine has
         available); a placement that cannot fit fails before training starts.
+    frozen_in_place: with params "nvme", frozen parameters loaded under ``zinf.Init`` from safetensors files that
+        hold them at the storage width (a bf16 LoRA base into bf16) are read from those files where they lie,
+        never copied to the swap files: loading writes nothing for them and the drive holds the model once. The
+        files are never written; a file changed under a run is an error. See [Note: frozen shards in place] in
+        zinf/offload/in_place.py.
     """
 
     params: str = "device"
@@ -160,6 +165,7 @@ class OffloadConfig(_Checked):
     overlap_optimizer: bool = True
     step_during_backward: bool = False
     max_cpu_bytes: int = 0
+    frozen_in_place: bool = True
     aio_block_bytes: int = 1 << 20
     aio_queue_depth: int = 32
     aio_threads: int = 2

@@ -223,6 +223,6 @@ class Init:
             return
         if to_nvme:
             if self._spill is None:
-                self._spill = SpillStore(offload.nvme_paths[0], self.comm.rank)
+                self._spill = SpillStore(offload.nvme_paths[0], self.comm.rank, in_place=offload.frozen_in_place)
             group.spill_to(self._spill, placeholders=not self._agree)
         log.debug("zinf.Init partitioned %s: %d elements, %d per rank", group.name, group.numel, group.shard_numel)

@@ -114,7 +114,8 @@ class Placement:
             self.store = CpuShardStore(self.groups)
         elif cfg.params == "nvme":
             assert self.swap is not None and room is not None
-            self.store = NvmeShardStore(self.groups, self.swap, room, reserve_bytes=param_reserve)
+            self.store = NvmeShardStore(self.groups, self.swap, room, reserve_bytes=param_reserve,
+                                        in_place=cfg.frozen_in_place)
         # the optimizer's state (and the gradients it reads with it)
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
@@ -168,7 +169,7 @@ class Placement:
         out = {}
         for g in self.groups:
             spill, rec = g.spill_path, self.store.records[id(g)]
-            if spill is not None and os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
+            if isinstance(rec, Record) and spill is not None and os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
                 out[id(g)] = rec
         return out
 
@@ -294,6 +295,8 @@ class Placement:
         out: dict[str, dict[str, int]] = {}
         for tier, nbytes in self.store.bytes_by_tier().items():
             out.setdefault(tier, {})["param_shards"] = nbytes
+        if isinstance(self.store, NvmeShardStore) and self.store.in_place_bytes():
+            out["nvme"]["frozen_in_checkpoint"] = self.store.in_place_bytes()  # read from its files, not zinf's
         if self.pool is not None:
             out.setdefault("cpu", {})["pinned_pool"] = self.pool.capacity_bytes
         return out

@@ -35,6 +35,7 @@ from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.tensor_files import TensorFiles, open_weights
 from zinf.errors import CheckpointError
 from zinf.heap import HeapTrimmer
+from zinf.offload.in_place import Extent, InPlaceRecord
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of, groups_of
 from zinf.units import format_bytes
@@ -169,11 +170,37 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
             files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None):
         # [Note: reading at the storage width]; the buffer is the store's: what no file fills is zeroed, as in the
         # fp32 path's fresh vector
-        g.write_shard(lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True))
+        fill = lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True)  # noqa: E731
+        record = _in_place(g, params, files, key_of)
+        if record is not None:  # [Note: frozen shards in place] in zinf/offload/in_place.py
+            g.keep_in_place(record, fill)
+        else:
+            g.write_shard(fill)
         return
     local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
     _read_slices(g, params, files, key_of, local, zero_rest=False)
     g.write_master(local.to(g.device))
+
+
+def _in_place(g: FlatParamGroup, params: list[nn.Parameter | None], files: TensorFiles,
+              key_of: dict[int, str]) -> InPlaceRecord | None:
+    """Where this rank's shard of ``g`` lies in the safetensors files, when it may stay there (see [Note: frozen
+    shards in place] in zinf/offload/in_place.py); None otherwise."""
+    if not g.loads_in_place:
+        return None
+    infos = [files.tensors[key_of[id(p)]] for p in params if p is not None]
+    if not infos or any(info.offset < 0 for info in infos) or files.from_state_dict:
+        return None
+    lo, size = g.comm.rank * g.shard_numel, g.storage_dtype.itemsize
+    extents = []
+    for i, (p, slot) in enumerate(zip(params, g.slots)):
+        a, b = g.local_range(i)
+        if a >= b or p is None:
+            continue
+        info = files.tensors[key_of[id(p)]]
+        first = a + lo - slot.offset
+        extents.append(Extent(os.path.abspath(info.file), info.offset + first * size, (b - a) * size, a * size))
+    return InPlaceRecord.of(g.name, g.shard_numel * size, extents)
 
 
 def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: TensorFiles, key_of: dict[int, str],

@@ -60,6 +60,11 @@ class TensorFiles:
         self._fds: dict[str, int] = {}  # safetensors files, read with pread
         self._torch: dict[str, dict[str, torch.Tensor]] = dict(torch_files or {})  # memory-mapped torch files
 
+    @property
+    def from_state_dict(self) -> bool:
+        """The tensors are an in-memory state dict's, not files'."""
+        return self._state is not None
+
     def keys(self) -> list[str]:
         return list(self.tensors)
 

@@ -18,6 +18,7 @@ from zinf.runtime.staging import device_is_apart, host_empty, mark_device
 from zinf.runtime.streams import BufferFence, region, streams_for
 from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
+from zinf.offload.in_place import InPlaceRecord
 from zinf.offload.swap import Record, SwapSpace
 from zinf.param.store import DeviceShardStore
 
@@ -223,10 +224,14 @@ class NvmeShardStore:
 
     tier = "nvme"
 
-    def __init__(self, groups: Sequence["FlatParamGroup"], swap: SwapSpace, room: PoolRoom, reserve_bytes: int) -> None:
+    def __init__(self, groups: Sequence["FlatParamGroup"], swap: SwapSpace, room: PoolRoom, reserve_bytes: int,
+                 in_place: bool = True) -> None:
         self.swap, self.room, self.pool = swap, room, room.pool
-        self.records: dict[int, Record] = {
-            id(g): swap.allocate(g.shard_numel * g.storage_dtype.itemsize) for g in groups}
+        # a frozen group loaded where it lies keeps reading from the checkpoint's files (``in_place``; see [Note:
+        # frozen shards in place] in in_place.py); every other group gets a swap record
+        self.records: dict[int, Record | InPlaceRecord] = {
+            id(g): (g.in_place_record if in_place and not g.trainable and g.in_place_record is not None else
+                    swap.allocate(g.shard_numel * g.storage_dtype.itemsize)) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
@@ -245,6 +250,9 @@ class NvmeShardStore:
         """After ``swap.open()``: the shard the group was built with goes to its file and its memory is freed.
         ``deferred``: its record, whose room ``open`` left to be reserved once the shard has left its construction
         spill (see [Note: one copy on the drive] in zinf/placement.py)."""
+        if isinstance(self.records[id(group)], InPlaceRecord):
+            group.hand_over_in_place()  # it stays where it lies: nothing to read or write
+            return
         shard = group.hand_over_shard()
         if deferred is not None:
             self.swap.reserve(deferred)
@@ -254,7 +262,12 @@ class NvmeShardStore:
             self._drop(id(group))
 
     def bytes_by_tier(self) -> dict[str, int]:
-        return {"nvme": sum(r.span for r in self.records.values())}
+        """The swap records' bytes (frozen shards read from checkpoint files: ``in_place_bytes``)."""
+        return {"nvme": sum(r.span for r in self.records.values() if isinstance(r, Record))}
+
+    def in_place_bytes(self) -> int:
+        """Bytes of this rank's frozen shards read from checkpoint files (see [Note: frozen shards in place])."""
+        return sum(r.nbytes for r in self.records.values() if isinstance(r, InPlaceRecord))
 
     def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
         nbytes = self.records[id(group)].nbytes
@@ -359,6 +372,8 @@ class NvmeShardStore:
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)
+        if isinstance(self.records[key], InPlaceRecord):  # new values (a load into the engine): a swap record of its own
+            self.records[key] = self.swap.allocate_late(self.records[key].nbytes)
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None and slot.staged:  # the next sub-group of the same update

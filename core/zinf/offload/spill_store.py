@@ -26,13 +26,14 @@ import os
 import socket
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from zinf.file_io import read_at, write_at
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
+from zinf.offload.in_place import InPlaceRecord
 from zinf.offload.swap import OffloadSpaceError, align_up, check_dir
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class SpillStore:
 
     tier = "nvme"
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, in_place: bool = True) -> None:
         directory = os.path.abspath(directory)
         check_dir(directory)
         cleanup.collect_leftovers([directory])  # a killed run's spill and swap files (see [Note: clean stops])
@@ -73,6 +74,9 @@ class SpillStore:
         self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
         self._scratch = torch.empty(0, dtype=torch.uint8)  # writer()'s buffer, reused group after group
         self._heap = HeapTrimmer()
+        # loaded shards whose bytes are read from checkpoint files (see [Note: frozen shards in place])
+        self.in_place = in_place
+        self._in_place: dict[int, InPlaceRecord] = {}
 
     # -- construction --------------------------------------------------------------------------------
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
@@ -86,6 +90,31 @@ class SpillStore:
             self._write(group, shard)
         self._heap.count(nbytes * 3)  # the module's values, its fp32 master and shard were freed (see heap.py)
 
+    def keep_in_place(self, group: "FlatParamGroup", record: InPlaceRecord,
+                      fill: Callable[[torch.Tensor], None]) -> None:
+        """[Note: frozen shards in place]: ``group``'s shard lies in checkpoint files as ``record`` says; ``fill``
+        reads it (into a buffer of this store) once, for the checksum. Nothing is written."""
+        with self._lock:
+            nbytes = self._where[id(group)][1]
+        assert record.nbytes == nbytes, (group.name, record.nbytes, nbytes)
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        buf = self._scratch[:nbytes]
+        fill(buf.view(group.storage_dtype))
+        record.seal(buf)
+        with self._lock:
+            self._in_place[id(group)] = record
+
+    def in_place_record(self, group: "FlatParamGroup") -> InPlaceRecord | None:
+        """Where ``group``'s shard lies in checkpoint files, if it does (not written here since it was loaded)."""
+        return self._in_place.get(id(group))
+
+    def take_in_place(self, group: "FlatParamGroup") -> InPlaceRecord:
+        """The placement keeps ``group``'s shard where it lies: its record is handed over, nothing is read."""
+        record = self._in_place[id(group)]
+        self._forget(id(group))
+        return record
+
     def take(self, group: "FlatParamGroup") -> torch.Tensor:
         """The engine's placement takes ``group``'s shard: read back into memory, then the record is forgotten."""
         shard = self.read(group)
@@ -98,6 +127,7 @@ class SpillStore:
         the file is removed once no record is left."""
         with self._lock:
             where = self._where.pop(key, None)
+            self._in_place.pop(key, None)
             empty = not self._where
         if where is not None and self._fd >= 0:
             _punch_hole(self._fd, where[0], align_up(where[1]))
@@ -155,6 +185,7 @@ class SpillStore:
 
     # -- I/O ------------------------------------------------------------------------------------------
     def _write(self, group: "FlatParamGroup", shard: torch.Tensor) -> None:
+        self._in_place.pop(id(group), None)  # new values: the record holds them from now on
         offset, nbytes = self._where[id(group)]
         data = shard.detach().to("cpu", group.storage_dtype).contiguous()
         assert data.numel() * data.element_size() == nbytes, (group.name, data.numel(), nbytes)
@@ -170,6 +201,10 @@ class SpillStore:
         """``group``'s shard, read into memory (the record stays)."""
         offset, nbytes = self._where[id(group)]
         out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        record = self._in_place.get(id(group))
+        if record is not None:
+            record.read_into(out)
+            return out
         got = read_at(self._fd, out, offset)
         if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros
             out.view(torch.uint8)[got:].zero_()

@@ -31,6 +31,7 @@ import torch
 
 from zinf import native
 from zinf.offload import cleanup
+from zinf.offload.in_place import InPlaceRecord
 from zinf.errors import ZinfError
 from zinf.report import StepTimers
 
@@ -125,6 +126,10 @@ class SwapSpace:
         # waits are timed as "background_nvme_read" / "background_nvme_write"
         self._background: set[int] = set()  # thread idents
         self._kind: dict[int, tuple[str, int]] = {}  # handle -> ("nvme_read" | "nvme_write", bytes)
+        # reads of frozen shards from checkpoint files (see [Note: frozen shards in place] in in_place.py): negative
+        # handles, each the requests of one shard's extents
+        self._in_place: dict[int, list[int]] = {}
+        self._next_in_place = -1
         self.rank, self.world = rank, world
         self.run_id = uuid.uuid4().bytes
         self.aio = aio
@@ -160,6 +165,18 @@ class SwapSpace:
         rec = Record(record_id=len(self.records), path=self.files[i], offset=self._ends[i], nbytes=nbytes)
         self._ends[i] += rec.span
         self.records.append(rec)
+        return rec
+
+    def allocate_late(self, nbytes: int) -> Record:
+        """A record added after ``open``, its room reserved now: a frozen shard read from a checkpoint file that gets
+        new values (see [Note: frozen shards in place] in in_place.py)."""
+        assert self._opened, "allocate_late after open(); before it, allocate"
+        self._opened = False
+        try:
+            rec = self.allocate(nbytes)
+        finally:
+            self._opened = True
+        self.reserve(rec)
         return rec
 
     @property
@@ -252,14 +269,22 @@ class SwapSpace:
         self._kind[handle] = ("nvme_write", rec.span)
         return handle
 
-    def submit_read(self, rec: Record, buf: torch.Tensor) -> int:
+    def submit_read(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> int:
+        if isinstance(rec, InPlaceRecord):
+            handle, self._next_in_place = self._next_in_place, self._next_in_place - 1
+            self._in_place[handle] = rec.submit(self.aio, buf)
+            self._kind[handle] = ("nvme_read", rec.nbytes)
+            return handle
         handle = self.aio.submit_read(buf[: rec.span], rec.path, rec.offset)
         self._kind[handle] = ("nvme_read", rec.span)
         return handle
 
-    def wait(self, handle: int, rec: Record) -> None:
+    def wait(self, handle: int, rec: Record | InPlaceRecord) -> None:
         """Wait for one request. On the training thread the time spent waiting is what the step could not
         hide behind compute; on a background thread (``mark_background_thread``) it is timed separately."""
+        if isinstance(rec, InPlaceRecord):
+            self._wait_in_place(handle, rec)
+            return
         kind, nbytes = self._kind.pop(handle, ("nvme_read", 0))
         if kind == "nvme_read":
             self.bytes_read += nbytes
@@ -279,8 +304,28 @@ class SwapSpace:
         except native.AIOError as exc:
             raise OffloadFileError(f"zinf offload: I/O on {rec.path} failed at offset {rec.offset}: {exc}") from exc
 
-    def verify(self, rec: Record, buf: torch.Tensor) -> None:
-        """Check the trailer that was just read into ``buf`` (see [Note: offload file format])."""
+    def _wait_in_place(self, handle: int, rec: InPlaceRecord) -> None:
+        """Wait for every extent of a frozen shard's read; a failed one is reported as the checkpoint's change."""
+        _, nbytes = self._kind.pop(handle, ("nvme_read", 0))
+        self.bytes_read += nbytes
+        failed: BaseException | None = None
+        with self.timers.time("background_nvme_read" if threading.get_ident() in self._background else "nvme_read"):
+            for h in self._in_place.pop(handle):
+                try:
+                    self.aio.wait(h)  # every request is waited for, even after one failed: the buffer goes back
+                except native.AIOError as exc:
+                    failed = failed or exc
+        if failed is not None:
+            why = "it ends before the bytes it had at loading" if isinstance(failed, native.AIOShortReadError) else \
+                "it is gone" if isinstance(failed, native.AIOMissingPathError) else f"reading it failed ({failed})"
+            raise rec.changed(getattr(failed, "path", rec.path), why) from failed
+
+    def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> None:
+        """Check the trailer that was just read into ``buf`` (see [Note: offload file format]); a frozen shard read
+        from a checkpoint, against the files and the checksum seen at loading."""
+        if isinstance(rec, InPlaceRecord):
+            rec.check(buf)
+            return
         raw = bytes(buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + _TRAILER.size].numpy().tobytes())
         magic, run, rid, gen, nbytes, crc = _TRAILER.unpack(raw)
         if magic != _REC_MAGIC:

@@ -69,6 +69,10 @@ class ShardSpill(ShardStore, Protocol):
 
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None: ...
     def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
+    def in_place_record(self, group: "FlatParamGroup") -> Any: ...
+    def take_in_place(self, group: "FlatParamGroup") -> Any: ...
+    def keep_in_place(self, group: "FlatParamGroup", record: Any,
+                      fill: "Callable[[torch.Tensor], None]") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,31 @@ class FlatParamGroup:
         self.store, self._spill = spill, spill
         if exact:
             self.master, self.shard_only = None, True
+
+    @property
+    def in_place_record(self) -> Any:
+        """Where the shard lies in checkpoint files while it waits in the construction spill, if it was loaded so: an
+        ``InPlaceRecord``, opaque here (see [Note: frozen shards in place] in zinf/offload/in_place.py)."""
+        return self._spill.in_place_record(self) if self._spill is not None and self.shard is None else None
+
+    @property
+    def loads_in_place(self) -> bool:
+        """A loader may leave the shard where a checkpoint file holds it (see [Note: frozen shards in place])."""
+        return (self._spill is not None and self.shard is None and not self.persistent
+                and bool(getattr(self._spill, "in_place", False)))
+
+    def keep_in_place(self, record: Any, fill: "Callable[[torch.Tensor], None]") -> None:
+        """The shard's values are the bytes ``record`` names in checkpoint files; ``fill`` reads them once (the
+        checksum), nothing is written."""
+        assert self.loads_in_place and self.master is None, f"{self.name}: keep_in_place"
+        assert self._spill is not None
+        self._spill.keep_in_place(self, record, fill)
+
+    def hand_over_in_place(self) -> Any:
+        """Give the store the shard's place in the checkpoint files instead of the shard (nothing is read)."""
+        assert self.state is GroupState.SHARDED and self._spill is not None, f"{self.name}: hand_over_in_place"
+        record, self._spill = self._spill.take_in_place(self), None
+        return record
 
     @property
     def spill_path(self) -> str | None:
