@@ -170,12 +170,12 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
             files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None):
         # [Note: reading at the storage width]; the buffer is the store's: what no file fills is zeroed, as in the
         # fp32 path's fresh vector
-        fill = lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True)  # noqa: E731
         record = _in_place(g, params, files, key_of)
         if record is not None:  # [Note: frozen shards in place] in zinf/offload/in_place.py
-            g.keep_in_place(record, fill)
+            g.keep_in_place(record)
+            files.count_read(sum(e.nbytes for e in record.extents))  # read by the store, not through ``files``
         else:
-            g.write_shard(fill)
+            g.write_shard(lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True))
         return
     local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
     _read_slices(g, params, files, key_of, local, zero_rest=False)

@@ -65,6 +65,10 @@ class TensorFiles:
         """The tensors are an in-memory state dict's, not files'."""
         return self._state is not None
 
+    def count_read(self, nbytes: int) -> None:
+        """Bytes of these files read by someone else on the loader's behalf (frozen shards read in place)."""
+        self.bytes_read += nbytes
+
     def keys(self) -> list[str]:
         return list(self.tensors)
 

@@ -27,15 +27,23 @@ import torch
 
 from zinf import native
 from zinf.errors import ZinfError
-from zinf.file_io import read_at
 
-__all__ = ["Extent", "InPlaceRecord", "CheckpointChangedError", "file_identity"]
+__all__ = ["Extent", "InPlaceRecord", "CheckpointChangedError", "file_identity", "why_read_failed"]
 
 _ALIGN = 4096
 
 
 class CheckpointChangedError(ZinfError):
     """A checkpoint file that frozen shards are read from changed, moved or was truncated after loading."""
+
+
+def why_read_failed(exc: BaseException) -> str:
+    """What a failed read of a checkpoint file says about it."""
+    if isinstance(exc, native.AIOShortReadError):
+        return "it ends before the bytes it had at loading"
+    if isinstance(exc, native.AIOMissingPathError):
+        return "it is gone"
+    return f"reading it failed ({exc})"
 
 
 def file_identity(path: str) -> tuple[int, int, int, int]:
@@ -111,23 +119,16 @@ class InPlaceRecord:
         self.zero_gaps(buf)
         return [aio.submit_read(buf[e.dest : e.dest + e.nbytes], e.path, e.offset) for e in self.extents]
 
-    def read_into(self, buf: torch.Tensor) -> None:
-        """Read the shard into ``buf`` now (the construction spill's reads) and check it."""
-        raw = buf.view(torch.uint8)
-        self.zero_gaps(raw)
-        fds: dict[str, int] = {}
-        try:
-            for e in self.extents:
-                if e.path not in fds:
-                    fds[e.path] = os.open(e.path, os.O_RDONLY)
-                if read_at(fds[e.path], raw[e.dest : e.dest + e.nbytes], e.offset) < e.nbytes:
-                    raise self.changed(e.path, "it ends before the bytes it had at loading")
-        except FileNotFoundError as exc:
-            raise self.changed(exc.filename or self.path, "it is gone") from exc
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        self.check(raw)
+    def read_with(self, aio: Any, buf: torch.Tensor) -> None:
+        """Read the shard into ``buf`` now, every extent in flight at once (not checked: ``check`` does that)."""
+        failed: BaseException | None = None
+        for h in self.submit(aio, buf.view(torch.uint8)):
+            try:
+                aio.wait(h)
+            except native.AIOError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise self.changed(getattr(failed, "path", self.path), why_read_failed(failed)) from failed
 
     def check(self, buf: torch.Tensor) -> None:
         """After a read into ``buf``: every file as it was at loading, and the bytes' checksum the one taken then."""

@@ -26,10 +26,11 @@ import os
 import socket
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from zinf import native
 from zinf.file_io import read_at, write_at
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
@@ -77,6 +78,7 @@ class SpillStore:
         # loaded shards whose bytes are read from checkpoint files (see [Note: frozen shards in place])
         self.in_place = in_place
         self._in_place: dict[int, InPlaceRecord] = {}
+        self._aio: native.AsyncIO | native.PythonAsyncIO | None = None  # their reads, made on the first
 
     # -- construction --------------------------------------------------------------------------------
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
@@ -90,20 +92,27 @@ class SpillStore:
             self._write(group, shard)
         self._heap.count(nbytes * 3)  # the module's values, its fp32 master and shard were freed (see heap.py)
 
-    def keep_in_place(self, group: "FlatParamGroup", record: InPlaceRecord,
-                      fill: Callable[[torch.Tensor], None]) -> None:
-        """[Note: frozen shards in place]: ``group``'s shard lies in checkpoint files as ``record`` says; ``fill``
-        reads it (into a buffer of this store) once, for the checksum. Nothing is written."""
+    def keep_in_place(self, group: "FlatParamGroup", record: InPlaceRecord) -> None:
+        """[Note: frozen shards in place]: ``group``'s shard lies in checkpoint files as ``record`` says; it is read
+        once (many requests in flight), for the checksum. Nothing is written."""
         with self._lock:
             nbytes = self._where[id(group)][1]
         assert record.nbytes == nbytes, (group.name, record.nbytes, nbytes)
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         buf = self._scratch[:nbytes]
-        fill(buf.view(group.storage_dtype))
+        record.read_with(self._reader(), buf)
         record.seal(buf)
         with self._lock:
             self._in_place[id(group)] = record
+
+    def _reader(self) -> "native.AsyncIO | native.PythonAsyncIO":
+        if self._aio is None:
+            try:
+                self._aio = native.AsyncIO(direct=False)
+            except ImportError:
+                self._aio = native.PythonAsyncIO(direct=False)
+        return self._aio
 
     def in_place_record(self, group: "FlatParamGroup") -> InPlaceRecord | None:
         """Where ``group``'s shard lies in checkpoint files, if it does (not written here since it was loaded)."""
@@ -168,6 +177,9 @@ class SpillStore:
 
     def close(self) -> None:
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
         if self._fd < 0:
             return
         os.close(self._fd)
@@ -203,7 +215,8 @@ class SpillStore:
         out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
         record = self._in_place.get(id(group))
         if record is not None:
-            record.read_into(out)
+            record.read_with(self._reader(), out)
+            record.check(out)
             return out
         got = read_at(self._fd, out, offset)
         if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros

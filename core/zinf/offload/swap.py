@@ -31,7 +31,7 @@ import torch
 
 from zinf import native
 from zinf.offload import cleanup
-from zinf.offload.in_place import InPlaceRecord
+from zinf.offload.in_place import InPlaceRecord, why_read_failed
 from zinf.errors import ZinfError
 from zinf.report import StepTimers
 
@@ -316,9 +316,7 @@ class SwapSpace:
                 except native.AIOError as exc:
                     failed = failed or exc
         if failed is not None:
-            why = "it ends before the bytes it had at loading" if isinstance(failed, native.AIOShortReadError) else \
-                "it is gone" if isinstance(failed, native.AIOMissingPathError) else f"reading it failed ({failed})"
-            raise rec.changed(getattr(failed, "path", rec.path), why) from failed
+            raise rec.changed(getattr(failed, "path", rec.path), why_read_failed(failed)) from failed
 
     def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> None:
         """Check the trailer that was just read into ``buf`` (see [Note: offload file format]); a frozen shard read

@@ -71,8 +71,7 @@ class ShardSpill(ShardStore, Protocol):
     def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
     def in_place_record(self, group: "FlatParamGroup") -> Any: ...
     def take_in_place(self, group: "FlatParamGroup") -> Any: ...
-    def keep_in_place(self, group: "FlatParamGroup", record: Any,
-                      fill: "Callable[[torch.Tensor], None]") -> None: ...
+    def keep_in_place(self, group: "FlatParamGroup", record: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -238,12 +237,12 @@ class FlatParamGroup:
         return (self._spill is not None and self.shard is None and not self.persistent
                 and bool(getattr(self._spill, "in_place", False)))
 
-    def keep_in_place(self, record: Any, fill: "Callable[[torch.Tensor], None]") -> None:
-        """The shard's values are the bytes ``record`` names in checkpoint files; ``fill`` reads them once (the
-        checksum), nothing is written."""
+    def keep_in_place(self, record: Any) -> None:
+        """The shard's values are the bytes ``record`` names in checkpoint files (read once, for the checksum;
+        nothing is written)."""
         assert self.loads_in_place and self.master is None, f"{self.name}: keep_in_place"
         assert self._spill is not None
-        self._spill.keep_in_place(self, record, fill)
+        self._spill.keep_in_place(self, record)
 
     def hand_over_in_place(self) -> Any:
         """Give the store the shard's place in the checkpoint files instead of the shard (nothing is read)."""
