@@ -75,6 +75,9 @@ class Placement:
                  optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None,
                  check_finite: bool = False, eager_grad_stats: bool = False) -> None:
         self.cfg, self.groups = cfg, list(groups)
+        # frozen shards that stay in checkpoint files (see [Note: frozen shards in place] in zinf/offload/in_place.py)
+        self._in_place = {id(g): g.in_place_record for g in self.groups if cfg.enabled and cfg.params == "nvme"
+                          and cfg.frozen_in_place and not g.trainable and g.in_place_record is not None}
         if not (cfg.enabled and cfg.params == "nvme"):  # shards zinf.Init built straight to NVMe come back to memory
             for g in self.groups:
                 g.unspill()
@@ -217,9 +220,11 @@ class Placement:
                 "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
         return 3 * largest, 3 * largest + grad_writes + cfg.pinned_pool_bytes // 4
 
-    @staticmethod
-    def _staged_bytes(group: FlatParamGroup) -> int:
-        return block_bytes(_span(group.shard_numel * group.storage_dtype.itemsize))
+    def _staged_bytes(self, group: FlatParamGroup) -> int:
+        """A group's pool block: its swap record's span, or the larger span of a frozen shard read from checkpoint
+        files (see [Note: reading extents directly] in zinf/offload/in_place.py)."""
+        rec = self._in_place.get(id(group))
+        return block_bytes(max(_span(group.shard_numel * group.storage_dtype.itemsize), rec.span if rec else 0))
 
     @functools.cached_property
     def _largest_staged(self) -> int:

@@ -19,6 +19,7 @@ changed, replaced or truncated under a run is an error naming the file, never va
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,13 @@ import torch
 from zinf import native
 from zinf.errors import ZinfError
 
-__all__ = ["Extent", "InPlaceRecord", "CheckpointChangedError", "file_identity", "why_read_failed"]
+__all__ = ["Extent", "InPlaceRecord", "CheckpointChangedError", "aligned_empty", "file_identity", "why_read_failed"]
 
 _ALIGN = 4096
+
+
+def _align_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class CheckpointChangedError(ZinfError):
@@ -62,14 +67,43 @@ class Extent:
     dest: int
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One request: ``nbytes`` of ``path`` from the block-aligned ``offset``, to the block-aligned ``at`` of the
+    buffer; its extent's bytes start ``head`` bytes in."""
+
+    path: str
+    offset: int
+    nbytes: int
+    at: int
+    head: int
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` whose address is block-aligned (direct reads need it)."""
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % _ALIGN
+    return raw[skip : skip + nbytes]
+
+
 @dataclass
 class InPlaceRecord:
-    """Where a frozen shard's bytes lie in the checkpoint's files; see [Note: frozen shards in place]."""
+    """Where a frozen shard's bytes lie in the checkpoint's files; see [Note: frozen shards in place].
+
+    [Note: reading extents directly]
+    A tensor's bytes start anywhere in a safetensors file and land anywhere in the shard, but direct I/O (no page
+    cache: a model read twice a step would otherwise fill the host's memory with cache and its reclaim) needs
+    block-aligned file offsets and buffer addresses. So each extent is read as the blocks that cover it, to a
+    block-aligned place of the buffer at or above where its bytes belong (``_Read.at``), and moved down into place
+    when the reads are done (``settle``), in shard order: every move goes down, and never over bytes not moved yet.
+    The buffer (``span``) is the shard plus at most two blocks an extent.
+    """
 
     name: str  # the group's, for messages
     nbytes: int  # the shard's bytes
     extents: list[Extent]
     gaps: list[tuple[int, int]]  # (start, end) byte ranges of the shard no file fills: zeros
+    reads: list[_Read]
     identities: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     crc: int | None = None  # CRC32C of the whole shard (gaps as zeros); None without the native build
 
@@ -91,12 +125,22 @@ class InPlaceRecord:
             at = e.dest + e.nbytes
         if at < nbytes:
             gaps.append((at, nbytes))
-        return cls(name, nbytes, merged, gaps, {e.path: file_identity(e.path) for e in merged})
+        identities = {e.path: file_identity(e.path) for e in merged}
+        reads, end = [], 0  # [Note: reading extents directly]
+        for e in merged:
+            first = e.offset // _ALIGN * _ALIGN
+            last = min(_align_up(e.offset + e.nbytes), identities[e.path][2])  # the file may end mid-block
+            head = e.offset - first
+            place = _align_up(max(end, e.dest - head))
+            reads.append(_Read(e.path, first, last - first, place, head))
+            end = place + _align_up(last - first)
+        return cls(name, nbytes, merged, gaps, reads, identities)
 
     @property
     def span(self) -> int:
-        """Bytes of the pool buffer it is read into."""
-        return max(_ALIGN, (self.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        """Bytes of the (block-aligned) buffer it is read into."""
+        end = self.reads[-1].at + self.reads[-1].nbytes if self.reads else 0
+        return max(_ALIGN, _align_up(max(self.nbytes, end)))
 
     @property
     def path(self) -> str:
@@ -109,26 +153,34 @@ class InPlaceRecord:
             self.crc = native.crc32c(data.view(torch.uint8)[: self.nbytes])
 
     # -- reads -------------------------------------------------------------------------------------
-    def zero_gaps(self, buf: torch.Tensor) -> None:
+    def submit(self, aio: Any, buf: torch.Tensor) -> list[int]:
+        """Start reading into ``buf`` (uint8, block-aligned, ``span`` bytes): one request per extent. The shard is
+        in place once every request is waited for and ``settle`` has run."""
+        assert buf.numel() >= self.span and buf.data_ptr() % _ALIGN == 0, (buf.numel(), self.span, buf.data_ptr())
+        return [aio.submit_read(buf[r.at : r.at + r.nbytes], r.path, r.offset) for r in self.reads]
+
+    def settle(self, buf: torch.Tensor) -> None:
+        """After the reads: each extent's bytes moved down to where the shard has them, the gaps zeroed."""
+        base = buf.data_ptr()
+        for r, e in zip(self.reads, self.extents):
+            if r.at + r.head != e.dest:
+                ctypes.memmove(base + e.dest, base + r.at + r.head, e.nbytes)  # overlapping ranges: memmove
         raw = buf.view(torch.uint8)
         for a, b in self.gaps:
             raw[a:b].zero_()
 
-    def submit(self, aio: Any, buf: torch.Tensor) -> list[int]:
-        """Start reading the shard into ``buf`` (uint8, at least ``nbytes``): one request per extent."""
-        self.zero_gaps(buf)
-        return [aio.submit_read(buf[e.dest : e.dest + e.nbytes], e.path, e.offset) for e in self.extents]
-
     def read_with(self, aio: Any, buf: torch.Tensor) -> None:
-        """Read the shard into ``buf`` now, every extent in flight at once (not checked: ``check`` does that)."""
+        """Read the shard into ``buf`` (uint8, block-aligned, ``span`` bytes) now, every extent in flight at once,
+        and settle it (not checked: ``check`` does that)."""
         failed: BaseException | None = None
-        for h in self.submit(aio, buf.view(torch.uint8)):
+        for h in self.submit(aio, buf):
             try:
                 aio.wait(h)
             except native.AIOError as exc:
                 failed = failed or exc
         if failed is not None:
             raise self.changed(getattr(failed, "path", self.path), why_read_failed(failed)) from failed
+        self.settle(buf)
 
     def check(self, buf: torch.Tensor) -> None:
         """After a read into ``buf``: every file as it was at loading, and the bytes' checksum the one taken then."""

@@ -34,7 +34,7 @@ from zinf import native
 from zinf.file_io import read_at, write_at
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
-from zinf.offload.in_place import InPlaceRecord
+from zinf.offload.in_place import InPlaceRecord, aligned_empty
 from zinf.offload.swap import OffloadSpaceError, align_up, check_dir
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class SpillStore:
         self.in_place = in_place
         self._in_place: dict[int, InPlaceRecord] = {}
         self._aio: native.AsyncIO | native.PythonAsyncIO | None = None  # their reads, made on the first
+        self._aligned_scratch = torch.empty(0, dtype=torch.uint8)
 
     # -- construction --------------------------------------------------------------------------------
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
@@ -98,9 +99,7 @@ class SpillStore:
         with self._lock:
             nbytes = self._where[id(group)][1]
         assert record.nbytes == nbytes, (group.name, record.nbytes, nbytes)
-        if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
-        buf = self._scratch[:nbytes]
+        buf = self._aligned(record.span)
         record.read_with(self._reader(), buf)
         record.seal(buf)
         with self._lock:
@@ -109,10 +108,16 @@ class SpillStore:
     def _reader(self) -> "native.AsyncIO | native.PythonAsyncIO":
         if self._aio is None:
             try:
-                self._aio = native.AsyncIO(direct=False)
+                self._aio = native.AsyncIO()
             except ImportError:
-                self._aio = native.PythonAsyncIO(direct=False)
+                self._aio = native.PythonAsyncIO()
         return self._aio
+
+    def _aligned(self, nbytes: int) -> torch.Tensor:
+        """The in-place reads' buffer (block-aligned, see [Note: reading extents directly]), kept for the next group."""
+        if self._aligned_scratch.numel() < nbytes:
+            self._aligned_scratch = aligned_empty(nbytes)
+        return self._aligned_scratch[:nbytes]
 
     def in_place_record(self, group: "FlatParamGroup") -> InPlaceRecord | None:
         """Where ``group``'s shard lies in checkpoint files, if it does (not written here since it was loaded)."""
@@ -176,7 +181,7 @@ class SpillStore:
         return None
 
     def close(self) -> None:
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch = self._aligned_scratch = torch.empty(0, dtype=torch.uint8)
         if self._aio is not None:
             self._aio.close()
             self._aio = None
@@ -215,8 +220,10 @@ class SpillStore:
         out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
         record = self._in_place.get(id(group))
         if record is not None:
-            record.read_with(self._reader(), out)
-            record.check(out)
+            buf = self._aligned(record.span)
+            record.read_with(self._reader(), buf)
+            record.check(buf)
+            out.view(torch.uint8).copy_(buf[:nbytes])
             return out
         got = read_at(self._fd, out, offset)
         if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros

@@ -128,7 +128,7 @@ class SwapSpace:
         self._kind: dict[int, tuple[str, int]] = {}  # handle -> ("nvme_read" | "nvme_write", bytes)
         # reads of frozen shards from checkpoint files (see [Note: frozen shards in place] in in_place.py): negative
         # handles, each the requests of one shard's extents
-        self._in_place: dict[int, list[int]] = {}
+        self._in_place: dict[int, tuple[list[int], torch.Tensor]] = {}
         self._next_in_place = -1
         self.rank, self.world = rank, world
         self.run_id = uuid.uuid4().bytes
@@ -272,7 +272,7 @@ class SwapSpace:
     def submit_read(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> int:
         if isinstance(rec, InPlaceRecord):
             handle, self._next_in_place = self._next_in_place, self._next_in_place - 1
-            self._in_place[handle] = rec.submit(self.aio, buf)
+            self._in_place[handle] = (rec.submit(self.aio, buf), buf)
             self._kind[handle] = ("nvme_read", rec.nbytes)
             return handle
         handle = self.aio.submit_read(buf[: rec.span], rec.path, rec.offset)
@@ -305,18 +305,21 @@ class SwapSpace:
             raise OffloadFileError(f"zinf offload: I/O on {rec.path} failed at offset {rec.offset}: {exc}") from exc
 
     def _wait_in_place(self, handle: int, rec: InPlaceRecord) -> None:
-        """Wait for every extent of a frozen shard's read; a failed one is reported as the checkpoint's change."""
+        """Wait for every extent of a frozen shard's read and settle the shard in its buffer; a failed one is reported
+        as the checkpoint's change."""
         _, nbytes = self._kind.pop(handle, ("nvme_read", 0))
         self.bytes_read += nbytes
         failed: BaseException | None = None
+        handles, buf = self._in_place.pop(handle)
         with self.timers.time("background_nvme_read" if threading.get_ident() in self._background else "nvme_read"):
-            for h in self._in_place.pop(handle):
+            for h in handles:
                 try:
                     self.aio.wait(h)  # every request is waited for, even after one failed: the buffer goes back
                 except native.AIOError as exc:
                     failed = failed or exc
         if failed is not None:
             raise rec.changed(getattr(failed, "path", rec.path), why_read_failed(failed)) from failed
+        rec.settle(buf)
 
     def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> None:
         """Check the trailer that was just read into ``buf`` (see [Note: offload file format]); a frozen shard read
