@@ -40,8 +40,14 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="train every parameter (default: LoRA on q_proj, v_proj)")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--storage", default="precision", choices=["precision", "bf16"],
+                   help="param_storage: 'bf16' with --precision fp32 computes in fp32 from bf16 shards (for a CPU "
+                        "without bf16 units, where bf16 matmuls are far slower than fp32)")
     p.add_argument("--pool-mib", type=int, default=1024, help="offload.pinned_pool_bytes, in MiB")
     p.add_argument("--sub-group-numel", type=int, default=8 << 20, help="offload.sub_group_numel (optimizer pipeline unit)")
+    p.add_argument("--copy-frozen", action="store_true",
+                   help="offload.frozen_in_place: false (copy the frozen base to the swap files instead of reading it "
+                        "from the checkpoint's files)")
     p.add_argument("--out", default=None, help="write the figures as JSON here (rank 0)")
     args = p.parse_args()
 
@@ -53,16 +59,17 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     os.makedirs(args.nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({
-        "precision": args.precision,
+        "precision": args.precision, "param_storage": args.storage,
         "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu", "nvme_paths": [args.nvme],
-                    "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel},
+                    "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
+                    "frozen_in_place": not args.copy_frozen},
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(args.model)
     io_before, t0 = _proc("read_bytes:", "/proc/self/io"), time.perf_counter()
     with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.precision]))
     load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
     rss_after_load = _proc("VmHWM:")
     if not args.full:
@@ -84,10 +91,12 @@ def main() -> None:
         report = engine.report()
         steps.append({"seconds": time.perf_counter() - t, "loss": loss.item(),
                       "nvme_read": report.counts.get("nvme_read_bytes", 0),
-                      "nvme_written": report.counts.get("nvme_written_bytes", 0)})
+                      "nvme_written": report.counts.get("nvme_written_bytes", 0),
+                      "breakdown_s": {k: round(v, 2) for k, v in report.seconds.items()}})
         if rank == 0:
             print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {steps[-1]['seconds']:.1f} s, NVMe read "
-                  f"{steps[-1]['nvme_read'] / 1e9:.2f} GB, written {steps[-1]['nvme_written'] / 1e9:.2f} GB", flush=True)
+                  f"{steps[-1]['nvme_read'] / 1e9:.2f} GB, written {steps[-1]['nvme_written'] / 1e9:.2f} GB; "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in steps[-1]["breakdown_s"].items()), flush=True)
     resident = engine.resident_bytes()
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
