@@ -70,6 +70,15 @@ def test_safetensors_file_torch_file_state_dict_and_sharded_dir(tmp_path: Path) 
         _assert_loaded(model, values)
 
 
+def test_a_tied_weight_saved_under_both_names_loads_strictly(tmp_path: Path) -> None:
+    values = _values(4)  # the state dict holds the tied weight as emb.weight and as head.weight, as torch.save does
+    torch.save(values, tmp_path / "w.bin")
+    model = _partitioned()
+    report = zinf.load_pretrained(model, tmp_path / "w.bin")
+    assert not report.missing_keys and not report.unexpected_keys
+    _assert_loaded(model, values)
+
+
 def test_bf16_files_into_fp32_masters_are_exact(tmp_path: Path) -> None:
     values = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _values(2).items() if k != "head.weight"}
     save_file(values, tmp_path / "w.safetensors")
@@ -78,9 +87,14 @@ def test_bf16_files_into_fp32_masters_are_exact(tmp_path: Path) -> None:
     _assert_loaded(model, values)
 
 
-def test_a_bf16_file_into_bf16_shards_built_on_nvme_is_read_as_it_is(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("placeholders", [True, False], ids=["placeholders", "initialised"])
+def test_a_bf16_file_into_bf16_shards_built_on_nvme_is_read_as_it_is(tmp_path: Path, monkeypatch,
+                                                                      placeholders: bool) -> None:
     """[Note: reading at the storage width]: no fp32 master is written (no widening, comparing, narrowing), and
-    the values are the file's, before the engine and in the masters the placement makes from the shards."""
+    the values are the file's, before the engine and in the masters the placement makes from the shards; also for a
+    model whose fp32 initial values bf16 could not hold (their masters go: the file's values need none)."""
+    import contextlib
+
     from zinf.param.flat_group import FlatParamGroup
 
     values = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _values(3).items()
@@ -90,8 +104,8 @@ def test_a_bf16_file_into_bf16_shards_built_on_nvme_is_read_as_it_is(tmp_path: P
         "params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path / "nvme")], "pinned_pool_bytes": 16 << 20}})
     (tmp_path / "nvme").mkdir()
     torch.manual_seed(123)
-    with zinf.Init(cfg) as init, init.placeholders():  # as transformers' from_pretrained builds it under zinf
-        model = Net()
+    with zinf.Init(cfg) as init, (init.placeholders() if placeholders else contextlib.nullcontext()):
+        model = Net()  # with placeholders: as transformers' from_pretrained builds it under zinf
     widened: list[str] = []
     write_master = FlatParamGroup.write_master
     monkeypatch.setattr(FlatParamGroup, "write_master", lambda g, m: (widened.append(g.name), write_master(g, m))[1])

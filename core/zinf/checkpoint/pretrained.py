@@ -103,11 +103,12 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
     errors: list[str] = []
     used: set[str] = set()
     for pid, ns in names.items():
-        key = next((k for k in map(resolve, ns) if k is not None), None)
-        if key is None:
+        keys = [k for k in map(resolve, ns) if k is not None]  # a tied weight may be saved under each of its names
+        if not keys:
             missing.append(ns[0])
             continue
-        used.add(key)
+        key = keys[0]
+        used.update(keys)
         shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
         if files.tensors[key].shape != shape:
             errors.append(f"size mismatch for {ns[0]}: the checkpoint has {list(files.tensors[key].shape)} ({key}), "
@@ -166,8 +167,10 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
                               "what such a forward kept.")
     params = g.params
     keep = any(p is not None and id(p) not in key_of for p in params)
-    if not keep and g.shard_only and g.master is None and all(
-            files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None):
+    at_width = not keep and all(files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None)
+    if at_width:
+        g.expect_exact_values()
+    if at_width and g.shard_only and g.master is None:
         # [Note: reading at the storage width]; the buffer is the store's: what no file fills is zeroed, as in the
         # fp32 path's fresh vector
         record = _in_place(g, params, files, key_of)

@@ -298,6 +298,13 @@ class FlatParamGroup:
         # to NVMe): an fp32 shard is the master itself, a 16-bit one is widened
         self.master, self.shard_only = self.store.read(self).to(torch.float32), False
 
+    def expect_exact_values(self) -> None:
+        """Built straight to NVMe, the group is about to get values its storage dtype holds exactly (a checkpoint at
+        the storage width): a master kept for initial values it could not hold goes (see [Note: construction
+        spill]); the placement makes one from the shard if the group trains."""
+        if self._spill is not None and self.master is not None and not self.placed:
+            self.master, self.shard_only = None, True
+
     def _keep_inexact_master(self, values: torch.Tensor) -> None:
         """Before the placement, a group built straight to NVMe whose new values the storage dtype cannot hold
         exactly keeps them as its master again (see [Note: construction spill]); a frozen group's are its shard's."""
