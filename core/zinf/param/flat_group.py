@@ -266,7 +266,7 @@ class FlatParamGroup:
         built straight to NVMe whose shard holds its values exactly makes it now, from the shard its store took
         (see [Note: construction spill])."""
         if self.master is None and self.shard_only and self.trainable:
-            self.restore_master()
+            self.restore_master(torch.device("cpu"))  # for the offloaded optimizer's host (or NVMe) state
         assert self.master is not None, f"{self.name}: no master to hand over"
         master, self.master = self.master, None
         return master
@@ -290,13 +290,14 @@ class FlatParamGroup:
         assert not self.trainable and not self.shard_only and not self.placed, f"{self.name}: drop_master"
         self.master, self.shard_only = None, True
 
-    def restore_master(self) -> None:
+    def restore_master(self, device: torch.device | None = None) -> None:
         """[Note: frozen groups] A frozen group trains again under a new engine: its fp32 master is widened from
-        its shard (the frozen values are exactly the shard's)."""
+        its shard (the frozen values are exactly the shard's), on ``device`` (default: the group's, where a
+        device-tier optimizer steps it)."""
         assert self.trainable and self.shard_only, f"{self.name}: restore_master"
         # the store's shard (the group's own on the device tier, the spill's or the placement's store when built straight
-        # to NVMe): an fp32 shard is the master itself, a 16-bit one is widened
-        self.master, self.shard_only = self.store.read(self).to(torch.float32), False
+        # to NVMe, read into host memory): an fp32 shard is the master itself, a 16-bit one is widened
+        self.master, self.shard_only = self.store.read(self).to(device or self.device, torch.float32), False
 
     def expect_exact_values(self) -> None:
         """Built straight to NVMe, the group is about to get values its storage dtype holds exactly (a checkpoint at
