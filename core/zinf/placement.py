@@ -118,7 +118,7 @@ class Placement:
         elif cfg.params == "nvme":
             assert self.swap is not None and room is not None
             self.store = NvmeShardStore(self.groups, self.swap, room, reserve_bytes=param_reserve,
-                                        in_place=cfg.frozen_in_place)
+                                        in_place=self._in_place)
         # the optimizer's state (and the gradients it reads with it)
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
@@ -172,7 +172,8 @@ class Placement:
         out = {}
         for g in self.groups:
             spill, rec = g.spill_path, self.store.records[id(g)]
-            if isinstance(rec, Record) and spill is not None and os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
+            if isinstance(rec, Record) and spill is not None and \
+                    os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
                 out[id(g)] = rec
         return out
 

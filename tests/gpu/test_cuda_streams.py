@@ -135,7 +135,6 @@ class _Group:
         self.name, self.shard_numel = "layers.0", _NUMEL
         self.compute_dtype = self.storage_dtype = torch.float32
         self.device, self.update_pending = torch.device("cuda", torch.cuda.current_device()), False
-        self.trainable, self.in_place_record = True, None  # not loaded from checkpoint files
 
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["with_fence", "without_fence_race_is_seen"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -225,13 +225,13 @@ class NvmeShardStore:
     tier = "nvme"
 
     def __init__(self, groups: Sequence["FlatParamGroup"], swap: SwapSpace, room: PoolRoom, reserve_bytes: int,
-                 in_place: bool = True) -> None:
+                 in_place: Mapping[int, InPlaceRecord] | None = None) -> None:
         self.swap, self.room, self.pool = swap, room, room.pool
-        # a frozen group loaded where it lies keeps reading from the checkpoint's files (``in_place``; see [Note:
-        # frozen shards in place] in in_place.py); every other group gets a swap record
+        # frozen groups that keep reading from the checkpoint's files (``in_place``, by group id: see [Note: frozen
+        # shards in place] in in_place.py); every other group gets a swap record
+        in_place = in_place or {}
         self.records: dict[int, Record | InPlaceRecord] = {
-            id(g): (g.in_place_record if in_place and not g.trainable and g.in_place_record is not None else
-                    swap.allocate(g.shard_numel * g.storage_dtype.itemsize)) for g in groups}
+            id(g): in_place.get(id(g)) or swap.allocate(g.shard_numel * g.storage_dtype.itemsize) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, _Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)

@@ -222,8 +222,6 @@ class _Group:
     storage_dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     update_pending: bool = False
-    trainable: bool = True
-    in_place_record: None = None  # not loaded from checkpoint files
 
 
 @pytest.fixture()
