@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -194,16 +195,24 @@ def _in_place(g: FlatParamGroup, params: list[nn.Parameter | None], files: Tenso
     infos = [files.tensors[key_of[id(p)]] for p in params if p is not None]
     if not infos or any(info.offset < 0 for info in infos) or files.from_state_dict:
         return None
-    lo, size = g.comm.rank * g.shard_numel, g.storage_dtype.itemsize
+    size = g.storage_dtype.itemsize
     extents = []
+    for p, a, b, first in _rank_slices(g, params):
+        if p is not None:
+            info = files.tensors[key_of[id(p)]]
+            extents.append(Extent(os.path.abspath(info.file), info.offset + first * size, (b - a) * size, a * size))
+    return InPlaceRecord.of(g.name, g.shard_numel * size, extents)
+
+
+def _rank_slices(g: FlatParamGroup, params: list[nn.Parameter | None]
+                 ) -> Iterator[tuple[nn.Parameter | None, int, int, int]]:
+    """(parameter, start, end in this rank's shard, the first of its flattened elements there) for every parameter
+    slot of ``g`` that this rank's shard covers."""
+    lo = g.comm.rank * g.shard_numel
     for i, (p, slot) in enumerate(zip(params, g.slots)):
         a, b = g.local_range(i)
-        if a >= b or p is None:
-            continue
-        info = files.tensors[key_of[id(p)]]
-        first = a + lo - slot.offset
-        extents.append(Extent(os.path.abspath(info.file), info.offset + first * size, (b - a) * size, a * size))
-    return InPlaceRecord.of(g.name, g.shard_numel * size, extents)
+        if a < b:
+            yield p, a, b, a + lo - slot.offset
 
 
 def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: TensorFiles, key_of: dict[int, str],
@@ -211,15 +220,10 @@ def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: Te
     """This rank's slice of every parameter of ``g`` that the files hold, into ``out`` (laid out as its shard, in
     any dtype: read straight in where it is the file's); with ``zero_rest`` the rest of ``out`` (dropped
     parameters, the padding past the last one) is zeroed, else left as it is."""
-    lo = g.comm.rank * g.shard_numel
-    for i, (p, slot) in enumerate(zip(params, g.slots)):
-        a, b = g.local_range(i)
-        if a >= b:
-            continue
+    for p, a, b, first in _rank_slices(g, params):
         if p is not None and id(p) in key_of:
-            first = a + lo - slot.offset
             files.read_into(key_of[id(p)], first, first + (b - a), out[a:b])
         elif zero_rest:
             out[a:b].zero_()
     if zero_rest:
-        out[max(g.numel - lo, 0) :].zero_()
+        out[max(g.numel - g.comm.rank * g.shard_numel, 0) :].zero_()

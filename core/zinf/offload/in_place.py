@@ -169,11 +169,11 @@ class InPlaceRecord:
         for a, b in self.gaps:
             raw[a:b].zero_()
 
-    def read_with(self, aio: Any, buf: torch.Tensor) -> None:
-        """Read the shard into ``buf`` (uint8, block-aligned, ``span`` bytes) now, every extent in flight at once,
-        and settle it (not checked: ``check`` does that)."""
+    def finish(self, aio: Any, handles: list[int], buf: torch.Tensor) -> None:
+        """Wait for the requests ``submit`` started (every one, even after one failed: the buffer goes back) and
+        settle the shard in ``buf``; a failed request is reported as the checkpoint's change."""
         failed: BaseException | None = None
-        for h in self.submit(aio, buf):
+        for h in handles:
             try:
                 aio.wait(h)
             except native.AIOError as exc:
@@ -181,6 +181,11 @@ class InPlaceRecord:
         if failed is not None:
             raise self.changed(getattr(failed, "path", self.path), why_read_failed(failed)) from failed
         self.settle(buf)
+
+    def read_with(self, aio: Any, buf: torch.Tensor) -> None:
+        """Read the shard into ``buf`` (uint8, block-aligned, ``span`` bytes) now, every extent in flight at once,
+        and settle it (not checked: ``check`` does that)."""
+        self.finish(aio, self.submit(aio, buf), buf)
 
     def check(self, buf: torch.Tensor) -> None:
         """After a read into ``buf``: every file as it was at loading, and the bytes' checksum the one taken then."""

@@ -31,7 +31,7 @@ import torch
 
 from zinf import native
 from zinf.offload import cleanup
-from zinf.offload.in_place import InPlaceRecord, why_read_failed
+from zinf.offload.in_place import InPlaceRecord
 from zinf.errors import ZinfError
 from zinf.report import StepTimers
 
@@ -161,6 +161,10 @@ class SwapSpace:
     def allocate(self, nbytes: int) -> Record:
         """Reserve a record of ``nbytes`` on the path with the least allocated (striping)."""
         assert not self._opened, "allocate every record before open()"
+        return self._lay_out(nbytes)
+
+    def _lay_out(self, nbytes: int) -> Record:
+        """A new record of ``nbytes`` at the end of the path with the least allocated."""
         i = min(range(len(self.files)), key=lambda k: self._ends[k])
         rec = Record(record_id=len(self.records), path=self.files[i], offset=self._ends[i], nbytes=nbytes)
         self._ends[i] += rec.span
@@ -171,11 +175,7 @@ class SwapSpace:
         """A record added after ``open``, its room reserved now: a frozen shard read from a checkpoint file that gets
         new values (see [Note: frozen shards in place] in in_place.py)."""
         assert self._opened, "allocate_late after open(); before it, allocate"
-        self._opened = False
-        try:
-            rec = self.allocate(nbytes)
-        finally:
-            self._opened = True
+        rec = self._lay_out(nbytes)
         self.reserve(rec)
         return rec
 
@@ -305,21 +305,12 @@ class SwapSpace:
             raise OffloadFileError(f"zinf offload: I/O on {rec.path} failed at offset {rec.offset}: {exc}") from exc
 
     def _wait_in_place(self, handle: int, rec: InPlaceRecord) -> None:
-        """Wait for every extent of a frozen shard's read and settle the shard in its buffer; a failed one is reported
-        as the checkpoint's change."""
+        """Wait for every extent of a frozen shard's read and settle the shard in its buffer."""
         _, nbytes = self._kind.pop(handle, ("nvme_read", 0))
         self.bytes_read += nbytes
-        failed: BaseException | None = None
         handles, buf = self._in_place.pop(handle)
         with self.timers.time("background_nvme_read" if threading.get_ident() in self._background else "nvme_read"):
-            for h in handles:
-                try:
-                    self.aio.wait(h)  # every request is waited for, even after one failed: the buffer goes back
-                except native.AIOError as exc:
-                    failed = failed or exc
-        if failed is not None:
-            raise rec.changed(getattr(failed, "path", rec.path), why_read_failed(failed)) from failed
-        rec.settle(buf)
+            rec.finish(self.aio, handles, buf)
 
     def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> None:
         """Check the trailer that was just read into ``buf`` (see [Note: offload file format]); a frozen shard read

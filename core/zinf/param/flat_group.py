@@ -66,6 +66,7 @@ class ShardSpill(ShardStore, Protocol):
     construction spill] in zinf/offload/spill_store.py)."""
 
     path: str  # the file, whose disk space comes back as the placement takes the shards
+    in_place: bool  # loaders may leave shards where checkpoint files hold them (see [Note: frozen shards in place])
 
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None: ...
     def take(self, group: "FlatParamGroup") -> torch.Tensor: ...
@@ -235,7 +236,7 @@ class FlatParamGroup:
     def loads_in_place(self) -> bool:
         """A loader may leave the shard where a checkpoint file holds it (see [Note: frozen shards in place])."""
         return (self._spill is not None and self.shard is None and not self.persistent
-                and bool(getattr(self._spill, "in_place", False)))
+                and self._spill.in_place)
 
     def keep_in_place(self, record: Any) -> None:
         """The shard's values are the bytes ``record`` names in checkpoint files (read once, for the checksum;
