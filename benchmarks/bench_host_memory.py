@@ -1,9 +1,10 @@
 """Host memory of an unchanged transformers ``Trainer`` full fine-tune, per rank, against the model's size and the
-engine's own accounting: DDP (``accelerate launch``) beside zinf with everything on NVMe (``zinf launch``), and zinf
-again with glibc told to return freed memory at once (``MALLOC_MMAP_THRESHOLD_``).
+engine's own accounting: DDP (``accelerate launch``) beside zinf with everything on NVMe (``zinf launch``), zinf
+without its heap trimming during the step (``trim_heap_bytes: 0``), and zinf with glibc told to return freed memory at
+once instead (``MALLOC_MMAP_THRESHOLD_``).
 
     python benchmarks/bench_host_memory.py [--layers 24 --hidden 512 --intermediate 1376 --vocab 8000]
-        [--steps 6] [--pool-mib 64] [--systems ddp,zinf-nvme,zinf-nvme-mmap] [--work-dir DIR]
+        [--steps 6] [--pool-mib 64] [--systems ddp,zinf-nvme,zinf-nvme-untrimmed,zinf-nvme-mmap] [--work-dir DIR]
     python benchmarks/bench_host_memory.py --smoke            # a tiny model, 2 steps (CI)
 
 The script (harness/trainer_memory_script.py) calls ``from_pretrained`` on an fp32 Llama checkpoint written by
@@ -33,13 +34,14 @@ from harness import machine, tables  # noqa: E402
 
 SCRIPT = HERE / "harness" / "trainer_memory_script.py"
 ACCELERATE_DDP = HERE.parent / "examples" / "accelerate" / "accelerate_cpu.yaml"
-SYSTEMS = ("ddp", "zinf-nvme", "zinf-nvme-mmap")
+SYSTEMS = ("ddp", "zinf-nvme", "zinf-nvme-untrimmed", "zinf-nvme-mmap")
 LABELS = {"ddp": "DDP (accelerate launch)", "zinf-nvme": "zinf, everything on NVMe (zinf launch)",
-          "zinf-nvme-mmap": "zinf, everything on NVMe, MALLOC_MMAP_THRESHOLD_=65536"}
+          "zinf-nvme-untrimmed": "zinf, everything on NVMe, `trim_heap_bytes: 0`",
+          "zinf-nvme-mmap": "zinf, everything on NVMe, `trim_heap_bytes: 0`, MALLOC_MMAP_THRESHOLD_=65536"}
 MIB = 2**20
 
 
-def _zinf_config(path: Path, nvme: Path, pool_bytes: int) -> Path:
+def _zinf_config(path: Path, nvme: Path, pool_bytes: int, trim: bool) -> Path:
     path.write_text(f"""compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
 num_processes: 2
@@ -58,7 +60,7 @@ zinf:
     nvme_paths: ["{nvme}"]
     pinned_pool_bytes: {pool_bytes}
     sub_group_numel: 262144
-""")
+""" + ("" if trim else "  trim_heap_bytes: 0\n"))
     return path
 
 
@@ -73,7 +75,7 @@ def run(system: str, model: Path, work: Path, steps: int, pool_bytes: int) -> li
     else:
         nvme = work / system / "nvme"
         nvme.mkdir(exist_ok=True)
-        config = _zinf_config(work / system / "zinf.yaml", nvme, pool_bytes)
+        config = _zinf_config(work / system / "zinf.yaml", nvme, pool_bytes, trim=system == "zinf-nvme")
         cmd = [sys.executable, "-m", "zinf.cli", "launch", "--config", str(config), *args]
         if system == "zinf-nvme-mmap":
             env["MALLOC_MMAP_THRESHOLD_"] = "65536"

@@ -30,8 +30,8 @@ _PER_TEST = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test: not a settin
 _SUITE_ENV = {k: v for k, v in os.environ.items() if k not in _PER_TEST}
 
 
-def _start_method(backend: str) -> str:
-    if backend != "gloo" or {k: v for k, v in os.environ.items() if k not in _PER_TEST} != _SUITE_ENV:
+def _start_method(backend: str, fresh: bool) -> str:
+    if fresh or backend != "gloo" or {k: v for k, v in os.environ.items() if k not in _PER_TEST} != _SUITE_ENV:
         return "spawn"  # NCCL: a fresh interpreter per rank, whatever the preloaded imports did
     import multiprocessing
 
@@ -62,11 +62,14 @@ def _entry(rank: int, world: int, outdir: str, fn: Callable[..., Any], args: tup
     os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo") -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure)."""
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
+                    fresh: bool = False) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results (raises on any failure).
+    ``fresh``: new interpreters, not forks of the server (a rank's own memory is then its own, not pages it shares
+    with the server until it writes them)."""
     with tempfile.TemporaryDirectory() as outdir:
         context = mp.start_processes(_entry, args=(world, outdir, fn, args, backend), nprocs=world,
-                                     start_method=_start_method(backend), join=False)
+                                     start_method=_start_method(backend, fresh), join=False)
         pids = [p.pid for p in context.processes]
         processes.register(pids)
         try:

@@ -299,6 +299,12 @@ class ZeroConfig(_Checked):
     collective_timeout_s: how long a collective may wait for the other ranks, in seconds, before the run
         stops with an error naming the rank that stopped answering, where torch allows it (0 = torch's
         default timeout).
+    trim_heap_bytes: with the compute device the CPU and the parameters offloaded (``offload.params`` "cpu" or
+        "nvme": host memory is what the run is short of), gathered parameters and gradients are freed to glibc's
+        heap, which keeps what they free and fragments; zinf hands the heap's free pages back (``malloc_trim``)
+        after every this many bytes of them freed, during the step, which costs step time in page faults
+        (both measured: docs/offload.md, "Host memory of a Trainer full fine-tune"). 0 turns it off. See
+        [Note: heap growth] in zinf/heap.py.
     """
 
     precision: str = "fp32"
@@ -319,6 +325,7 @@ class ZeroConfig(_Checked):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log_every_n_steps: int = 0
     collective_timeout_s: float = 0.0
+    trim_heap_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         for name, section in sections(ZeroConfig).items():  # ZeroConfig(offload={...}) as from_dict would
@@ -337,6 +344,7 @@ class ZeroConfig(_Checked):
                  "storage dtype is for fp32 compute; with 16-bit compute the shards are already 16-bit)")
         _require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
         _require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
+        _require(self.trim_heap_bytes >= 0, "trim_heap_bytes", self.trim_heap_bytes, "an integer >= 0 (0 turns it off)")
         _require(self.log_every_n_steps >= 0, "log_every_n_steps", self.log_every_n_steps, "an integer >= 0")
         _require(self.collective_timeout_s >= 0, "collective_timeout_s", self.collective_timeout_s,
                  "a number of seconds >= 0 (0 = torch's default timeout)")

@@ -21,6 +21,7 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
+from zinf.heap import HeapTrimmer
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
@@ -80,11 +81,14 @@ class ZeroInfinityEngine:
             if g.numel <= self.config.overlap.persistent_numel:
                 g.make_persistent()
         stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
+        # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
+        trims = self.placement.trims_host_heap(self.device)
+        self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
         self.reducer = GradReducer(self.comm, self.config.overlap.bucket_bytes(self.comm.backend), self.timers,
-                                   on_complete=stepper[0].on_grad_complete if stepper else None)
+                                   on_complete=stepper[0].on_grad_complete if stepper else None, heap=self.heap)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
-        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds)
+        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds, heap=self.heap)
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
             model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
@@ -296,7 +300,8 @@ class ZeroInfinityEngine:
         seconds, counts = self.timers.take()
         # NVMe read waits of parameter shards and waits for a group's background update happen inside the
         # all-gather time (the gather needs the shard)
-        waits = sum(seconds.get(k, 0.0) for k in ("all_gather", "reduce_scatter", "rounds", "broadcast_buffers"))
+        waits = sum(seconds.get(k, 0.0) for k in ("all_gather", "reduce_scatter", "rounds", "broadcast_buffers",
+                                                   "heap_trim"))
         seconds["compute"] = max(0.0, seconds.get("forward", 0.0) + seconds.get("backward", 0.0) - waits)
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand

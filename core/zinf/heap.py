@@ -1,4 +1,5 @@
-"""Give freed host memory back to the operating system while a model is built or loaded.
+"""Give freed host memory back to the operating system while a model is built or loaded, and while it trains on the
+CPU with its parameters offloaded.
 
 [Note: heap growth]
 Building and loading a model frees many large, short-lived tensors (a module's full values before they are
@@ -7,12 +8,22 @@ their size, and keeps what they free, which can grow the process by more than th
 docs/benchmarks.md, "Measurements behind the defaults"). ``HeapTrimmer`` calls ``malloc_trim(0)`` after every
 64 MiB freed this way (a few milliseconds each), which hands the free pages back; elsewhere (not glibc) it does
 nothing.
+
+Training on the CPU frees the same way, every step: each unit's gathered parameters after its forward and its
+backward, its gradients after their reduce-scatter. The engine counts those bytes into one ``HeapTrimmer``
+(``trim_heap_bytes``, 64 MiB by default) when the compute device is the CPU (on a GPU they are device memory) and
+the parameters are offloaded: handing pages back costs page faults when they are touched again, a price paid
+where host memory is what the run is short of. What it saves on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer
+full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block at once instead, at the cost of a
+fresh mapping (and its page faults) for every gather.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+
+from zinf.report import StepTimers
 
 __all__ = ["HeapTrimmer", "trim_heap"]
 
@@ -31,17 +42,27 @@ def trim_heap() -> None:
 
 
 class HeapTrimmer:
-    """Counts the bytes of the transient tensors of a build or load; trims the heap every ``every_bytes``."""
+    """Counts the bytes of the transient tensors of a build, a load or a step; trims the heap every ``every_bytes``
+    (0: never), timed as ``heap_trim`` in ``timers`` when given."""
 
-    def __init__(self, every_bytes: int = _TRIM_EVERY_BYTES) -> None:
+    def __init__(self, every_bytes: int = _TRIM_EVERY_BYTES, timers: StepTimers | None = None) -> None:
         self.every_bytes = every_bytes
+        self.timers = timers
+        self.trims = 0
         self._since = 0
 
     def count(self, nbytes: int) -> None:
+        if not self.every_bytes:
+            return
         self._since += nbytes
         if self._since >= self.every_bytes:
             self.trim()
 
     def trim(self) -> None:
         self._since = 0
-        trim_heap()
+        self.trims += 1
+        if self.timers is None:
+            trim_heap()
+            return
+        with self.timers.time("heap_trim"):
+            trim_heap()

@@ -240,6 +240,12 @@ class Placement:
             return True
         return sum(self._staged_bytes(g) for g in groups) <= self._largest_staged
 
+    def trims_host_heap(self, device: torch.device) -> bool:
+        """Whether freed gathers and gradients should go back to the system during the step (``trim_heap_bytes``,
+        [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute) and the parameters were offloaded,
+        host memory being what the run is short of."""
+        return device.type == "cpu" and self.cfg.params != "device"
+
     def _check_host_memory(self) -> None:
         """Host memory this placement keeps during training, against what is free once the shards and
         masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""

@@ -51,7 +51,7 @@ class StepTimers:
 # the categories summary() prints, in order; the optional ones only when the step timed them
 SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "broadcast_buffers", "nvme_read",
                       "nvme_write", "background_nvme_read", "background_nvme_write", "optimizer_wait", "adam",
-                      "adam_early", "nvme_floor")
+                      "adam_early", "heap_trim", "nvme_floor")
 OPTIONAL_CATEGORIES = frozenset(SUMMARY_CATEGORIES[4:])
 NVME_CATEGORIES = ("nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
 
@@ -97,7 +97,8 @@ class StepReport:
     (with a background step it runs after the report of its step, so it falls in the next one's) and
     ``adam_early`` that of the steps begun during the backward (``offload.step_during_backward``); with NVMe and a
     speed ``zinf info --nvme`` measured, ``nvme_floor`` is the time the step's NVMe bytes take at that speed
-    (zinf/offload/disk_speed.py).
+    (zinf/offload/disk_speed.py). ``heap_trim`` (CPU compute, parameters offloaded) is the time spent handing freed
+    host memory back (``trim_heap_bytes``; [Note: heap growth] in zinf/heap.py), outside ``compute``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 

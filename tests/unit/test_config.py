@@ -164,3 +164,10 @@ def test_broadcast_buffers() -> None:
         ZeroConfig.from_dict({"broadcast_buffers": 0})
     with pytest.raises(ConfigError, match=r"unknown key 'broadcast_buffer'. Did you mean 'broadcast_buffers'"):
         ZeroConfig.from_dict({"broadcast_buffer": True})
+
+
+def test_trim_heap_bytes() -> None:
+    assert ZeroConfig().trim_heap_bytes == 64 * 2**20
+    assert ZeroConfig.from_dict({"trim_heap_bytes": 0}).trim_heap_bytes == 0
+    with pytest.raises(ConfigError, match=r"'trim_heap_bytes' = -1 is not allowed; expected an integer >= 0 \(0 turns it off\)"):
+        ZeroConfig.from_dict({"trim_heap_bytes": -1})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from zinf.config import OverlapConfig
+from zinf.heap import HeapTrimmer
 from zinf.param.state import GroupState
 from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.streams import InFlight, region, streams_for
@@ -31,9 +32,11 @@ class FetchCounts(NamedTuple):
 class ParamFetcher:
     """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
 
-    def __init__(self, config: OverlapConfig, timers: StepTimers, rounds: "Rounds | None" = None) -> None:
+    def __init__(self, config: OverlapConfig, timers: StepTimers, rounds: "Rounds | None" = None,
+                 heap: HeapTrimmer | None = None) -> None:
         self.config = config
         self.timers = timers
+        self.heap = heap if heap is not None else HeapTrimmer(0)  # told the bytes of every full buffer freed
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
         self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
@@ -250,6 +253,8 @@ class ParamFetcher:
         if not g.owns_full:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
+        if sign < 0:
+            self.heap.count(g.nbytes_full)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def take_counts(self) -> FetchCounts:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from zinf.heap import HeapTrimmer
 from zinf.runtime.comm import Comm
 from zinf.runtime.staging import mark_device
 from zinf.runtime.streams import BufferFence, InFlight, Streams, region, streams_for
@@ -36,8 +37,9 @@ _MAX_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers,
-                 on_complete: Callable[["FlatParamGroup"], None] | None = None) -> None:
+                 on_complete: Callable[["FlatParamGroup"], None] | None = None, heap: HeapTrimmer | None = None) -> None:
         self.comm = comm
+        self.heap = heap if heap is not None else HeapTrimmer(0)  # told the bytes of every full gradient let go
         self.on_complete = on_complete  # told when a group's gradient shard is complete (an early optimizer step)
         self.bucket_bytes = bucket_bytes
         self.timers = timers
@@ -106,6 +108,8 @@ class GradReducer:
             if copy is not None:
                 self._copies_out.append((work.streams, copy))
             self._complete(group)
+        del work, done  # the full gradients it held are freed now
+        self.heap.count(sum(group.nbytes_full for group, _ in slices))
 
     def _complete(self, group: FlatParamGroup) -> None:
         group.grad.complete()
