@@ -106,6 +106,7 @@ class ZeroInfinityEngine:
         self.num_backward = 0
         self.last_report: StepReport | None = None
         self.load_failed: str | None = None  # set by a checkpoint load that failed part way
+        self.heap.flush()  # what building the engine freed
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
@@ -192,6 +193,7 @@ class ZeroInfinityEngine:
         self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
+        self.heap.flush()
         self._finish_report(step, skipped, grad_norm, loss_scale)
         return not skipped
 

@@ -10,12 +10,13 @@ docs/benchmarks.md, "Measurements behind the defaults"). ``HeapTrimmer`` calls `
 nothing.
 
 Training on the CPU frees the same way, every step: each unit's gathered parameters after its forward and its
-backward, its gradients after their reduce-scatter. The engine counts those bytes into one ``HeapTrimmer``
-(``trim_heap_bytes``, 64 MiB by default) when the compute device is the CPU (on a GPU they are device memory) and
-the parameters are offloaded: handing pages back costs page faults when they are touched again, a price paid
-where host memory is what the run is short of. What it saves on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer
-full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block at once instead, at the cost of a
-fresh mapping (and its page faults) for every gather.
+backward, its gradients after their reduce-scatter, and what the optimizer step stages. The engine counts the
+first two into one ``HeapTrimmer`` (``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the
+engine's build and of every step, when the compute device is the CPU (on a GPU they are device memory) and the
+parameters are offloaded: handing pages back costs page faults when they are touched again, a price paid where
+host memory is what the run is short of. What it saves on a Trainer full fine-tune with everything on NVMe:
+docs/offload.md, "Host memory of a Trainer full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block
+at once instead, at the cost of a fresh mapping (and its page faults) for every gather.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class HeapTrimmer:
             return
         self._since += nbytes
         if self._since >= self.every_bytes:
+            self.trim()
+
+    def flush(self) -> None:
+        """Trim now if this trimmer trims at all: at the end of a build or a step, where what was freed but not
+        counted (the optimizer's staging, a module's transient values) is let go too."""
+        if self.every_bytes:
             self.trim()
 
     def trim(self) -> None:

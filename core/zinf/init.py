@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zinf.config import ZeroConfig
+from zinf.heap import trim_heap
 from zinf.runtime.comm import Comm, compute_device, default_device
 from zinf.offload.spill_store import SpillStore
 from zinf.param.flat_group import FlatParamGroup, GroupState
@@ -193,6 +194,7 @@ class Init:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            trim_heap()  # what the build freed since the last count's trim ([Note: heap growth] in zinf/heap.py)
         if self.config.tiling.enabled and not exc[0]:
             from zinf.tiling import tile_linears
 
