@@ -4,9 +4,10 @@ The ranks are forked from a forkserver that imported torch, zinf, transformers a
 so a run does not pay each rank's imports again (about 3 s of every spawn on a 2-core machine, ~100 runs in
 the suite). Each rank is still a new process with nothing run in it before: the server only imports (no
 tensor op, no thread pool started, no process group). Where the environment differs from the one the suite
-started with (a test that sets a variable read at process start, such as ``MALLOC_MMAP_THRESHOLD_``), and
-with NCCL, the ranks are spawned as fresh interpreters instead. The ranks' stdout/stderr are the server's, i.e.
-those of the test that started it: a rank's error reaches the test through its result file, as before.
+started with (a test that sets a variable read at process start, such as ``MALLOC_MMAP_THRESHOLD_``), with
+NCCL, and where a test asks (``fresh=True``: memory measured per rank), the ranks are spawned as fresh
+interpreters instead. The ranks' stdout/stderr are the server's, i.e. those of the test that started it: a
+rank's error reaches the test through its result file, as before.
 """
 
 from __future__ import annotations
