@@ -29,6 +29,9 @@ from zinf.report import StepTimers
 __all__ = ["HeapTrimmer", "trim_heap"]
 
 _TRIM_EVERY_BYTES = 64 << 20
+# glibc's mmap threshold grows with the blocks freed, but never past 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit):
+# a block that large is a mapping of its own, unmapped when freed, and never stays in the heap
+HEAP_BLOCK_MAX = 32 << 20
 
 try:
     _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
@@ -51,6 +54,11 @@ class HeapTrimmer:
         self.timers = timers
         self.trims = 0
         self._since = 0
+
+    def count_block(self, nbytes: int) -> None:
+        """One block of ``nbytes`` was freed: counted unless it was large enough to go back by itself."""
+        if nbytes < HEAP_BLOCK_MAX:
+            self.count(nbytes)
 
     def count(self, nbytes: int) -> None:
         if not self.every_bytes:

@@ -254,7 +254,7 @@ class ParamFetcher:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         if sign < 0:
-            self.heap.count(g.nbytes_full)
+            self.heap.count_block(g.nbytes_full)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def take_counts(self) -> FetchCounts:

@@ -109,7 +109,8 @@ class GradReducer:
                 self._copies_out.append((work.streams, copy))
             self._complete(group)
         del work, done  # the full gradients it held are freed now
-        self.heap.count(sum(group.nbytes_full for group, _ in slices))
+        for group, _ in slices:
+            self.heap.count_block(group.nbytes_full)
 
     def _complete(self, group: FlatParamGroup) -> None:
         group.grad.complete()
