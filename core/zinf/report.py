@@ -97,8 +97,9 @@ class StepReport:
     (with a background step it runs after the report of its step, so it falls in the next one's) and
     ``adam_early`` that of the steps begun during the backward (``offload.step_during_backward``); with NVMe and a
     speed ``zinf info --nvme`` measured, ``nvme_floor`` is the time the step's NVMe bytes take at that speed
-    (zinf/offload/disk_speed.py). ``heap_trim`` (CPU compute, parameters offloaded) is the time spent handing freed
-    host memory back (``trim_heap_bytes``; [Note: heap growth] in zinf/heap.py), outside ``compute``.
+    (zinf/offload/disk_speed.py). ``heap_trim`` (CPU compute, parameters offloaded) is the time the forward and backward
+    spent handing freed host memory back (``trim_heap_bytes``; [Note: heap growth] in zinf/heap.py), outside
+    ``compute``; the trim at the end of the step is inside ``optimizer``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 

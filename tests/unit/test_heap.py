@@ -15,10 +15,10 @@ def test_counts_small_blocks_and_trims_every_so_many_bytes() -> None:
     for _ in range(4):
         trimmer.count_block(3 << 20)
     assert trimmer.trims == 1  # at 12 MiB
-    trimmer.flush()
+    trimmer.flush()  # the caller's time, not heap_trim's
     assert trimmer.trims == 2
     seconds, counts = timers.take()
-    assert counts["heap_trim"] == 2 and seconds["heap_trim"] >= 0
+    assert counts["heap_trim"] == 1 and seconds["heap_trim"] >= 0
 
 
 def test_turned_off_it_never_trims() -> None:
