@@ -192,7 +192,6 @@ class ZeroInfinityEngine:
                     g.to_gathered()
         self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
-        self.heap.flush()  # timed with the optimizer step, whose staging it lets go
         self.timers.add("optimizer", time.perf_counter() - start)
         self._finish_report(step, skipped, grad_norm, loss_scale)
         return not skipped

@@ -99,7 +99,7 @@ class StepReport:
     speed ``zinf info --nvme`` measured, ``nvme_floor`` is the time the step's NVMe bytes take at that speed
     (zinf/offload/disk_speed.py). ``heap_trim`` (CPU compute, parameters offloaded) is the time the forward and backward
     spent handing freed host memory back (``trim_heap_bytes``; [Note: heap growth] in zinf/heap.py), outside
-    ``compute``; the trim at the end of the step is inside ``optimizer``.
+    ``compute``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
     optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
 
