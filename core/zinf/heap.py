@@ -14,8 +14,8 @@ backward, its gradients after their reduce-scatter. The engine counts those into
 (``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, when the compute device
 is the CPU (on a GPU they are device memory) and the parameters are offloaded: handing pages back costs page faults
 when they are touched again, a price paid where host memory is what the run is short of. Not at the end of every
-step: that lowers RSS between steps, not the peak, and cost a small model's step a fifth of its time. What it saves on a Trainer full fine-tune with everything on NVMe:
-docs/offload.md, "Host memory of a Trainer full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block
+step: that lowers RSS between steps, not the peak, and cost a small model's step a fifth of its time. What it saves
+on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block
 at once instead, at the cost of a fresh mapping (and its page faults) for every gather.
 """
 
@@ -71,14 +71,12 @@ class HeapTrimmer:
         """Trim now if this trimmer trims at all: at the end of a build, where what was freed but not counted is let
         go too. Not timed as ``heap_trim`` (the forward's and backward's trims, outside ``compute``)."""
         if self.every_bytes:
-            self._since = 0
-            self.trims += 1
-            trim_heap()
+            self.trim(timed=False)
 
-    def trim(self) -> None:
+    def trim(self, timed: bool = True) -> None:
         self._since = 0
         self.trims += 1
-        if self.timers is None:
+        if not timed or self.timers is None:
             trim_heap()
             return
         with self.timers.time("heap_trim"):
