@@ -9,5 +9,6 @@ from .native import _native_adam as adam
 from .native import _native_aio as aio
 from .native import _native_checksum as checksum
 from .native import _native_pool as pool
+from .native import _native_shm as shm
 
-__all__ = ["adam", "aio", "checksum", "pool"]
+__all__ = ["adam", "aio", "checksum", "pool", "shm"]

@@ -86,6 +86,10 @@ class OverlapConfig(_Checked):
     runs it: the backward gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
     one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
     at the end of the forward (under ``max_gathered_bytes`` only what fits it).
+    ``shared_memory`` ("auto", "off"): with "auto" (default), gloo ranks that compute on the CPU of one host
+    all-gather parameters and reduce-scatter gradients through shared memory (``/dev/shm``) instead of gloo's
+    sockets, 16 MiB of it per rank (see [Note: same-host collectives] in zinf/shared_memory.py); "off": always
+    through the process group.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -95,6 +99,7 @@ class OverlapConfig(_Checked):
     max_gathered_bytes: int = 0
     coalesce_gathers: str = "auto"
     reshard_after_forward: str = "auto"
+    shared_memory: str = "auto"
 
     def validate(self) -> None:
         check_types(self, "overlap.")
@@ -108,13 +113,18 @@ class OverlapConfig(_Checked):
         _require(self.reshard_after_forward in RESHARD_AFTER_FORWARD, "overlap.reshard_after_forward",
                  self.reshard_after_forward, f"one of {list(RESHARD_AFTER_FORWARD)} ('never': keep every group "
                  "gathered from its forward to its backward)")
+        _require(self.shared_memory in ("auto", "off"), "overlap.shared_memory", self.shared_memory,
+                 "one of ['auto', 'off'] ('off': every collective through the process group)")
         _require(self.reduce_bucket_bytes >= 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes,
                  "an integer >= 0 (0: sized by the backend)")
 
-    def bucket_bytes(self, backend: str) -> int:
-        """The reduce-scatter bucket size on ``backend`` (``reduce_bucket_bytes``, or the backend's default)."""
+    def bucket_bytes(self, backend: str, same_host: bool = False) -> int:
+        """The reduce-scatter bucket size on ``backend`` (``reduce_bucket_bytes``, or the backend's default; through
+        shared memory a collective costs no round trip, so each group goes alone and is not copied into a bucket)."""
         if self.reduce_bucket_bytes:
             return self.reduce_bucket_bytes
+        if same_host:
+            return 0
         return 4 * 2**20 if backend == "gloo" else 16 * 2**20
 
     def coalesces(self, backend: str) -> bool:

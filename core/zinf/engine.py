@@ -26,6 +26,7 @@ from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
 from zinf.runtime.comm import Comm, compute_device
+from zinf.shared_memory import SameHostTransport
 from zinf.schedule.fetcher import ParamFetcher
 from zinf.runtime.streams import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
@@ -61,6 +62,8 @@ class ZeroInfinityEngine:
         self.config = config or ZeroConfig()
         self.device = compute_device(device)
         self.comm = (comm or Comm.current(device=self.device)).with_host_group()
+        if self.config.overlap.shared_memory != "off":
+            self.comm = self.comm.with_same_host(SameHostTransport.connect(self.comm, self.config.collective_timeout_s))
         self.module = model
         _check_model(model)
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)
@@ -69,6 +72,7 @@ class ZeroInfinityEngine:
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device,
                                                                  self.config.storage_dtype)
         for g in self.groups:  # parameters frozen after zinf.Init built them
+            g.use_comm(self.comm)
             g.refresh_requires_grad()
             g.fit_master()  # a frozen group keeps its shard alone (see [Note: frozen groups] in zinf/param/flat_group.py)
         self.timers = StepTimers()
@@ -84,7 +88,8 @@ class ZeroInfinityEngine:
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
         trims = self.placement.trims_host_heap(self.device)
         self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
-        self.reducer = GradReducer(self.comm, self.config.overlap.bucket_bytes(self.comm.backend), self.timers,
+        bucket = self.config.overlap.bucket_bytes(self.comm.backend, same_host=self.comm.same_host is not None)
+        self.reducer = GradReducer(self.comm, bucket, self.timers,
                                    on_complete=stepper[0].on_grad_complete if stepper else None, heap=self.heap)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
@@ -295,6 +300,7 @@ class ZeroInfinityEngine:
         if self.checkpointing is not None:
             self.checkpointing.remove()
         self.placement.close()
+        self.comm.close()
 
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, step: int, skipped: bool, grad_norm: float | None, loss_scale: float | None) -> None:
@@ -336,6 +342,8 @@ class ZeroInfinityEngine:
             if g.owns_full:
                 add("gathered", g.full)
         elsewhere = [self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
+        if self.comm.same_host is not None:
+            elsewhere.append(self.comm.same_host.bytes_by_tier())
         for part in elsewhere:
             for tier, kinds in part.items():
                 for kind, nbytes in kinds.items():

@@ -27,6 +27,12 @@ class CollectiveTimeoutError(ZinfError):
     answer."""
 
 
+class SharedMemoryTimeout(ZinfError, RuntimeError):
+    """A rank of this host did not post its part of a shared-memory collective within the timeout (see [Note:
+    same-host collectives] in zinf/shared_memory.py); the collective watchdog reports it as a
+    :class:`CollectiveTimeoutError`."""
+
+
 class CheckpointError(ZinfError):
     """A checkpoint is missing, incomplete, mixed from several saves, truncated, foreign, or does not fit the
     model/world it is loaded into; or a save failed (then the previous checkpoint is still the current one)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -142,9 +142,10 @@ class Init:
         """The innermost open ``zinf.Init`` block, if any."""
         return _ACTIVE[-1] if _ACTIVE else None
 
-    def __init__(self, config: ZeroConfig | None = None, *, comm: Comm | None = None,
+    def __init__(self, config: ZeroConfig | Mapping[str, Any] | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None, enabled: bool = True) -> None:
-        self.config = config or ZeroConfig()
+        # a dict or an OmegaConf DictConfig, as zinf.initialize takes
+        self.config = config if isinstance(config, ZeroConfig) else ZeroConfig.from_dict(config)
         self.enabled = enabled
         self.comm = comm
         self.device = compute_device(device) if device is not None else None

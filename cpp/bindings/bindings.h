@@ -6,4 +6,5 @@ void bind_adam(pybind11::module_& m);
 void bind_aio(pybind11::module_& m);
 void bind_pool(pybind11::module_& m);
 void bind_checksum(pybind11::module_& m);
+void bind_shm(pybind11::module_& m);
 }  // namespace zinf::bindings

@@ -1,10 +1,10 @@
-// zinf._native: one extension module with submodules adam, aio, pool and checksum.
+// zinf._native: one extension module with submodules adam, aio, pool, checksum and shm.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums.";
+  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags.";
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
   auto aio = m.def_submodule("aio");
@@ -13,4 +13,6 @@ PYBIND11_MODULE(_native, m) {
   zinf::bindings::bind_pool(pool);
   auto checksum = m.def_submodule("checksum");
   zinf::bindings::bind_checksum(checksum);
+  auto shm = m.def_submodule("shm");
+  zinf::bindings::bind_shm(shm);
 }

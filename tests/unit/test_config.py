@@ -32,6 +32,14 @@ def test_nested_bad_value() -> None:
         ZeroConfig.from_dict({"loss_scale": {"backoff_factor": 2.0}})
 
 
+def test_shared_memory_names_its_values() -> None:
+    assert ZeroConfig().overlap.shared_memory == "auto"
+    with pytest.raises(ConfigError, match=r"'overlap.shared_memory' = 'on' .*'auto', 'off'"):
+        ZeroConfig.from_dict({"overlap": {"shared_memory": "on"}})
+    assert ZeroConfig().overlap.bucket_bytes("gloo", same_host=True) == 0
+    assert ZeroConfig.from_dict({"overlap": {"reduce_bucket_bytes": 1 << 20}}).overlap.bucket_bytes("gloo", True) == 1 << 20
+
+
 def test_reshard_after_forward_names_its_values() -> None:
     assert ZeroConfig().overlap.reshard_after_forward == "auto"
     with pytest.raises(ConfigError, match=r"'overlap.reshard_after_forward' = 'no' .*'auto', 'always', 'never'"):

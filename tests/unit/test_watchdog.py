@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zinf.errors import SharedMemoryTimeout, ZinfError
 from zinf.runtime.watchdog import _is_timeout
 
 
@@ -12,3 +13,5 @@ def test_only_backend_timeouts_count() -> None:
     assert not _is_timeout(RuntimeError("DataLoader timed out after 5 seconds"))
     assert not _is_timeout(RuntimeError("my model's forward has a timeout"))
     assert not _is_timeout(ValueError("gloo timed out"))
+    assert _is_timeout(SharedMemoryTimeout("zinf: timed out after 3s waiting for rank 1 in a shared-memory collective"))
+    assert not _is_timeout(ZinfError("zinf: timed out reading a checkpoint"))

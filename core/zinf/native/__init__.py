@@ -8,6 +8,7 @@ Public API used by the offload engine and the optimizer (``from zinf import nati
 - :class:`AsyncIO`: asynchronous file reads/writes of tensors (io_uring or threads, O_DIRECT).
 - :class:`PinnedBufferPool`: a fixed-capacity aligned host buffer pool handing out uint8 tensors.
 - :func:`crc32c`: the CRC32C content checksum of a tensor's bytes (SSE4.2 where the CPU has it).
+- :mod:`.shm`: flags in shared memory for the collectives of ranks on one host.
 
 One module per job, each beside the stub of the extension submodule it wraps:
 
@@ -16,6 +17,7 @@ One module per job, each beside the stub of the extension submodule it wraps:
 - :mod:`.aio` (``_native_aio.pyi``): ``AsyncIO``, ``PythonAsyncIO``, the ``AIOError`` family.
 - :mod:`.pool` (``_native_pool.pyi``): ``PinnedBufferPool``, ``PoolExhaustedError``.
 - :mod:`.checksum` (``_native_checksum.pyi``): ``crc32c``, ``crc32c_py``, ``checksum_backend``.
+- :mod:`.shm` (``_native_shm.pyi``): ``post``, ``wait_all`` (no fallback: without the extension, ``available()`` is False).
 
 Every native entry point has a pure-PyTorch fallback with the same signature (``*_torch`` /
 ``Python*`` / ``*_py``); they are used when the extension is missing and serve as test oracles.

@@ -173,6 +173,14 @@ class FlatParamGroup:
         self.reported_ready = False  # this rank's gradients of the group were announced to the other ranks
         self._to_placeholders()
 
+    def use_comm(self, comm: Comm) -> None:
+        """Run this group's collectives through ``comm`` from now on: the engine's group of the same ranks, with the
+        transports it set up (a group made under ``zinf.Init`` holds the group it was built with)."""
+        if (comm.rank, comm.world) != (self.comm.rank, self.comm.world):
+            raise ValueError(f"{self.name}: built as rank {self.comm.rank} of {self.comm.world}, handed rank "
+                             f"{comm.rank} of {comm.world}; build the model and the engine in the same process group")
+        self.comm = comm
+
     def refresh_requires_grad(self, params: Sequence[nn.Parameter | None] | None = None) -> None:
         """Take the parameters' ``requires_grad`` as it is now (frozen after construction, before the engine)."""
         params = self.params if params is None else params

@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from zinf.shared_memory import SameHostTransport
 
 __all__ = ["Comm", "default_device", "compute_device"]
 
@@ -56,6 +59,9 @@ class Comm:
     # a gloo group over the same ranks for host-side control messages, where ``group``'s backend takes device
     # tensors only (NCCL); None: ``group`` itself takes host tensors (see [Note: host-side agreement])
     host_group: Any = None
+    # the ranks' shared memory where every rank runs on this host and computes on its CPU (see [Note: same-host
+    # collectives] in zinf/shared_memory.py); None: every collective through ``group``
+    same_host: SameHostTransport | None = None
 
     @functools.cached_property
     def backend(self) -> str:
@@ -85,6 +91,22 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         return dataclasses.replace(self, host_group=dist.new_group(ranks=ranks, backend="gloo"))
 
+    def with_same_host(self, transport: SameHostTransport | None) -> "Comm":
+        """This group with its ranks' shared memory (``SameHostTransport.connect``, which every rank calls
+        together); this group as it is when there is none."""
+        return self if transport is None else dataclasses.replace(self, same_host=transport)
+
+    def _shared(self, tensor: torch.Tensor) -> SameHostTransport | None:
+        """The shared-memory transport for a collective of ``tensor``, if it takes one: open, and a CPU tensor.
+        Whether it applies is the same on every rank (every rank closes the transport at the same point)."""
+        t = self.same_host
+        return t if t is not None and t.is_open and tensor.device.type == "cpu" else None
+
+    def close(self) -> None:
+        """Unmap the shared memory; the collectives go through the process group from then on."""
+        if self.same_host is not None:
+            self.same_host.close()
+
     def host_all_gather_into(self, out: torch.Tensor, message: torch.Tensor, async_op: bool) -> Any:
         """:meth:`all_gather_into` for host tensors (see [Note: host-side agreement])."""
         if self.world == 1:
@@ -105,6 +127,10 @@ class Comm:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
             return None
+        shared = self._shared(out)
+        if shared is not None:
+            shared.all_gather([out], [shard])
+            return None
         return _all_gather_single(out, shard, group=self.group, async_op=async_op)
 
     def all_gather_coalesced(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> Any:
@@ -119,6 +145,10 @@ class Comm:
                 or ("gloo" in self.backend and outs[0].device.type != "cpu")):
             works = [self.all_gather_into(o, s, async_op=True) for o, s in zip(outs, shards)]
             return _Works([w for w in works if w is not None])
+        shared = self._shared(outs[0])
+        if shared is not None:  # every dtype in one pass: the bytes are copied as they are
+            shared.all_gather(outs, shards)
+            return _Works([])
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for out, shard in zip(outs, shards):
             by_dtype.setdefault(shard.dtype, []).append((out, shard))
@@ -134,6 +164,10 @@ class Comm:
         """``out`` receives this rank's slice of the element-wise sum of every rank's ``full``."""
         if self.world == 1:
             out.copy_(full)
+            return None
+        shared = self._shared(full)
+        if shared is not None:
+            shared.reduce_scatter_sum(out, full)
             return None
         return _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from zinf.errors import CollectiveTimeoutError, ZinfError
+from zinf.errors import CollectiveTimeoutError, SharedMemoryTimeout, ZinfError
 from zinf.runtime.comm import Comm
 
 __all__ = ["CollectiveWatchdog"]
@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 def _is_timeout(exc: BaseException) -> bool:
     """A collective's timeout as torch's backends report it: gloo raises a RuntimeError from its transport
     ("gloo/transport/... Timed out waiting 3000ms for recv operation to complete"), NCCL a DistBackendError.
-    Anything else that merely mentions a timeout (user code, a data loader) is left as it is."""
+    Anything else that merely mentions a timeout (user code, a data loader) is left as it is. The shared memory of
+    ranks on one host raises its own :class:`SharedMemoryTimeout`."""
+    if isinstance(exc, SharedMemoryTimeout):
+        return True
     if not isinstance(exc, RuntimeError) or isinstance(exc, ZinfError):
         return False
     text = str(exc).lower()

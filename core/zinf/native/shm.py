@@ -1,0 +1,35 @@
+"""Flags in shared memory: wraps ``zinf._native.shm`` (stub: ``_native_shm.pyi`` beside this file).
+
+The ranks of one host signal each other through 32-bit sequence numbers in a file they all map
+(see [Note: same-host collectives] in zinf/shared_memory.py):
+
+- :func:`post`: every store before it is made visible, then the flag is set and its waiters woken;
+- :func:`wait_all`: wait until every flag reached a sequence number (spin, then a futex sleep), with a timeout.
+
+There is no pure-Python fallback: Python cannot order its stores against another process's loads.
+Without the extension, :func:`available` is False and the collectives go through the process group.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .loader import _native
+
+__all__ = ["available", "post", "wait_all"]
+
+
+def available() -> bool:
+    return _native is not None
+
+
+def post(flag: int, seq: int) -> None:
+    """Set the flag at address ``flag`` to ``seq`` (modulo 2**32) once every earlier store is visible."""
+    assert _native is not None, "zinf.native.shm needs the C++ extension (check available() first)"
+    _native.shm.post(flag, seq & 0xFFFFFFFF)
+
+
+def wait_all(flags: Sequence[int], seq: int, timeout_s: float) -> int:
+    """Wait until every flag reached ``seq``; -1, or the index of the first flag that had not after ``timeout_s``."""
+    assert _native is not None, "zinf.native.shm needs the C++ extension (check available() first)"
+    return int(_native.shm.wait_all(list(flags), seq & 0xFFFFFFFF, float(timeout_s)))

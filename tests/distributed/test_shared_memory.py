@@ -1,0 +1,137 @@
+"""Collectives through shared memory between the ranks of one host (zinf/shared_memory.py), against gloo's on the
+same tensors, and a training run with them against the same run through gloo (2 and 4 gloo ranks)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zinf
+from dist_utils import run_distributed
+from zinf import shared_memory
+from zinf.runtime.comm import Comm
+from zinf.shared_memory import SameHostTransport
+
+pytestmark = pytest.mark.distributed
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collectives(rank: int, world: int) -> dict:
+    comm = Comm.current()
+    shared = comm.with_same_host(SameHostTransport.connect(comm))
+    assert shared.same_host is not None, "every rank is on this host: the transport must be set up"
+    g = torch.Generator().manual_seed(100 + rank)
+    dist.barrier()  # every rank has unlinked its file
+    out: dict = {"files": glob.glob(os.path.join(shared_memory.SHM_DIR, f"zinf-shm-{shared.same_host.token}-*"))}
+    # sizes below, at and above a chunk (split over several), several tensors of mixed dtypes in one call
+    chunk = shared_memory.CHUNK_BYTES
+    sizes = [7, 1000, chunk // 4 // world, chunk // 4 + 13, 3 * chunk // 4 + 5]
+    for n in sizes:
+        shard = torch.randn(n, generator=g)
+        mine, theirs = torch.empty(world * n), torch.empty(world * n)
+        shared.all_gather_into(mine, shard, async_op=False)
+        _all_gather(theirs, shard)
+        out[f"gather {n}"] = torch.equal(mine, theirs)
+        full = torch.randn(world * n, generator=g)
+        mine, theirs = torch.empty(n), torch.empty(n)
+        shared.reduce_scatter_sum(mine, full, async_op=False)
+        _reduce_scatter(theirs, full.clone())
+        out[f"scatter {n} gloo"] = torch.equal(mine, theirs)
+        whole = torch.empty(world * n)  # every rank's slice, to compare with the sum in rank order
+        _all_gather(whole, mine)
+        out[f"scatter {n} rank order"] = whole
+        out[f"scatter {n} input"] = full
+    shards = [torch.randn(5, generator=g), torch.randn(chunk // 8, generator=g).to(torch.bfloat16),
+              torch.randint(0, 100, (chunk // 16 + 3,), generator=g), torch.randn(3, generator=g).double()]
+    outs = [torch.empty(world * s.numel(), dtype=s.dtype) for s in shards]
+    shared.all_gather_coalesced(outs, shards).wait()
+    for i, (o, s) in enumerate(zip(outs, shards)):
+        ref = torch.empty_like(o)
+        _all_gather(ref, s)
+        out[f"coalesced {i}"] = torch.equal(o, ref)
+    out["ops"] = shared.same_host.ops
+    shared.close()
+    out["closed falls back"] = shared._shared(torch.empty(1)) is None
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_equal_gloos(world: int) -> None:
+    results = run_distributed(_collectives, world)
+    for rank, res in enumerate(results):
+        assert res["files"] == [], f"rank {rank}: segments left in /dev/shm after set-up: {res['files']}"
+        for key, value in res.items():
+            if key.startswith(("gather", "coalesced")) or key.endswith("gloo") and world == 2:
+                assert value is True, f"rank {rank}, world {world}: {key} differs from gloo's"
+        assert res["ops"] > 0 and res["closed falls back"]
+    for key in [k for k in results[0] if k.endswith("rank order")]:
+        n = int(key.split()[1])
+        full = torch.stack([res[key.replace("rank order", "input")] for res in results]).view(world, world, n)
+        expect = full[0].clone()
+        for r in range(1, world):
+            expect += full[r]  # rank r's input, every slice: summed in rank order
+        assert torch.equal(results[0][key], expect.reshape(-1)), f"world {world}: {key}"
+
+
+def _train(rank: int, world: int, shared_memory: str) -> dict:
+    torch.manual_seed(0)
+    config = {"overlap": {"shared_memory": shared_memory}, "gradient_clipping": 1.0}
+    with zinf.Init(config):
+        model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64),
+                              nn.Linear(64, 300))
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        idx = torch.randint(0, 300, (4, 16), generator=g)
+        loss = nn.functional.cross_entropy(engine(idx).flatten(0, 1), idx.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    transport = engine.comm.same_host
+    ops = None if transport is None else transport.ops
+    state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return {"losses": losses, "ops": ops, "state": state}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_through_shared_memory_equals_gloo(world: int) -> None:
+    shm = run_distributed(_train, world, "auto")
+    gloo = run_distributed(_train, world, "off")
+    assert all(r["ops"] for r in shm) and all(r["ops"] is None for r in gloo)
+    for a, b in zip(shm, gloo):
+        assert a["losses"] == b["losses"]
+        if world == 2:  # x0 + x1 either way; with 4 ranks gloo's order of summation is its own
+            for k in a["state"]:
+                assert torch.equal(a["state"][k], b["state"][k]), k
+
+
+def _late_peer(rank: int, world: int) -> str:
+    comm = Comm.current()
+    transport = SameHostTransport.connect(comm, timeout_s=1.0)
+    assert transport is not None
+    if rank == 1:
+        time.sleep(3.0)  # never joins the collective
+        return "slept"
+    start = time.monotonic()
+    try:
+        transport.all_gather([torch.empty(world * 4)], [torch.ones(4)])
+    except zinf.errors.SharedMemoryTimeout as exc:
+        return f"{time.monotonic() - start:.1f}|{exc}"
+    return "no error"
+
+
+def test_a_peer_that_never_posts_is_named_after_the_timeout() -> None:
+    result = run_distributed(_late_peer, 2)[0]
+    waited, _, message = result.partition("|")
+    assert 0.9 <= float(waited) < 2.5, result
+    assert "rank 1" in message and "collective_timeout_s" in message and "shared_memory: off" in message
