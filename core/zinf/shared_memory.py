@@ -54,6 +54,7 @@ SHM_DIR = "/dev/shm"
 _HEADER = 4096  # the flag, alone on its page
 _ALIGN = 64
 _DEFAULT_TIMEOUT_S = 1800.0  # gloo's default
+_SPINS = 4000  # checks of a flag before sleeping on it (tens of microseconds), where every rank has a core
 
 
 class TransportState(enum.Enum):
@@ -90,6 +91,8 @@ class SameHostTransport:
         self._segments = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         self._flags = [s.data_ptr() for s in self._segments]
         self._seq = 0
+        # more ranks than cores: a rank that spins takes the core from the one it waits for
+        self._spins = _SPINS if world <= len(os.sched_getaffinity(0)) else 0
         self.ops = 0  # chunks exchanged: one flag wait each
         self.bytes_out = 0  # bytes this rank copied into its buffers
         self.state = TransportState.OPEN
@@ -244,7 +247,7 @@ class SameHostTransport:
         seq = self._seq + 1
         native_shm.post(self._flags[self.rank], seq)
         peers = [r for r in range(self.world) if r != self.rank]
-        late = native_shm.wait_all([self._flags[r] for r in peers], seq, self.timeout_s)
+        late = native_shm.wait_all([self._flags[r] for r in peers], seq, self.timeout_s, self._spins)
         if late >= 0:
             raise SharedMemoryTimeout(
                 f"zinf: timed out after {self.timeout_s:.0f}s waiting for rank {peers[late]} in a shared-memory "

@@ -16,14 +16,14 @@ void bind_shm(py::module_& m) {
       py::arg("flag"), py::arg("seq"));
   m.def(
       "wait_all",
-      [](const std::vector<uintptr_t>& flags, uint32_t seq, double timeout_s) {
+      [](const std::vector<uintptr_t>& flags, uint32_t seq, double timeout_s, int spins) {
         std::vector<uint32_t*> ptrs;
         ptrs.reserve(flags.size());
         for (uintptr_t f : flags) ptrs.push_back(reinterpret_cast<uint32_t*>(f));
         py::gil_scoped_release release;
-        return zinf::shm::wait_all(ptrs, seq, timeout_s);
+        return zinf::shm::wait_all(ptrs, seq, timeout_s, spins);
       },
-      py::arg("flags"), py::arg("seq"), py::arg("timeout_s"));
+      py::arg("flags"), py::arg("seq"), py::arg("timeout_s"), py::arg("spins"));
 }
 
 }  // namespace zinf::bindings

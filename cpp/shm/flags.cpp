@@ -18,7 +18,6 @@
 namespace zinf::shm {
 namespace {
 
-constexpr int kSpins = 4000;            // a few tens of microseconds before sleeping
 constexpr long kSleepNs = 1'000'000;    // one futex sleep at most: the deadline is checked between them
 
 bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
@@ -35,17 +34,17 @@ void post(uint32_t* flag, uint32_t seq) {
   futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-int wait_all(const std::vector<uint32_t*>& flags, uint32_t seq, double timeout_s) {
+int wait_all(const std::vector<uint32_t*>& flags, uint32_t seq, double timeout_s, int spins) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
   for (size_t i = 0; i < flags.size(); ++i) {
     uint32_t* flag = flags[i];
-    int spins = 0;
+    int spun = 0;
     for (;;) {
       const uint32_t value = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
       if (reached(value, seq)) break;
-      if (spins < kSpins) {
-        ++spins;
+      if (spun < spins) {
+        ++spun;
         ZINF_PAUSE();
         continue;
       }

@@ -29,7 +29,8 @@ def post(flag: int, seq: int) -> None:
     _native.shm.post(flag, seq & 0xFFFFFFFF)
 
 
-def wait_all(flags: Sequence[int], seq: int, timeout_s: float) -> int:
-    """Wait until every flag reached ``seq``; -1, or the index of the first flag that had not after ``timeout_s``."""
+def wait_all(flags: Sequence[int], seq: int, timeout_s: float, spins: int = 0) -> int:
+    """Wait until every flag reached ``seq``, checking each up to ``spins`` times before sleeping on it; -1, or the
+    index of the first flag that had not after ``timeout_s``."""
     assert _native is not None, "zinf.native.shm needs the C++ extension (check available() first)"
-    return int(_native.shm.wait_all(list(flags), seq & 0xFFFFFFFF, float(timeout_s)))
+    return int(_native.shm.wait_all(list(flags), seq & 0xFFFFFFFF, float(timeout_s), int(spins)))
