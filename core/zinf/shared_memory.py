@@ -22,7 +22,9 @@ reduce-scatters go through files in ``/dev/shm`` instead (``overlap.shared_memor
 Collectives complete when called (the returned handle is None): every rank issues them in the same order (the
 rounds of zinf/schedule/rounds.py see to it), so a rank waiting for the others always waits for something they
 will do. A rank that does not post within the timeout (``collective_timeout_s``, else gloo's 30 minutes) raises
-:class:`SharedMemoryTimeout`, which the collective watchdog reports like a gloo timeout.
+:class:`~zinf.errors.SharedMemoryTimeout`, which the collective watchdog reports like a gloo timeout; a rank whose
+process exited is noticed within a fifth of a second (its PID, exchanged when the segments are set up, is looked up
+while the others sleep on its flag), as gloo notices a closed socket.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class TransportState(enum.Enum):
 class _HostId:
     host: str
     boot: str
+    pid_ns: str  # the same PID namespace: a rank can tell whether another one's process still runs
     shm_dir: bool
     native: bool
 
@@ -76,16 +79,22 @@ def _host_id() -> _HostId:
             boot = f.read().strip()
     except OSError:
         boot = ""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = ""
     usable = os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-    return _HostId(socket.gethostname(), boot, usable, native_shm.available())
+    return _HostId(socket.gethostname(), boot, pid_ns, usable, native_shm.available())
 
 
 class SameHostTransport:
     """The shared segments of one process group whose ranks share a host; made by :meth:`connect` (every rank
     together), closed by :meth:`close`."""
 
-    def __init__(self, rank: int, world: int, maps: list[mmap.mmap], timeout_s: float, token: str) -> None:
+    def __init__(self, rank: int, world: int, maps: list[mmap.mmap], timeout_s: float, token: str,
+                 pids: list[int]) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self._pids = pids  # every rank's process, to notice one that exited while the others wait for it
         self.token = token  # in the names of the segments' files (unlinked once every rank mapped them)
         self._maps = maps
         self._segments = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
@@ -120,11 +129,11 @@ class SameHostTransport:
         if comm.world == 1 or "gloo" not in comm.backend or comm.device.type != "cpu":
             return None
         rank, world, all_gather_object = comm.rank, comm.world, comm.all_gather_object
-        ids = all_gather_object((_host_id(), uuid.uuid4().hex))
+        ids = all_gather_object((_host_id(), uuid.uuid4().hex, os.getpid()))
         first = ids[0][0]
-        if not all(i == first and i.shm_dir and i.native for i, _ in ids):
+        if not all(i == first and i.shm_dir and i.native and i.pid_ns for i, _, _ in ids):
             return None
-        token = ids[0][1]
+        token, pids = ids[0][1], [pid for _, _, pid in ids]
         nbytes = _HEADER + 2 * CHUNK_BYTES
         paths = [os.path.join(SHM_DIR, f"zinf-shm-{token}-{r}") for r in range(world)]
         error = ""
@@ -157,7 +166,7 @@ class SameHostTransport:
             log.warning("zinf: shared memory between the ranks of this host could not be set up (%s); the "
                         "collectives go through the process group", errors[0])
             return None
-        return cls(rank, world, maps, timeout_s if timeout_s > 0 else _DEFAULT_TIMEOUT_S, token)
+        return cls(rank, world, maps, timeout_s if timeout_s > 0 else _DEFAULT_TIMEOUT_S, token, pids)
 
     def close(self) -> None:
         if self.state is TransportState.CLOSED:
@@ -247,7 +256,12 @@ class SameHostTransport:
         seq = self._seq + 1
         native_shm.post(self._flags[self.rank], seq)
         peers = [r for r in range(self.world) if r != self.rank]
-        late = native_shm.wait_all([self._flags[r] for r in peers], seq, self.timeout_s, self._spins)
+        late = native_shm.wait_all([self._flags[r] for r in peers], [self._pids[r] for r in peers], seq, self.timeout_s,
+                                   self._spins)
+        if late <= -2:
+            gone = peers[-2 - late]
+            raise ZinfError(f"zinf: rank {gone} (pid {self._pids[gone]}) exited while this rank waited for it in a "
+                            f"shared-memory collective (chunk {seq}); its own log says why")
         if late >= 0:
             raise SharedMemoryTimeout(
                 f"zinf: timed out after {self.timeout_s:.0f}s waiting for rank {peers[late]} in a shared-memory "

@@ -16,14 +16,16 @@ void bind_shm(py::module_& m) {
       py::arg("flag"), py::arg("seq"));
   m.def(
       "wait_all",
-      [](const std::vector<uintptr_t>& flags, uint32_t seq, double timeout_s, int spins) {
+      [](const std::vector<uintptr_t>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
+         int spins) {
         std::vector<uint32_t*> ptrs;
         ptrs.reserve(flags.size());
         for (uintptr_t f : flags) ptrs.push_back(reinterpret_cast<uint32_t*>(f));
         py::gil_scoped_release release;
-        return zinf::shm::wait_all(ptrs, seq, timeout_s, spins);
+        return zinf::shm::wait_all(ptrs, pids, seq, timeout_s, spins);
       },
-      py::arg("flags"), py::arg("seq"), py::arg("timeout_s"), py::arg("spins"));
+      py::arg("flags"), py::arg("pids"), py::arg("seq"), py::arg("timeout_s"), py::arg("spins"));
+  m.def("process_alive", &zinf::shm::process_alive, py::arg("pid"));
 }
 
 }  // namespace zinf::bindings

@@ -1,11 +1,15 @@
 #include "flags.h"
 
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstring>
 #include <ctime>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -19,6 +23,7 @@ namespace zinf::shm {
 namespace {
 
 constexpr long kSleepNs = 1'000'000;    // one futex sleep at most: the deadline is checked between them
+constexpr int kLivenessMs = 200;        // how often a sleeping waiter looks whether the rank it waits for still runs
 
 bool reached(uint32_t value, uint32_t seq) { return static_cast<int32_t>(value - seq) >= 0; }
 
@@ -34,12 +39,30 @@ void post(uint32_t* flag, uint32_t seq) {
   futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-int wait_all(const std::vector<uint32_t*>& flags, uint32_t seq, double timeout_s, int spins) {
+bool process_alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;  // no /proc: kill() said it is there
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');  // "pid (comm) S ...": the state follows the last ')'
+  if (close == nullptr || close[1] == '\0') return true;
+  const char state = close[2];
+  return state != 'Z' && state != 'X';
+}
+
+int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
+             int spins) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
   for (size_t i = 0; i < flags.size(); ++i) {
     uint32_t* flag = flags[i];
     int spun = 0;
+    auto next_look = clock::now() + std::chrono::milliseconds(kLivenessMs);
     for (;;) {
       const uint32_t value = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
       if (reached(value, seq)) break;
@@ -48,7 +71,12 @@ int wait_all(const std::vector<uint32_t*>& flags, uint32_t seq, double timeout_s
         ZINF_PAUSE();
         continue;
       }
-      if (clock::now() >= deadline) return static_cast<int>(i);
+      const auto now = clock::now();
+      if (now >= deadline) return static_cast<int>(i);
+      if (i < pids.size() && now >= next_look) {
+        if (!process_alive(pids[i]) && !reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), seq)) return -2 - static_cast<int>(i);
+        next_look = now + std::chrono::milliseconds(kLivenessMs);
+      }
       const timespec nap{0, kSleepNs};
       futex(flag, FUTEX_WAIT, value, &nap);  // returns at once if the flag moved on since it was read
     }

@@ -12,8 +12,13 @@ void post(uint32_t* flag, uint32_t seq);
 
 // Waits until every flag has reached `seq` (sequence numbers wrap: compared modulo 2^32). Checks each flag up to
 // `spins` times (a pause between checks), then sleeps on it (a futex keyed by the shared page, so it works across
-// processes); spin only where every rank has a core of its own. Returns -1 when every flag reached it, else the
-// index in `flags` of the first one that had not after `timeout_s` seconds.
-int wait_all(const std::vector<uint32_t*>& flags, uint32_t seq, double timeout_s, int spins);
+// processes); spin only where every rank has a core of its own. While it sleeps on flag i it looks, every
+// kLivenessMs, whether process `pids[i]` (same PID namespace) still runs. Returns -1 when every flag reached it;
+// i when flag i had not after `timeout_s` seconds; -2 - i when process `pids[i]` exited (or is a zombie) first.
+int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
+             int spins);
+
+// Whether process `pid` is running (not gone, not a zombie waiting to be reaped).
+bool process_alive(int pid);
 
 }  // namespace zinf::shm

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 import zinf
@@ -135,3 +136,28 @@ def test_a_peer_that_never_posts_is_named_after_the_timeout() -> None:
     waited, _, message = result.partition("|")
     assert 0.9 <= float(waited) < 2.5, result
     assert "rank 1" in message and "collective_timeout_s" in message and "shared_memory: off" in message
+
+
+def _dead_peer(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
+    comm = Comm.current()
+    transport = SameHostTransport.connect(comm, timeout_s=60.0)  # without the exit noticed: a timeout after 60 s
+    assert transport is not None
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a SIGKILLed rank (0: the launcher waits for rank 0's answer)
+    start = time.monotonic()
+    try:
+        transport.all_gather([torch.empty(world * 4)], [torch.ones(4)])
+        result = "no error"
+    except zinf.ZinfError as exc:
+        result = f"{time.monotonic() - start:.1f}|{exc}"
+    with open(f"{tmp}/result0", "w") as f:
+        f.write(result)
+    os._exit(0)
+
+
+def test_a_peer_that_exits_is_named_at_once(tmp_path) -> None:
+    mp.start_processes(_dead_peer, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    waited, _, message = (tmp_path / "result0").read_text().partition("|")
+    assert float(waited) < 5.0 and "rank 1 (pid " in message and "exited" in message, message

@@ -4,7 +4,8 @@ The ranks of one host signal each other through 32-bit sequence numbers in a fil
 (see [Note: same-host collectives] in zinf/shared_memory.py):
 
 - :func:`post`: every store before it is made visible, then the flag is set and its waiters woken;
-- :func:`wait_all`: wait until every flag reached a sequence number (spin, then a futex sleep), with a timeout.
+- :func:`wait_all`: wait until every flag reached a sequence number (spin, then a futex sleep), with a timeout,
+  noticing a waited-for process that exited.
 
 There is no pure-Python fallback: Python cannot order its stores against another process's loads.
 Without the extension, :func:`available` is False and the collectives go through the process group.
@@ -29,8 +30,9 @@ def post(flag: int, seq: int) -> None:
     _native.shm.post(flag, seq & 0xFFFFFFFF)
 
 
-def wait_all(flags: Sequence[int], seq: int, timeout_s: float, spins: int = 0) -> int:
-    """Wait until every flag reached ``seq``, checking each up to ``spins`` times before sleeping on it; -1, or the
-    index of the first flag that had not after ``timeout_s``."""
+def wait_all(flags: Sequence[int], pids: Sequence[int], seq: int, timeout_s: float, spins: int = 0) -> int:
+    """Wait until every flag reached ``seq``, checking each up to ``spins`` times before sleeping on it, and while
+    asleep on flag i, whether process ``pids[i]`` still runs (empty ``pids``: no such check). -1 when all did; i when
+    flag i had not after ``timeout_s``; -2 - i when process ``pids[i]`` exited first."""
     assert _native is not None, "zinf.native.shm needs the C++ extension (check available() first)"
-    return int(_native.shm.wait_all(list(flags), seq & 0xFFFFFFFF, float(timeout_s), int(spins)))
+    return int(_native.shm.wait_all(list(flags), list(pids), seq & 0xFFFFFFFF, float(timeout_s), int(spins)))
