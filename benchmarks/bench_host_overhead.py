@@ -18,7 +18,8 @@ and the blocking syncs a GPU would pay in forward + backward (the device placeme
 deterministic; tests/benchmarks/test_host_overhead.py asserts them. Collectives are counted as the backend receives
 them, those that carry device tensors (with NCCL, NCCL's) apart from those of host tensors only (zinf's control
 messages, which go over a gloo group beside NCCL: [Note: host-side agreement] in zinf/runtime/comm.py); zinf's
-gather policy is the same on both backends.
+gather policy is the same on both backends. zinf runs with ``overlap.shared_memory: off``: a GPU's collectives go
+through the process group, never through the shared memory of CPU ranks.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from harness import models  # noqa: E402
 from harness.host_counts import HostWork  # noqa: E402
 
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+# the collectives of a GPU run: through the process group, never the shared memory of CPU ranks on one host
+_AS_ON_A_GPU: dict[str, Any] = {"overlap": {"shared_memory": "off"}}
 ZINF_SETTINGS: dict[str, dict[str, Any]] = {
-    "zinf": {},
-    "zinf-noext": {"detect_external_params": False},
-    "zinf-modules": {"unit_policy": "modules"},
+    "zinf": {**_AS_ON_A_GPU},
+    "zinf-noext": {**_AS_ON_A_GPU, "detect_external_params": False},
+    "zinf-modules": {**_AS_ON_A_GPU, "unit_policy": "modules"},
 }
 LABELS = {"plain": "plain PyTorch (no communication)", "fsdp2": "FSDP2 (fully_shard per block + root)",
           "zinf": "zinf defaults", "zinf-noext": "zinf, detect_external_params off",
