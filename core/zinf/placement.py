@@ -315,7 +315,7 @@ class Placement:
 
     def close(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.settle()
+            self.optimizer.close()
         self.store.close()
         if self.swap is not None:
             self.swap.close()

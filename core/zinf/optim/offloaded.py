@@ -39,16 +39,16 @@ are given back and read again in turn (once per change of order). Each sub-group
 others', so the order changes no value.
 
 [Note: a background step at exit]
-The thread is not a daemon, so interpreter exit waits for a running step instead of killing it inside
-native code. That wait (``threading._shutdown``) only knows threads that have registered themselves, which a
-new thread does a moment after ``Thread.start()`` was called: an exception raised in the main thread inside
-``start()`` leaves a step running that nobody waits for. zinf's SIGTERM handler raised its ``SystemExit``
-there (now it waits for ``step()`` to return: [Note: clean stops] in zinf/offload/cleanup.py); a Ctrl-C still
-can. Finalization then stops the thread when it next takes the GIL, inside the C++
-Adam's or the I/O wait's frames, and the process aborts ("terminate called without an active exception",
-seen about once in ten SIGTERMs of a small NVMe run) before the swap files are removed. So an exit handler
-joins every background step once its thread is running (:func:`_join_background_steps`); registered when
-the first step starts, it runs before the swap files' removal (exit handlers run last-registered first).
+The step runs on a worker of a one-thread ``ThreadPoolExecutor`` (made at the first background step, kept until
+the engine closes), which interpreter exit joins after its queued work is done, instead of killing it inside
+native code. That join only knows a worker once it started, a moment after the first submission: an exception
+raised in the main thread in between leaves a step running that nobody waits for. zinf's SIGTERM handler raised
+its ``SystemExit`` there (now it waits for ``step()`` to return: [Note: clean stops] in zinf/offload/cleanup.py);
+a Ctrl-C still can. Finalization then stops the thread when it next takes the GIL, inside the C++ Adam's or the
+I/O wait's frames, and the process aborts ("terminate called without an active exception", seen about once in ten
+SIGTERMs of a small NVMe run) before the swap files are removed. So an exit handler joins every background step
+once its thread is running (:func:`_join_background_steps`); registered when the first step starts, it runs before
+the swap files' removal (exit handlers run last-registered first).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ import math
 import logging
 import threading
 import weakref
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -129,8 +131,10 @@ class OffloadedAdam:
         self.groups = list(groups)
         self.background = background
         self.timers = timers or StepTimers()
-        self._thread: threading.Thread | None = None
-        self._thread_running = threading.Event()  # set by the thread itself: it is registered for exit's wait
+        # one worker, made at the first background step and kept: a thread started per step made the training
+        # thread wait in Thread.start() until the new thread ran, milliseconds on cores busy with the other ranks
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future | None = None  # the background step submitted last
         self._error: BaseException | None = None
         self._hyper: list[AdamHyper] = []
         self._factors: dict[int, float] = {}
@@ -185,9 +189,9 @@ class OffloadedAdam:
         # not a daemon: interpreter exit waits for a running step (see [Note: a background step at exit])
         _register_exit_handler()
         _RUNNING.add(self)
-        self._thread_running.clear()
-        self._thread = threading.Thread(target=self._background, name="zinf-offloaded-adam", daemon=False)
-        self._thread.start()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-offloaded-adam")
+        self._job = self._pool.submit(self._background)
 
     # -- steps during the backward (see [Note: steps during the backward] in zinf/optim/early_steps.py) ----------
     def _hyper_now(self) -> list[AdamHyper]:
@@ -225,22 +229,32 @@ class OffloadedAdam:
     def wait(self) -> None:
         """Block until a background step has finished; raise its error here (and on every later call:
         after a failed step the model is half updated and must not be trained on)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._job is not None:
+            self._job.result()  # _background keeps its error in self._error
+            self._job = None
         if self._error is not None:
             log.error("zinf: the background optimizer step failed; the model is partly updated and will not train "
                       "further. Restart from the last checkpoint.")
             raise self._error
 
     def join_at_exit(self) -> None:
-        """Wait for a background step, even one whose ``start()`` an exception cut short (its error is left for the
+        """Wait for a background step, even one whose submission an exception cut short (its error is left for the
         log: the process is ending)."""
-        thread = self._thread
-        if thread is None:
+        job = self._job
+        if job is None:
             return
-        if self._thread_running.wait(timeout=2.0):  # not set: the thread never ran (start() failed before it)
-            thread.join()
+        done, _ = futures.wait([job], timeout=2.0)
+        if not done and job.running():  # not running after 2 s: its worker never started
+            futures.wait([job])
+
+    def close(self) -> None:
+        """Finish a background step and let the workers go (the engine is closed)."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.early is not None:
+            self.early.close()
 
     def before_backward(self) -> None:
         """Block until every group's update of a background step is done (its state writes may still be
@@ -263,7 +277,6 @@ class OffloadedAdam:
         self.states.settle()
 
     def _background(self) -> None:
-        self._thread_running.set()
         self.states.on_background_thread()
         try:
             self._run()

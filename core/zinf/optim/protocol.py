@@ -52,6 +52,10 @@ class ShardOptimizer(Protocol):
         """Wait for the step in flight and give back what was read ahead: the state's home alone holds it."""
         ...
 
+    def close(self) -> None:
+        """Settle, then let go of any worker thread (the engine is closed)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     # [Note: portable optimizer state]

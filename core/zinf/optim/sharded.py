@@ -133,6 +133,9 @@ class ShardedOptimizer:
     def settle(self) -> None:
         return None
 
+    def close(self) -> None:
+        return None
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
