@@ -109,10 +109,11 @@ def test_16bit_storage_halves_the_bytes_at_rest_and_read(tmp_path: Path) -> None
             assert wide["bytes_per_param"] == pytest.approx(4.0, rel=rel), (rank, params, wide)
             assert narrow["bytes_per_param"] == pytest.approx(2.0, rel=rel), (rank, params, narrow)
         wide_reads, narrow_reads = r["precision/nvme"]["reads"], r["bf16/nvme"]["reads"]
-        # read from NVMe at all: one step's report may show none (seen once, under load, with the scalar CPU-Adam):
-        # reads count in the step that waits for them, and what the pool holds depends on the timing
-        assert sum(narrow_reads) > 0, narrow_reads
+        # fp32 shards are over twice the pool, so every fp32 step reads; the bf16 shards are just over it, and what a
+        # bf16 step reads depends on the timing (reads count in the step that waits for them): seen from 0 (both
+        # measured steps, the CPU-Adam at scalar, under load) to 2.3 MB
+        assert min(wide_reads) > 0, wide_reads
         # half the bytes per shard, and more of the shards stay cached in the same pool: at most half as many read
-        ratio = sum(wide_reads) / sum(narrow_reads)
-        assert ratio >= 2.0, f"rank {rank}: NVMe bytes read per step, fp32 {wide_reads} vs bf16 {narrow_reads}"
-        print(f"rank {rank}: NVMe bytes read per step fp32 {wide_reads[-1]:,} / bf16 {narrow_reads[-1]:,} = {ratio:.3f}")
+        assert 2 * sum(narrow_reads) <= sum(wide_reads), \
+            f"rank {rank}: NVMe bytes read per step, fp32 {wide_reads} vs bf16 {narrow_reads}"
+        print(f"rank {rank}: NVMe bytes read per step fp32 {wide_reads} / bf16 {narrow_reads}")
