@@ -103,7 +103,6 @@ class SameHostTransport:
         # more ranks than cores: a rank that spins takes the core from the one it waits for
         self._spins = _SPINS if world <= len(os.sched_getaffinity(0)) else 0
         self.ops = 0  # chunks exchanged: one flag wait each
-        self.bytes_out = 0  # bytes this rank copied into its buffers
         self.state = TransportState.OPEN
 
     @property
@@ -113,7 +112,7 @@ class SameHostTransport:
 
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         """{tier: {"shared_memory": bytes}} while open, in the form of ``ZeroInfinityEngine.resident_bytes``."""
-        if self.state is not TransportState.OPEN:
+        if not self.is_open:
             return {}
         return {tier_of(self._segments[self.rank]): {"shared_memory": self.segment_bytes}}
 
@@ -210,14 +209,12 @@ class SameHostTransport:
         per_chunk = max(1, CHUNK_BYTES // (self.world * full.element_size()))
         for a in range(0, n, per_chunk):
             b = min(n, a + per_chunk)
-            mine = self._buffer(self.rank).view(full.dtype)[: self.world * (b - a)].view(self.world, b - a)
+            mine = self._slices(self.rank, full.dtype, b - a)
             for r in range(self.world):
                 if r != self.rank:
                     mine[r].copy_(rows[r, a:b])
-            self.bytes_out += (self.world - 1) * (b - a) * full.element_size()
             self._exchange()
-            parts = [rows[self.rank, a:b] if r == self.rank else
-                     self._buffer(r).view(full.dtype)[: self.world * (b - a)].view(self.world, b - a)[self.rank]
+            parts = [rows[self.rank, a:b] if r == self.rank else self._slices(r, full.dtype, b - a)[self.rank]
                      for r in range(self.world)]
             torch.add(parts[0], parts[1], out=flat_out[a:b])
             for part in parts[2:]:
@@ -227,7 +224,7 @@ class SameHostTransport:
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self.state is not TransportState.OPEN:
+        if not self.is_open:
             raise ZinfError("zinf: the shared-memory transport was closed (the engine was closed); build a new engine")
 
     def _buffer(self, r: int) -> torch.Tensor:
@@ -235,11 +232,14 @@ class SameHostTransport:
         start = _HEADER + (self._seq % 2) * CHUNK_BYTES
         return self._segments[r][start : start + CHUNK_BYTES]
 
+    def _slices(self, r: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """Rank r's buffer as a reduce-scatter chunk: one row of ``width`` elements for each rank."""
+        return self._buffer(r).view(dtype)[: self.world * width].view(self.world, width)
+
     def _gather_chunk(self, pending: list[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> None:
         mine = self._buffer(self.rank)
         for _, src, start, n, at in pending:
             mine[at : at + n].copy_(src[start : start + n])
-            self.bytes_out += n
         self._exchange()
         for r in range(self.world):
             buf = self._buffer(r)

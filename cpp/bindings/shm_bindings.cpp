@@ -25,7 +25,6 @@ void bind_shm(py::module_& m) {
         return zinf::shm::wait_all(ptrs, pids, seq, timeout_s, spins);
       },
       py::arg("flags"), py::arg("pids"), py::arg("seq"), py::arg("timeout_s"), py::arg("spins"));
-  m.def("process_alive", &zinf::shm::process_alive, py::arg("pid"));
 }
 
 }  // namespace zinf::bindings

@@ -31,14 +31,7 @@ long futex(uint32_t* addr, int op, uint32_t value, const timespec* timeout) {
   return syscall(SYS_futex, addr, op, value, timeout, nullptr, 0);
 }
 
-}  // namespace
-
-void post(uint32_t* flag, uint32_t seq) {
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
-  futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
-}
-
+// Whether process `pid` is running (not gone, not a zombie waiting to be reaped).
 bool process_alive(int pid) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
   char path[64];
@@ -53,6 +46,14 @@ bool process_alive(int pid) {
   if (close == nullptr || close[1] == '\0') return true;
   const char state = close[2];
   return state != 'Z' && state != 'X';
+}
+
+}  // namespace
+
+void post(uint32_t* flag, uint32_t seq) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
+  futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
 int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,

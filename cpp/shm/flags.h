@@ -18,7 +18,4 @@ void post(uint32_t* flag, uint32_t seq);
 int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
              int spins);
 
-// Whether process `pid` is running (not gone, not a zombie waiting to be reaped).
-bool process_alive(int pid);
-
 }  // namespace zinf::shm

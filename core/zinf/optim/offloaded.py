@@ -186,7 +186,7 @@ class OffloadedAdam:
             return
         # a frozen group has no sub-group (see [Note: frozen groups] in zinf/param/flat_group.py): its gathers never wait
         self.fence.begin([g for g in self.groups if self.states.of(g)])
-        # not a daemon: interpreter exit waits for a running step (see [Note: a background step at exit])
+        # interpreter exit waits for a running step (see [Note: a background step at exit])
         _register_exit_handler()
         _RUNNING.add(self)
         if self._pool is None:
