@@ -2,7 +2,8 @@
 each rank's resident memory sampled; run by bench_host_memory.py under ``accelerate launch`` (DDP) and
 ``zinf launch``. Writes ``OUT.rank<r>.json``: the RSS growth over the process's RSS before ``from_pretrained`` at
 each mark (loaded, trainer built, each step's end: current and sampled peak so far), the kernel's high-water mark
-growth, each step's wall time, and with zinf the engine's own host bytes after each step.
+growth, each step's wall time, and with zinf the engine's own host bytes after each step and its host high-water mark
+during the step (``StepReport.peak_host_bytes``).
 
     trainer_memory_script.py MODEL_DIR OUT --steps N
 """
@@ -56,11 +57,13 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
     a = p.parse_args()
     sampler = _Sampler()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     sampler.mark("loaded")
-    args = TrainingArguments(output_dir=a.out + ".trainer", max_steps=a.steps, per_device_train_batch_size=2,
+    args = TrainingArguments(output_dir=a.out + ".trainer", max_steps=a.steps, per_device_train_batch_size=a.batch,
                              learning_rate=2e-5, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
 
@@ -74,9 +77,10 @@ def main() -> None:
             except ImportError:
                 pass
             host = sum(engine.resident_bytes().get("cpu", {}).values()) if engine is not None else None
-            sampler.mark(f"step {state.global_step}", engine_host=host)
+            peak_host = engine.last_report.peak_host_bytes if engine is not None else None
+            sampler.mark(f"step {state.global_step}", engine_host=host, engine_peak_host=peak_host)
 
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64, 32, model.config.vocab_size),
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64, a.seq, model.config.vocab_size),
                       callbacks=[Marks()])
     sampler.mark("trainer built")
     trainer.train()

@@ -22,6 +22,7 @@ from zinf.config import ZeroConfig
 from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
 from zinf.heap import HeapTrimmer
+from zinf.host_memory import HostMemory
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
@@ -86,19 +87,21 @@ class ZeroInfinityEngine:
                 g.make_persistent()
         stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
+        # and [Note: host bytes accounted] in zinf/host_memory.py
         trims = self.placement.trims_host_heap(self.device)
         self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
+        self.host = HostMemory(self.heap)
         bucket = self.config.overlap.bucket_bytes(self.comm.backend, same_host=self.comm.same_host is not None)
         self.reducer = GradReducer(self.comm, bucket, self.timers,
-                                   on_complete=stepper[0].on_grad_complete if stepper else None, heap=self.heap)
+                                   on_complete=stepper[0].on_grad_complete if stepper else None, host=self.host)
         self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
-        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds, heap=self.heap)
+        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds, host=self.host)
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
             model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
             on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
-            on_backward_end=[self._count_backward] + [o.after_backward for o in stepper],
+            on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
             unit_stages=self.placement.stages_like_one_group)
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
@@ -316,9 +319,12 @@ class ZeroInfinityEngine:
         floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
         if floor is not None:
             seconds["nvme_floor"] = floor
-        report = StepReport(step=step, seconds=seconds, counts=counts, bytes=self.resident_bytes(),
+        resident = self.resident_bytes()
+        # [Note: host bytes accounted]: what stays across steps, and the step's most of what came and went
+        kept = sum(n for kind, n in resident.get("cpu", {}).items() if kind not in ("gathered", "grad_buffers"))
+        report = StepReport(step=step, seconds=seconds, counts=counts, bytes=resident,
                             peak_gathered_bytes=fetched.peak_gathered_bytes, skipped=skipped, grad_norm=grad_norm,
-                            loss_scale=loss_scale)
+                            loss_scale=loss_scale, peak_host_bytes=kept + self.host.take_peak())
         self.last_report = report
         every = self.config.log_every_n_steps
         if every and self.comm.rank == 0 and report.step % every == 0:
@@ -341,6 +347,9 @@ class ZeroInfinityEngine:
                 add("grad_shards", g.grad.resident)
             if g.owns_full:
                 add("gathered", g.full)
+            if g.grad_buffer_bytes:
+                out.setdefault(tier_of(g.full), {})["grad_buffers"] = (out.get(tier_of(g.full), {}).get("grad_buffers", 0)
+                                                                        + g.grad_buffer_bytes)
         elsewhere = [self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
         if self.comm.same_host is not None:
             elsewhere.append(self.comm.same_host.bytes_by_tier())

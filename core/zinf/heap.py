@@ -13,10 +13,13 @@ Training on the CPU frees the same way, every step: each unit's gathered paramet
 backward, its gradients after their reduce-scatter. The engine counts those into one ``HeapTrimmer``
 (``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, when the compute device
 is the CPU (on a GPU they are device memory) and the parameters are offloaded: handing pages back costs page faults
-when they are touched again, a price paid where host memory is what the run is short of. Not at the end of every
-step: that lowers RSS between steps, not the peak, and cost a small model's step a fifth of its time. What it saves
-on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer full fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block
-at once instead, at the cost of a fresh mapping (and its page faults) for every gather.
+when they are touched again, a price paid where host memory is what the run is short of. It trims once more at
+the end of every backward (``after_backward``: the activations and the last gradients were freed), which lowers RSS
+between steps to the engine's own account ([Note: host bytes accounted] in zinf/host_memory.py), not the peak. What
+it saves on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer full
+fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block at once instead, at the cost of a fresh mapping (and
+its page faults) for every gather; it does not help once the heap is large and sparse (after loading a model): glibc
+serves a block from the heap's free chunks whenever one fits, and maps it on its own only when none does.
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ class HeapTrimmer:
             return
         self._since += nbytes
         if self._since >= self.every_bytes:
+            self.trim()
+
+    def after_backward(self) -> None:
+        """The end of a backward: its activations and the last gradients were freed, which the next forward would
+        find in the heap, and between steps the resident set is the engine's account ([Note: host bytes accounted]
+        in zinf/host_memory.py). Timed as ``heap_trim``."""
+        if self.every_bytes:
             self.trim()
 
     def flush(self) -> None:

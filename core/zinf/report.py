@@ -101,13 +101,16 @@ class StepReport:
     spent handing freed host memory back (``trim_heap_bytes``; [Note: heap growth] in zinf/heap.py), outside
     ``compute``.
     ``bytes``: tier ("device", "cpu", "nvme") -> kind (param_shards, master, grad_shards,
-    optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak."""
+    optimizer_state, gathered) -> bytes resident at the end of the step, plus the gathered peak. ``peak_host_bytes``:
+    the most host memory the engine held during the step, what it kept across the step and what came and went
+    (gathered parameters, flat gradients), [Note: host bytes accounted] in zinf/host_memory.py."""
 
     step: int
     seconds: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_gathered_bytes: int = 0
+    peak_host_bytes: int = 0
     skipped: bool = False
     grad_norm: float | None = None
     loss_scale: float | None = None
@@ -123,7 +126,7 @@ class StepReport:
         ``zinf/<category>`` seconds for every timed category (always compute, all_gather, reduce_scatter and
         optimizer, 0.0 when not timed; forward, backward, broadcast_buffers, and nvme_read / nvme_write /
         background_nvme_read / background_nvme_write / optimizer_wait where present); ``zinf/bytes_<tier>`` resident bytes per
-        tier (device, cpu, nvme) and ``zinf/peak_gathered_bytes``; ``zinf/nvme_read_bytes`` /
+        tier (device, cpu, nvme), ``zinf/peak_gathered_bytes`` and ``zinf/peak_host_bytes``; ``zinf/nvme_read_bytes`` /
         ``zinf/nvme_written_bytes``, ``zinf/prefetched_gathers`` / ``zinf/demand_gathers``;
         ``zinf/grad_norm`` and ``zinf/loss_scale`` when set; ``zinf/io_hidden_share`` with NVMe I/O;
         ``zinf/skipped`` (1.0 when the step was skipped on overflow)."""
@@ -132,6 +135,7 @@ class StepReport:
         for tier, kinds in sorted(self.bytes.items()):
             out[f"zinf/bytes_{tier}"] = float(sum(kinds.values()))
         out["zinf/peak_gathered_bytes"] = float(self.peak_gathered_bytes)
+        out["zinf/peak_host_bytes"] = float(self.peak_host_bytes)
         for key in ("nvme_read_bytes", "nvme_written_bytes", "prefetched_gathers", "demand_gathers"):
             if key in self.counts:
                 out[f"zinf/{key}"] = float(self.counts[key])

@@ -28,3 +28,13 @@ def test_turned_off_it_never_trims() -> None:
         trimmer.count(1 << 30)
     trimmer.flush()
     assert trimmer.trims == 0
+
+
+def test_after_backward_trims_once_timed_when_it_trims_at_all() -> None:
+    timers = StepTimers()
+    trimmer = HeapTrimmer(64 << 20, timers)
+    trimmer.after_backward()
+    assert trimmer.trims == 1 and timers.take()[1]["heap_trim"] == 1
+    off = HeapTrimmer(0, timers)
+    off.after_backward()
+    assert off.trims == 0 and "heap_trim" not in timers.take()[1]

@@ -576,6 +576,11 @@ class FlatParamGroup:
         return not complete_before and len(self._arrived) == self.num_grad_params
 
     @property
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of the flat gradient being assembled (0 when none is)."""
+        return 0 if self._grad_full is None else self._grad_full.numel() * self._grad_full.element_size()
+
+    @property
     def has_pending_grads(self) -> bool:
         return bool(self._arrived)
 

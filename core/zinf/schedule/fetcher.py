@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from zinf.config import OverlapConfig
-from zinf.heap import HeapTrimmer
+from zinf.host_memory import HostMemory
 from zinf.param.state import GroupState
 from zinf.runtime.gather_batch import GatherBatch
 from zinf.runtime.streams import InFlight, region, streams_for
@@ -33,10 +33,10 @@ class ParamFetcher:
     """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
 
     def __init__(self, config: OverlapConfig, timers: StepTimers, rounds: "Rounds | None" = None,
-                 heap: HeapTrimmer | None = None) -> None:
+                 host: HostMemory | None = None) -> None:
         self.config = config
         self.timers = timers
-        self.heap = heap if heap is not None else HeapTrimmer(0)  # told the bytes of every full buffer freed
+        self.host = host if host is not None else HostMemory()  # told of every full buffer allocated and freed
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
         self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
@@ -254,7 +254,9 @@ class ParamFetcher:
             return  # one rank gathering in place: the "full" buffer is the shard itself
         self.gathered_bytes += sign * g.nbytes_full
         if sign < 0:
-            self.heap.count_block(g.nbytes_full)
+            self.host.freed("gathered", g.nbytes_full, g.device)
+        else:
+            self.host.allocated("gathered", g.nbytes_full, g.device)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def take_counts(self) -> FetchCounts:

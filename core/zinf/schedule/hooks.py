@@ -442,7 +442,7 @@ class ModuleHooks:
     def _on_grad(self, param: nn.Parameter) -> None:
         group = group_of(param)
         assert group is not None and param.grad is not None
-        complete = group.add_grad(param, param.grad, self.config.grad_reduce_dtype)
+        complete = self.reducer.accumulate(group, param, param.grad, self.config.grad_reduce_dtype)
         param.grad = None
         if complete:
             self._grads_complete(group)
@@ -465,7 +465,7 @@ class ModuleHooks:
         self.rounds.forget_backward()
         for g in self.groups:
             if g.has_pending_grads:
-                g.take_grad_full()
+                self.reducer.forget(g)
             self._drop_backward_hold(g)
         self.fetcher.sweep()
         self.in_backward = False

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from zinf.heap import HeapTrimmer
+from zinf.host_memory import HostMemory
 from zinf.runtime.comm import Comm
 from zinf.runtime.staging import mark_device
 from zinf.runtime.streams import BufferFence, InFlight, Streams, region, streams_for
@@ -37,9 +37,10 @@ _MAX_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers,
-                 on_complete: Callable[["FlatParamGroup"], None] | None = None, heap: HeapTrimmer | None = None) -> None:
+                 on_complete: Callable[["FlatParamGroup"], None] | None = None, host: HostMemory | None = None) -> None:
         self.comm = comm
-        self.heap = heap if heap is not None else HeapTrimmer(0)  # told the bytes of every full gradient let go
+        self.host = host if host is not None else HostMemory()  # told of every flat gradient allocated and freed
+        self._counted: dict[FlatParamGroup, int] = {}  # groups whose flat gradient ``host`` counts, its bytes
         self.on_complete = on_complete  # told when a group's gradient shard is complete (an early optimizer step)
         self.bucket_bytes = bucket_bytes
         self.timers = timers
@@ -50,6 +51,28 @@ class GradReducer:
         self._in_flight: list[tuple[InFlight, list[tuple[FlatParamGroup, torch.Tensor]]]] = []
         self._copies_out: list[tuple[Streams, BufferFence]] = []  # gradient slices on their way to host memory
 
+    def accumulate(self, group: FlatParamGroup, param: torch.nn.Parameter, grad: torch.Tensor,
+                   reduce_dtype: torch.dtype) -> bool:
+        """Add one parameter's gradient into ``group``'s flat gradient (``FlatParamGroup.add_grad``); True once
+        every one has arrived. The flat gradient's bytes count as the engine's from its first gradient on."""
+        complete = group.add_grad(param, grad, reduce_dtype)
+        self._count(group, group.grad_buffer_bytes)
+        return complete
+
+    def forget(self, group: FlatParamGroup) -> None:
+        """``group``'s partial gradients are dropped (a backward that raised)."""
+        group.take_grad_full()
+        self._uncount(group)
+
+    def _count(self, group: FlatParamGroup, nbytes: int) -> None:
+        if nbytes and group not in self._counted:
+            self._counted[group] = nbytes
+            self.host.allocated("grad_buffers", nbytes, group.device)
+
+    def _uncount(self, group: FlatParamGroup) -> None:
+        nbytes = self._counted.pop(group, 0)
+        self.host.freed("grad_buffers", nbytes, group.device)
+
     def reduce(self, group: FlatParamGroup, reduce_dtype: torch.dtype = torch.float32) -> None:
         """Reduce-scatter ``group``'s flat gradient. With several ranks, only in the order every rank agreed
         on (see [Note: rounds] in zinf/schedule/rounds.py)."""
@@ -57,6 +80,7 @@ class GradReducer:
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
             self._complete(group)
             return
+        self._count(group, full.numel() * full.element_size())  # zeros: this rank had none of its gradients
         self._bucket.append((group, full))
         self._bucket_bytes += full.numel() * full.element_size()
         if self._bucket_bytes >= self.bucket_bytes:
@@ -110,7 +134,7 @@ class GradReducer:
             self._complete(group)
         del work, done  # the full gradients it held are freed now
         for group, _ in slices:
-            self.heap.count_block(group.nbytes_full)
+            self._uncount(group)
 
     def _complete(self, group: FlatParamGroup) -> None:
         group.grad.complete()

@@ -1,0 +1,50 @@
+"""Host memory of an unchanged transformers ``Trainer`` full fine-tune under ``zinf launch``, everything on NVMe,
+2 gloo ranks (benchmarks/bench_host_memory.py runs the same script): each rank's resident memory, sampled and the
+kernel's high-water mark, grows by at most 0.6x the model's fp32 bytes over loading and training; between steps the
+growth since ``Trainer(...)`` was built is the engine's own host bytes within 10% ([Note: host bytes accounted] in
+zinf/host_memory.py); the engine's high-water mark of its host bytes during a step lies between what it keeps and
+what was sampled."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_host_memory  # noqa: E402
+import make_pretrained  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+# 0.87 GB in fp32: large enough that the working set (a 128 MiB pinned pool, shared-memory segments, the prefetch
+# window, a decoder layer and its gradient, the activations of 1 x 32 tokens) is well under the bound
+SHAPE = dict(num_hidden_layers=16, hidden_size=1024, intermediate_size=2752, num_attention_heads=8,
+             num_key_value_heads=8, vocab_size=8000, tie_word_embeddings=False)
+MIB = 1 << 20
+
+
+def test_trainer_everything_on_nvme_stays_at_the_working_set(tmp_path: Path) -> None:
+    import torch
+
+    model = tmp_path / "model"
+    summary = make_pretrained.write_pretrained(make_pretrained.llama_config("tiny", **SHAPE), model,
+                                               dtype=torch.float32, overwrite=True, progress=False)
+    model_bytes = summary.tensor_bytes
+    ranks = bench_host_memory.run("zinf-nvme", model, tmp_path, steps=3, pool_bytes=128 * MIB, batch=1)
+    for rank, r in enumerate(ranks):
+        steps = [m for m in r["marks"] if m["what"].startswith("step ")]
+        built = next(m for m in r["marks"] if m["what"] == "trainer built")
+        peak = max(m["peak"] for m in r["marks"])
+        figures = (f"rank {rank}: model {model_bytes / MIB:.0f} MiB; peak growth {peak / MIB:.0f} MiB sampled, "
+                   f"{r['hwm'] / MIB:.0f} MiB VmHWM; " + ", ".join(
+                       f"{m['what']}: RSS +{(m['rss'] - built['rss']) / MIB:.0f} MiB since Trainer(), engine "
+                       f"{m['engine_host'] / MIB:.0f} MiB, engine peak {m['engine_peak_host'] / MIB:.0f} MiB"
+                       for m in steps))
+        print(figures)
+        assert peak <= 0.6 * model_bytes and r["hwm"] <= 0.6 * model_bytes, figures
+        last = steps[-1]
+        assert abs(last["rss"] - built["rss"] - last["engine_host"]) <= 0.1 * last["engine_host"], figures
+        for m in steps[1:]:
+            assert last["engine_host"] <= m["engine_peak_host"] <= peak, figures
