@@ -1,9 +1,9 @@
 """A transformers ``Trainer`` full fine-tune as a user writes it (``from_pretrained``, ``Trainer``, ``train``), with
 each rank's resident memory sampled; run by bench_host_memory.py under ``accelerate launch`` (DDP) and
 ``zinf launch``. Writes ``OUT.rank<r>.json``: the RSS growth over the process's RSS before ``from_pretrained`` at
-each mark (loaded, trainer built, each step's end: current and sampled peak so far), the kernel's high-water mark
-growth, each step's wall time, and with zinf the engine's own host bytes after each step and its host high-water mark
-during the step (``StepReport.peak_host_bytes``).
+each mark (loaded; before the engine, ``Trainer(...)`` built; each step's end: current and sampled peak so far), the
+kernel's high-water mark growth, each step's wall time, and with zinf the engine's own host bytes after each step
+and its host high-water mark during the step (``StepReport.peak_host_bytes``).
 
     trainer_memory_script.py MODEL_DIR OUT --steps N
 """
@@ -11,13 +11,11 @@ during the step (``StepReport.peak_host_bytes``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
 
 import torch
 from torch.utils.data import Dataset
-from rss import RssSampler, proc_field  # this folder: the script's own
+from rss import GrowthMarks  # this folder: the script's own
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 
@@ -32,26 +30,6 @@ class _Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class _Sampler:
-    """The process's RSS every 5 ms (``RssSampler``), as growth over a base taken now (the high-water mark reset)."""
-
-    def __init__(self) -> None:
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.base = proc_field("VmRSS:")
-        self.rss = RssSampler(period=0.005)
-        self.marks: list[dict] = []
-
-    def mark(self, what: str, **extra: object) -> None:
-        self.marks.append({"what": what, "t": time.perf_counter(), "rss": proc_field("VmRSS:") - self.base,
-                           "peak": self.rss.peak - self.base, **extra})
-
-    def stop(self) -> int:
-        self.rss.stop()
-        return proc_field("VmHWM:") - self.base
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -60,7 +38,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     a = p.parse_args()
-    sampler = _Sampler()
+    sampler = GrowthMarks()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     sampler.mark("loaded")
     args = TrainingArguments(output_dir=a.out + ".trainer", max_steps=a.steps, per_device_train_batch_size=a.batch,
@@ -82,7 +60,7 @@ def main() -> None:
 
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64, a.seq, model.config.vocab_size),
                       callbacks=[Marks()])
-    sampler.mark("trainer built")
+    sampler.mark("before engine")  # Trainer(...) built; the engine is built in train()
     trainer.train()
     hwm = sampler.stop()
     with open(f"{a.out}.rank{trainer.args.process_index}.json", "w", encoding="utf-8") as f:
