@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,12 @@ LABELS = {"ddp": "DDP", "zinf-nvme": "zinf, everything on NVMe",
           "zinf-nvme-untrimmed": "zinf, everything on NVMe, `trim_heap_bytes: 0`",
           "zinf-nvme-mmap": "zinf, everything on NVMe, `trim_heap_bytes: 0`, MALLOC_MMAP_THRESHOLD_=65536"}
 MIB = 2**20
+# a launch's own variables in this process's environment (a caller that ran ranks in-process, Lightning among them,
+# leaves LOCAL_RANK and friends behind): passed on, they make Lightning take the run for one rank of a launch that
+# already happened, and wait for the other rank for good
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "ZINF_CONFIG")
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "PL_")
 
 
 def _zinf_config(path: Path, nvme: Path, pool_bytes: int, trim: bool) -> Path:
@@ -73,11 +80,11 @@ zinf:
 
 
 def run(system: str, model: Path, work: Path, steps: int, pool_bytes: int, batch: int = 2,
-        front_end: str = "trainer") -> list[dict]:
+        front_end: str = "trainer", timeout_s: float = 1800) -> list[dict]:
     here = work / front_end / system
     out = here / "out"
     here.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("ZINF_CONFIG", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
     env.update({"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
     script = [str(SCRIPT)] if front_end == "trainer" else [str(LOOP_SCRIPT)]
     args = [*script, str(model), str(out), "--steps", str(steps), "--batch", str(batch)]
@@ -96,9 +103,16 @@ def run(system: str, model: Path, work: Path, steps: int, pool_bytes: int, batch
         cmd = [sys.executable, "-m", "zinf.cli", "launch", "--config", str(config), *args]
     if system == "zinf-nvme-mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its ranks in one process group, killed together
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        raise SystemExit(f"{front_end} {system} ran past {timeout_s:.0f} s:\n{stderr[-4000:]}") from None
     if proc.returncode != 0:
-        raise SystemExit(f"{front_end} {system} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{front_end} {system} failed ({proc.returncode}):\n{stderr[-4000:]}")
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -45,7 +45,7 @@ def test_everything_on_nvme_stays_at_the_working_set(front_end: str, checkpoint:
                                                      tmp_path: Path) -> None:
     model, model_bytes = checkpoint
     ranks = bench_host_memory.run("zinf-nvme", model, tmp_path, steps=2, pool_bytes=128 * MIB, batch=1,
-                                  front_end=front_end)
+                                  front_end=front_end, timeout_s=600)
     for rank, r in enumerate(ranks):
         steps = [m for m in r["marks"] if m["what"].startswith("step ")]
         built = next(m for m in r["marks"] if m["what"] == "before engine")
