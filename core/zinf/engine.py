@@ -334,9 +334,9 @@ class ZeroInfinityEngine:
         """Bytes held by the engine right now, per tier and kind (measured from the tensors themselves)."""
         out: dict[str, dict[str, int]] = {}
 
-        def add(kind: str, t: torch.Tensor) -> None:
+        def add(kind: str, t: torch.Tensor, nbytes: int | None = None) -> None:
             tier = out.setdefault(tier_of(t), {})
-            tier[kind] = tier.get(kind, 0) + t.untyped_storage().nbytes()
+            tier[kind] = tier.get(kind, 0) + (t.untyped_storage().nbytes() if nbytes is None else nbytes)
 
         for g in self.groups:
             if g.shard is not None:
@@ -347,9 +347,8 @@ class ZeroInfinityEngine:
                 add("grad_shards", g.grad.resident)
             if g.owns_full:
                 add("gathered", g.full)
-            if g.grad_buffer_bytes:
-                out.setdefault(tier_of(g.full), {})["grad_buffers"] = (out.get(tier_of(g.full), {}).get("grad_buffers", 0)
-                                                                        + g.grad_buffer_bytes)
+            if g.grad_buffer_bytes:  # the flat gradient lives where the group computes, as the full buffer
+                add("grad_buffers", g.full, g.grad_buffer_bytes)
         elsewhere = [self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
         if self.comm.same_host is not None:
             elsewhere.append(self.comm.same_host.bytes_by_tier())

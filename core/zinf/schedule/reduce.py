@@ -80,9 +80,10 @@ class GradReducer:
         if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
             self._complete(group)
             return
-        self._count(group, full.numel() * full.element_size())  # zeros: this rank had none of its gradients
+        nbytes = full.numel() * full.element_size()
+        self._count(group, nbytes)  # counted already unless zeros were made: this rank had none of its gradients
         self._bucket.append((group, full))
-        self._bucket_bytes += full.numel() * full.element_size()
+        self._bucket_bytes += nbytes
         if self._bucket_bytes >= self.bucket_bytes:
             self._issue()
 
