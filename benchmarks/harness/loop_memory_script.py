@@ -6,6 +6,10 @@ growth over the process's RSS before ``from_pretrained`` when loaded, just befor
 each step's end (current and sampled peak so far), the kernel's high-water mark growth, and with zinf the engine's
 own host bytes after each step and its host high-water mark during the step.
 
+``datasets`` is imported with the script, as the ``Trainer`` script's ``from transformers import Trainer`` does:
+otherwise Accelerate's ``prepare`` imports it (and pandas and pyarrow with it, about 80 MiB a process under DDP and
+zinf alike) after the base is taken, and that import would be counted as the growth of loading and training.
+
     loop_memory_script.py MODEL_DIR OUT --front-end accelerate|lightning --steps N [--batch B] [--zinf-config FILE]
 """
 
@@ -15,6 +19,7 @@ import argparse
 import json
 from typing import Any
 
+import datasets  # noqa: F401  (see the docstring)
 import torch
 from rss import GrowthMarks  # this folder: the script's own
 from torch.utils.data import DataLoader, TensorDataset

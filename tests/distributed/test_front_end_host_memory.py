@@ -36,11 +36,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return model, summary.tensor_bytes
 
 
-# The Accelerate loop stays ~90 MiB a rank above the Trainer through the same launcher (peak 0.64x the model): at the
-# end of a step torch's live CPU tensors are the engine's 160 MiB and malloc_trim hands nothing back, so the rest is
-# anonymous memory outside torch's tensors and glibc's free lists, not yet found (docs/known_issues.md)
-@pytest.mark.parametrize("front_end", ["trainer", pytest.param("accelerate", marks=pytest.mark.xfail(
-    strict=True, reason="peak RSS 0.64x the model through an Accelerate loop")), "lightning"])
+@pytest.mark.parametrize("front_end", ["trainer", "accelerate", "lightning"])
 def test_everything_on_nvme_stays_at_the_working_set(front_end: str, checkpoint: tuple[Path, int],
                                                      tmp_path: Path) -> None:
     model, model_bytes = checkpoint
