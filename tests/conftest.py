@@ -13,6 +13,23 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
+_PYTEST_OWN = {"PYTEST_CURRENT_TEST"}  # pytest sets it around each phase of each test
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves the process's environment as it found it. A run in this process (Lightning, Accelerate)
+    sets a launch's variables (LOCAL_RANK, MASTER_PORT, PL_GLOBAL_SEED...): kept, they would reach the launches of
+    later tests, and dist_utils would spawn fresh interpreters for every later run instead of forking its server."""
+    before = {k: v for k, v in os.environ.items() if k not in _PYTEST_OWN}
+    yield
+    for key in [k for k in os.environ if k not in before and k not in _PYTEST_OWN]:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -3,8 +3,9 @@
 The ranks are forked from a forkserver that imported torch, zinf, transformers and the tests' helpers once,
 so a run does not pay each rank's imports again (about 3 s of every spawn on a 2-core machine, ~100 runs in
 the suite). Each rank is still a new process with nothing run in it before: the server only imports (no
-tensor op, no thread pool started, no process group). Where the environment differs from the one the suite
-started with (a test that sets a variable read at process start, such as ``MALLOC_MMAP_THRESHOLD_``), with
+tensor op, no thread pool started, no process group). Where the environment differs from the one the server
+started with, the first run's (a test that sets a variable read at process start, such as
+``MALLOC_MMAP_THRESHOLD_``; the forked ranks would inherit the server's instead), with
 NCCL, and where a test asks (``fresh=True``: memory measured per rank), the ranks are spawned as fresh
 interpreters instead. The ranks' stdout/stderr are the server's, i.e. those of the test that started it: a
 rank's error reaches the test through its result file, as before.
@@ -28,16 +29,20 @@ import processes
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "zinf", "transformers", "dist_utils", "models",
             "training", "patterns", "processes"]
 _PER_TEST = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test: not a setting the ranks read
-_SUITE_ENV = {k: v for k, v in os.environ.items() if k not in _PER_TEST}
+_server_env: dict[str, str] | None = None  # the environment the forkserver started with (its ranks inherit it)
 
 
 def _start_method(backend: str, fresh: bool) -> str:
-    if fresh or backend != "gloo" or {k: v for k, v in os.environ.items() if k not in _PER_TEST} != _SUITE_ENV:
+    global _server_env
+    if fresh or backend != "gloo":
         return "spawn"  # NCCL: a fresh interpreter per rank, whatever the preloaded imports did
-    import multiprocessing
+    env = {k: v for k, v in os.environ.items() if k not in _PER_TEST}
+    if _server_env is None:  # the first run starts the server, with this environment
+        import multiprocessing
 
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first forkserver run)
-    return "forkserver"
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        _server_env = env
+    return "forkserver" if env == _server_env else "spawn"
 
 
 def _entry(rank: int, world: int, outdir: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
