@@ -13,17 +13,16 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
-_PYTEST_OWN = {"PYTEST_CURRENT_TEST"}  # pytest sets it around each phase of each test
-
-
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test leaves the process's environment as it found it. A run in this process (Lightning, Accelerate)
     sets a launch's variables (LOCAL_RANK, MASTER_PORT, PL_GLOBAL_SEED...): kept, they would reach the launches of
     later tests, and dist_utils would spawn fresh interpreters for every later run instead of forking its server."""
-    before = {k: v for k, v in os.environ.items() if k not in _PYTEST_OWN}
+    from dist_utils import PER_TEST_ENV
+
+    before = {k: v for k, v in os.environ.items() if k not in PER_TEST_ENV}
     yield
-    for key in [k for k in os.environ if k not in before and k not in _PYTEST_OWN]:
+    for key in [k for k in os.environ if k not in before and k not in PER_TEST_ENV]:
         del os.environ[key]
     for key, value in before.items():
         if os.environ.get(key) != value:

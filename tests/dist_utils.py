@@ -28,7 +28,7 @@ import processes
 # what the forkserver imports once (multiprocessing's forkserver skips a module it cannot import)
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "zinf", "transformers", "dist_utils", "models",
             "training", "patterns", "processes"]
-_PER_TEST = {"PYTEST_CURRENT_TEST"}  # set by pytest for each test: not a setting the ranks read
+PER_TEST_ENV = {"PYTEST_CURRENT_TEST"}  # set by pytest around each test: not a setting the ranks read
 _server_env: dict[str, str] | None = None  # the environment the forkserver started with (its ranks inherit it)
 
 
@@ -36,7 +36,7 @@ def _start_method(backend: str, fresh: bool) -> str:
     global _server_env
     if fresh or backend != "gloo":
         return "spawn"  # NCCL: a fresh interpreter per rank, whatever the preloaded imports did
-    env = {k: v for k, v in os.environ.items() if k not in _PER_TEST}
+    env = {k: v for k, v in os.environ.items() if k not in PER_TEST_ENV}
     if _server_env is None:  # the first run starts the server, with this environment
         import multiprocessing
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import datasets  # noqa: F401  (see the docstring)
 import torch
-from rss import GrowthMarks  # this folder: the script's own
+from rss import GrowthMarks, engine_figures  # this folder: the script's own
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
@@ -30,13 +30,6 @@ SEQ = 32
 
 def _tokens(vocab: int) -> TensorDataset:
     return TensorDataset(torch.randint(0, vocab, (64, SEQ), generator=torch.Generator().manual_seed(0)))
-
-
-def _engine_figures(engine: Any) -> dict:
-    if engine is None or not hasattr(engine, "resident_bytes"):
-        return {"engine_host": None, "engine_peak_host": None}
-    return {"engine_host": sum(engine.resident_bytes().get("cpu", {}).values()),
-            "engine_peak_host": engine.last_report.peak_host_bytes}
 
 
 def _write(out: str, rank: int, marks: GrowthMarks, hwm: int) -> None:
@@ -62,7 +55,7 @@ def accelerate_loop(a: argparse.Namespace) -> None:
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        marks.mark(f"step {step}", **_engine_figures(getattr(model, "engine", None)))
+        marks.mark(f"step {step}", **engine_figures(getattr(model, "engine", None)))
         if step == a.steps:
             break
     _write(a.out, accelerator.process_index, marks, marks.stop())
@@ -100,7 +93,7 @@ def lightning_fit(a: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             engine = getattr(self.trainer.strategy, "engine", None)
-            marks[0].mark(f"step {self.trainer.global_step}", **_engine_figures(engine))
+            marks[0].mark(f"step {self.trainer.global_step}", **engine_figures(engine))
 
     if a.zinf_config:
         with open(a.zinf_config, encoding="utf-8") as f:

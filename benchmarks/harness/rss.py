@@ -1,4 +1,5 @@
-"""A process's own memory and I/O counters from /proc, and a thread that samples its resident set size."""
+"""A process's own memory and I/O counters from /proc, a thread that samples its resident set size, and a zinf
+engine's own host-memory figures to set beside them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import gc
 import threading
 import time
 
-__all__ = ["proc_field", "RssSampler", "GrowthMarks"]
+__all__ = ["proc_field", "RssSampler", "GrowthMarks", "engine_figures"]
 
 
 def proc_field(field: str, path: str = "/proc/self/status") -> int:
@@ -59,3 +60,12 @@ class GrowthMarks:
         """Stop sampling; the kernel's high-water mark's growth over the base."""
         self.rss.stop()
         return proc_field("VmHWM:") - self.base
+
+
+def engine_figures(engine: object | None) -> dict:
+    """A zinf engine's host bytes now (``resident_bytes()``'s CPU tier) and the most it held during its last step
+    (``StepReport.peak_host_bytes``); None for both without an engine (DDP)."""
+    if engine is None or not hasattr(engine, "resident_bytes"):
+        return {"engine_host": None, "engine_peak_host": None}
+    return {"engine_host": sum(engine.resident_bytes().get("cpu", {}).values()),
+            "engine_peak_host": engine.last_report.peak_host_bytes}

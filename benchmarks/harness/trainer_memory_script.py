@@ -15,7 +15,7 @@ import json
 
 import torch
 from torch.utils.data import Dataset
-from rss import GrowthMarks  # this folder: the script's own
+from rss import GrowthMarks, engine_figures  # this folder: the script's own
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 
@@ -54,9 +54,7 @@ def main() -> None:
                 engine = engine_of(trainer)
             except ImportError:
                 pass
-            host = sum(engine.resident_bytes().get("cpu", {}).values()) if engine is not None else None
-            peak_host = engine.last_report.peak_host_bytes if engine is not None else None
-            sampler.mark(f"step {state.global_step}", engine_host=host, engine_peak_host=peak_host)
+            sampler.mark(f"step {state.global_step}", **engine_figures(engine))
 
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64, a.seq, model.config.vocab_size),
                       callbacks=[Marks()])
