@@ -8,7 +8,10 @@ on N ranks, with the base on NVMe. Every figure is measured on each rank and pri
 What it reports, per rank: peak RSS over the whole run (the kernel's high-water mark, VmHWM, and the largest of the
 samples taken every 0.2 s), the time to build and load the model against the bytes read from the disk (from
 /proc/self/io) and the disk's read bandwidth, each step's time against the NVMe bytes it moved (the engine's
-report), and the engine's own bytes per tier.
+report), each step against two bounds: the disk (every rank's NVMe bytes at the speed ``zinf info --nvme`` measured,
+the engine's ``nvme_floor``, summed: the ranks share one disk) and the compute (4 x parameters x tokens per rank for
+LoRA, forward and input gradients; 6 x for a full fine-tune; at the matmul FLOP/s each rank measures while the others
+do, before and after the steps), and the engine's own bytes per tier.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ import torch.distributed as dist
 import zinf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness.machine import matmul_peak_flops  # noqa: E402
 from harness.rss import RssSampler, proc_field as _proc  # noqa: E402
+
+
+def _rank_peak(dtype: torch.dtype) -> float:
+    """This rank's matmul FLOP/s with the other ranks measuring at the same moment: the share of the machine's peak
+    one rank gets while every rank computes (a bf16 product on a CPU without bf16 units is far slower: a smaller
+    one keeps the measurement short)."""
+    dist.barrier()
+    return matmul_peak_flops(n=2048 if dtype == torch.float32 else 512, repeats=3, dtype=dtype)
 
 
 def main() -> None:
@@ -80,6 +92,10 @@ def main() -> None:
     engine = zinf.initialize(model, torch.optim.AdamW(trainable, lr=1e-4), config)
     init_s = time.perf_counter() - t0 - load_s
     model.train()
+    compute_dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
+    peak_before = _rank_peak(compute_dtype)
+    n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))  # a tied weight once
+    step_flops = (6 if args.full else 4) * n_params * args.batch * args.seq
     steps = []
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
@@ -88,19 +104,34 @@ def main() -> None:
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
+        seconds = time.perf_counter() - t
         report = engine.report()
-        steps.append({"seconds": time.perf_counter() - t, "loss": loss.item(),
+        # [floor, ranks without one]: the floor needs the disk's speed, which `zinf info --nvme PATH` measures
+        floor = torch.tensor([report.seconds.get("nvme_floor", 0.0), "nvme_floor" not in report.seconds],
+                             dtype=torch.float64)
+        dist.all_reduce(floor)
+        disk_bound = floor[0].item() if floor[1].item() == 0 else None
+        steps.append({"seconds": seconds, "loss": loss.item(),
                       "nvme_read": report.counts.get("nvme_read_bytes", 0),
                       "nvme_written": report.counts.get("nvme_written_bytes", 0),
+                      "disk_bound_s": disk_bound, "compute_bound_s": step_flops / peak_before,
                       "breakdown_s": {k: round(v, 2) for k, v in report.seconds.items()}})
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {steps[-1]['seconds']:.1f} s, NVMe read "
-                  f"{steps[-1]['nvme_read'] / 1e9:.2f} GB, written {steps[-1]['nvme_written'] / 1e9:.2f} GB; "
-                  + ", ".join(f"{k} {v:.1f} s" for k, v in steps[-1]["breakdown_s"].items()), flush=True)
+            rec = steps[-1]
+            disk = (f"disk {disk_bound:.1f} s" if disk_bound is not None
+                    else f"disk not measured (run `zinf info --nvme {args.nvme}` first)")
+            slowest, which = max((disk_bound or 0.0, "disk"), (rec["compute_bound_s"], "compute"))
+            print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {rec['seconds']:.1f} s, NVMe read "
+                  f"{rec['nvme_read'] / 1e9:.2f} GB, written {rec['nvme_written'] / 1e9:.2f} GB; bounds: {disk}, "
+                  f"compute {rec['compute_bound_s']:.1f} s ({step_flops / 1e12:.2f} TFLOP at {peak_before / 1e9:.1f} "
+                  f"GFLOP/s a rank): {rec['seconds'] / slowest:.1f}x the {which} bound; "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in rec["breakdown_s"].items()), flush=True)
+    peak_after = _rank_peak(compute_dtype) if args.steps else None
     resident = engine.resident_bytes()
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
-            "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "steps": steps, "resident": resident}
+            "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
+            "matmul_flops_after": peak_after, "step_flops": step_flops, "steps": steps, "resident": resident}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

@@ -1,0 +1,56 @@
+"""benchmarks/finetune_pretrained.py on a tiny checkpoint, 2 ranks, LoRA with the base read in place: every rank
+reports its load, its steps and each step's two bounds, and the bounds are the figures they say they are."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import processes
+from zinf.offload.disk_speed import save_speed
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import make_pretrained as mp  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    mp.write_pretrained(mp.llama_config("tiny"), ckpt, max_shard_bytes=50_000, seed=0, progress=False)
+    out = tmp_path / "figures.json"
+    (tmp_path / "swap").mkdir()
+    save_speed(str(tmp_path / "swap"), write_gbs=1.0, read_gbs=2.0, direct=True)  # what `zinf info --nvme` keeps
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    result = processes.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
+         "--steps", "2", "--seq", "16", "--precision", "fp32", "--storage", "bf16", "--pool-mib", "16",
+         "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("bounds: disk") == 2, result.stdout[-3000:]
+
+    figures = json.loads(out.read_text())
+    assert figures["world"] == 2 and figures["mode"] == "lora"
+    for rank in figures["ranks"]:
+        assert rank["load_read_bytes"] >= 0 and rank["peak_rss"] >= rank["rss_after_load"] > 0
+        assert rank["matmul_flops_before"] > 0 and rank["matmul_flops_after"] > 0
+        assert rank["step_flops"] == 4 * figures["parameters"] * 1 * 16  # LoRA: forward and input gradients
+        # the base is read from the checkpoint's files, not copied to swap
+        assert rank["resident"]["nvme"]["frozen_in_checkpoint"] > 0
+        for step in rank["steps"]:
+            assert math.isfinite(step["loss"]) and step["seconds"] > 0
+            assert step["compute_bound_s"] == pytest.approx(rank["step_flops"] / rank["matmul_flops_before"])
+            assert step["nvme_read"] > 0
+    # the disk bound: both ranks' NVMe bytes at the measured speed, summed (the ranks share one disk)
+    for a, b in zip(*(r["steps"] for r in figures["ranks"])):
+        both = sum(s["nvme_read"] / 2e9 + s["nvme_written"] / 1e9 for s in (a, b))
+        assert a["disk_bound_s"] == b["disk_bound_s"] == pytest.approx(both)
