@@ -87,6 +87,7 @@ def main() -> None:
     if not args.full:
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(0)  # the adapters' initial values: the same on every rank and in every run
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     trainable = [q for q in model.parameters() if q.requires_grad]
     engine = zinf.initialize(model, torch.optim.AdamW(trainable, lr=1e-4), config)
