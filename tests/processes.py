@@ -14,10 +14,19 @@ import signal
 import subprocess
 from typing import Any, Iterable, Sequence
 
-__all__ = ["run", "kill_pids", "kill_leftovers", "default_sigint"]
+__all__ = ["run", "kill_pids", "kill_leftovers", "default_sigint", "env_without_launch"]
 
 _GROUPS: set[int] = set()  # process groups of running launchers (their leader's pid)
 _PIDS: set[int] = set()  # spawned workers of run_distributed
+
+
+_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def env_without_launch() -> dict[str, str]:
+    """This process's environment without a launcher's rendezvous variables, for a child that starts its own
+    ranks: another run's rendezvous must not leak in."""
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCH}
 
 
 def default_sigint() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,14 +26,12 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
     out = tmp_path / "figures.json"
     (tmp_path / "swap").mkdir()
     save_speed(str(tmp_path / "swap"), write_gbs=1.0, read_gbs=2.0, direct=True)  # what `zinf info --nvme` keeps
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
     result = processes.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
          "--steps", "2", "--seq", "16", "--precision", "fp32", "--storage", "bf16", "--pool-mib", "16",
          "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, env=processes.env_without_launch(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("bounds: disk") == 2, result.stdout[-3000:]
 

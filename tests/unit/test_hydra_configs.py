@@ -216,8 +216,7 @@ def test_accelerator_node_hands_the_zinf_node_to_accelerate_zinf() -> None:
 
 # -- the example, end to end ---------------------------------------------------------------------------------
 def _example(tmp_path: Path, *overrides: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}  # another test's rendezvous must not leak in
+    env = processes.env_without_launch()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "core"), str(REPO), os.environ.get("PYTHONPATH", "")])
     return processes.run([sys.executable, str(REPO / "examples/hydra/train.py"), f"hydra.run.dir={tmp_path / 'run'}",
                            *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
