@@ -54,6 +54,7 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_lightning_checkpoint_consolidates_to_the_lightning_module_names(lightning_run: Path) -> None:
     sys.path.insert(0, str(HERE))

@@ -18,7 +18,7 @@ from lightning_runs import WORLD, Runs, records, worst
 EXACT = 1e-5  # relative, fp32 vs DDP
 BF16 = 2e-2  # relative, bf16-mixed vs fp32 DDP (measured: ~1e-4)
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _accelerators() -> list:

@@ -61,6 +61,7 @@ def test_reports_follow_log_every_n_steps(tmp_path: Path) -> None:
         _check_sane(values, world=1)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_report_every_n_steps_on_two_ranks(tmp_path: Path) -> None:
     reports = _zinf_rows(_run(tmp_path, devices=2, every=3, log_every=50))

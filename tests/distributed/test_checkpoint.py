@@ -82,6 +82,7 @@ def _load_only(rank: int, world: int, ckpt: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     run_distributed(_save_only, 2, ckpt)

@@ -28,6 +28,7 @@ HERE = Path(__file__).parent
 KILL_ITERATIONS = 40
 
 
+@pytest.mark.slow
 def test_saves_killed_at_random_moments_leave_one_whole_save(tmp_path: Path) -> None:
     """Two ranks save in a loop and are SIGKILLed at a random moment, 40 times; each time fresh processes
     load what is current: always one whole save, the newest committed one or the one in flight."""

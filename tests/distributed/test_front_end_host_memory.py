@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_host_memory  # noqa: E402
 import make_pretrained  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # 0.87 GB in fp32: large enough that the working set (a 128 MiB pinned pool, shared-memory segments, the prefetch
 # window, a decoder layer and its gradient, the activations of 1 x 32 tokens) is well under the bound

@@ -13,7 +13,7 @@ import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 MODEL = GPTConfig(vocab=8192, block=64, n_embd=512, n_head=8, n_layer=8)
 TRIM = 16 << 20

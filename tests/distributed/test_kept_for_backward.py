@@ -35,7 +35,7 @@ def _run_all(rank: int, world: int) -> dict[str, dict]:
     return {name: zinf_worker(rank, world, recipe) for name, recipe in RECIPES.items()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_setting_trains_as_pytorch(world: int) -> None:
     results = run_distributed(_run_all, world)[0]
     for name, recipe in RECIPES.items():

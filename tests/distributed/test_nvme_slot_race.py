@@ -18,7 +18,7 @@ import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig, make_optimizer
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _train(rank: int, world: int, nvme: str) -> list[float]:

@@ -100,6 +100,7 @@ def _bytes(rank: int, world: int, nvme: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_16bit_storage_halves_the_bytes_at_rest_and_read(tmp_path: Path) -> None:
     results = run_distributed(_bytes, 2, str(tmp_path))
     for rank, r in enumerate(results):

@@ -36,7 +36,7 @@ def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     return {name: reference(r) for name, r in RECIPES.items()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fp32_matches_pytorch(world: int, references) -> None:
     results = run_distributed(_run_all, world, RECIPES)[0]
     for name, recipe in RECIPES.items():

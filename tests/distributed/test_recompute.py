@@ -73,6 +73,7 @@ def _inspect(rank: int, world: int, offload: bool | None, policy: str = "modules
             "instance_forward": "forward" in model.blocks[0].__dict__}
 
 
+@pytest.mark.slow
 def test_recomputation_is_traced_and_prefetched_and_holds_less() -> None:
     off, on, offload = (run_distributed(_inspect, 2, o)[0] for o in (None, False, True))
     # module by module, the backward trace holds each recomputed block's modules (ln1, attn.qkv, ...) besides

@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from models import batches, build, make_optimizer
 from training import Recipe, reference, train_global
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BATCH, CLIP = 8, 0.5
 

@@ -104,7 +104,7 @@ def _train(rank: int, world: int, shared_memory: str) -> dict:
     return {"losses": losses, "ops": ops, "state": state}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_through_shared_memory_equals_gloo(world: int) -> None:
     shm = run_distributed(_train, world, "auto")
     gloo = run_distributed(_train, world, "off")

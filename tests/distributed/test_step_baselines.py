@@ -130,7 +130,7 @@ def _rtol(precision: str, world: int, optimizer: str = "cpu_adam") -> float:
     return torch.finfo(dtype).eps / 32
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_step_losses_match_same_run_references(world: int, tmp_path: Path) -> None:
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()

@@ -33,7 +33,7 @@ def _run_all(rank: int, world: int, recipes: dict[str, Recipe]) -> dict[str, dic
     return {name: zinf_worker(rank, world, r) for name, r in recipes.items()}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tiled_models_match_untiled_pytorch(world: int) -> None:
     results = run_distributed(_run_all, world, RECIPES)[0]
     for name, recipe in RECIPES.items():

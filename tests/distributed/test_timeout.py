@@ -17,7 +17,7 @@ from torch import nn
 
 import zinf
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _entry(rank: int, world: int, tmp: str) -> None:

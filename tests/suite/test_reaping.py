@@ -29,6 +29,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("target,expected", [("test_workers_wait_forever", "worker-"),
                                               ("test_launcher_waits_forever", "launcher-")])
+@pytest.mark.slow
 def test_ctrl_c_leaves_no_process(tmp_path: Path, target: str, expected: str) -> None:
     env = {**os.environ, "REAP_DIR": str(tmp_path), "PYTHONPATH": str(HERE.parent)}
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -134,6 +134,7 @@ def _peak_rss_bytes(*cmd: str) -> int:
     return int(done.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
 
 
+@pytest.mark.slow
 def test_consolidation_memory_stays_far_below_the_model_size(tmp_path: Path) -> None:
     """A 403 MB (fp32) model of 24 groups: the command grows by a few groups beyond its imports, not by the model."""
     torch.manual_seed(0)

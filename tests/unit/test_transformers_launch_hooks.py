@@ -36,6 +36,7 @@ print("partitioned", sum(p.numel() for p in model.parameters()))
 """
 
 
+@pytest.mark.slow
 def test_enable_before_transformers_is_imported_wraps_once_and_starts_the_ranks(tmp_path: Path) -> None:
     from models import save_llama
 
@@ -63,6 +64,7 @@ print("wrapped", len(hooks._WRAPPED))
 """
 
 
+@pytest.mark.slow
 def test_trainer_methods_are_wrapped_once_when_transformers_trainer_is_imported() -> None:
     """zinf imported first (as ``zinf launch`` does): importing transformers' Trainer wraps
     its save and load steps once, for its subclasses too, the originals kept (zinf/integrations/trainer.py)."""
