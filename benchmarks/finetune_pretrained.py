@@ -97,6 +97,7 @@ def main() -> None:
     peak_before = _rank_peak(compute_dtype)
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))  # a tied weight once
     step_flops = (6 if args.full else 4) * n_params * args.batch * args.seq
+    compute_bound = step_flops / peak_before  # the same for every step: the rate is measured once, before them
     steps = []
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
@@ -115,16 +116,16 @@ def main() -> None:
         steps.append({"seconds": seconds, "loss": loss.item(),
                       "nvme_read": report.counts.get("nvme_read_bytes", 0),
                       "nvme_written": report.counts.get("nvme_written_bytes", 0),
-                      "disk_bound_s": disk_bound, "compute_bound_s": step_flops / peak_before,
+                      "disk_bound_s": disk_bound,
                       "breakdown_s": {k: round(v, 2) for k, v in report.seconds.items()}})
         if rank == 0:
             rec = steps[-1]
             disk = (f"disk {disk_bound:.1f} s" if disk_bound is not None
                     else f"disk not measured (run `zinf info --nvme {args.nvme}` first)")
-            slowest, which = max((disk_bound or 0.0, "disk"), (rec["compute_bound_s"], "compute"))
+            slowest, which = max((disk_bound or 0.0, "disk"), (compute_bound, "compute"))
             print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {rec['seconds']:.1f} s, NVMe read "
                   f"{rec['nvme_read'] / 1e9:.2f} GB, written {rec['nvme_written'] / 1e9:.2f} GB; bounds: {disk}, "
-                  f"compute {rec['compute_bound_s']:.1f} s ({step_flops / 1e12:.2f} TFLOP at {peak_before / 1e9:.1f} "
+                  f"compute {compute_bound:.1f} s ({step_flops / 1e12:.2f} TFLOP at {peak_before / 1e9:.1f} "
                   f"GFLOP/s a rank): {rec['seconds'] / slowest:.1f}x the {which} bound; "
                   + ", ".join(f"{k} {v:.1f} s" for k, v in rec["breakdown_s"].items()), flush=True)
     peak_after = _rank_peak(compute_dtype) if args.steps else None
@@ -132,7 +133,7 @@ def main() -> None:
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
-            "matmul_flops_after": peak_after, "step_flops": step_flops, "steps": steps, "resident": resident}
+            "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound, "steps": steps, "resident": resident}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
