@@ -133,7 +133,8 @@ def main() -> None:
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
-            "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound, "steps": steps, "resident": resident}
+            "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
+            "steps": steps, "resident": resident}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

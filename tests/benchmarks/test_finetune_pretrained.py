@@ -1,5 +1,6 @@
 """benchmarks/finetune_pretrained.py on a tiny checkpoint, 2 ranks, LoRA with the base read in place: every rank
-reports its load, its steps and each step's two bounds, and the bounds are the figures they say they are."""
+reports its load, its steps with each step's disk bound, and its compute bound, and the bounds are the figures they
+say they are."""
 
 from __future__ import annotations
 
