@@ -8,7 +8,8 @@ The submodules' stubs sit beside the Python modules that wrap them, in ``zinf/na
 from .native import _native_adam as adam
 from .native import _native_aio as aio
 from .native import _native_checksum as checksum
+from .native import _native_fault as fault
 from .native import _native_pool as pool
 from .native import _native_shm as shm
 
-__all__ = ["adam", "aio", "checksum", "pool", "shm"]
+__all__ = ["adam", "aio", "checksum", "fault", "pool", "shm"]

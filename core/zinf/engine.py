@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.schedule.reduce import GradReducer
+from zinf import shutdown
+from zinf.shutdown import phase
 
 __all__ = ["ZeroInfinityEngine", "initialize"]
 
@@ -60,9 +62,16 @@ class ZeroInfinityEngine:
                  config: ZeroConfig | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None) -> None:
         install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
+        self.closed = False
+        with phase("building the engine"):
+            self._build(model, optimizer, config, comm, device)
+
+    def _build(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig | None,
+               comm: Comm | None, device: torch.device | str | None) -> None:
         self.config = config or ZeroConfig()
         self.device = compute_device(device)
         self.comm = (comm or Comm.current(device=self.device)).with_host_group()
+        shutdown.install(self.comm.rank, self.comm.world)  # see [Note: the fault line] in zinf/native/fault.py
         if self.config.overlap.shared_memory != "off":
             self.comm = self.comm.with_same_host(SameHostTransport.connect(self.comm, self.config.collective_timeout_s))
         self.module = model
@@ -118,6 +127,7 @@ class ZeroInfinityEngine:
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
+        shutdown.track(self)  # closed at exit if the script does not (see [Note: the end of a run] in zinf/shutdown.py)
 
     # -- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -130,13 +140,20 @@ class ZeroInfinityEngine:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_watch(torch.is_grad_enabled())
         self.placement.before_forward(torch.is_grad_enabled())
-        with stops_deferred(), self.watchdog.watch("forward"), self.timers.time("forward"), mode:
+        with self._entry("forward"), self.timers.time("forward"), mode:
             try:
                 return self.module(*args, **kwargs)
             except BaseException:
                 self.hooks.unwind()  # see [Note: balanced hooks] in zinf/schedule/hooks.py
                 self.hooks.abort_pass()
                 raise
+
+    @contextlib.contextmanager
+    def _entry(self, what: str) -> Iterator[None]:
+        """An entry point's frame: a SIGTERM held to its end ([Note: clean stops] in zinf/offload/cleanup.py), a fault
+        line or an uncaught exception naming it (zinf/shutdown.py), a collective timeout naming the silent ranks."""
+        with stops_deferred(), phase(what), self.watchdog.watch(what):
+            yield
 
     def _external_watch(self, grad: bool) -> Any:
         """The external-parameter watch of the next forward: every operation while its module order is recorded,
@@ -148,7 +165,7 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        with stops_deferred(), self.watchdog.watch("backward"), self.timers.time("backward"):
+        with self._entry("backward"), self.timers.time("backward"):
             try:
                 loss.backward(**kwargs)
             except BaseException:
@@ -169,7 +186,7 @@ class ZeroInfinityEngine:
 
     def step(self) -> bool:
         """Optimizer step on the shards; returns False when an fp16 overflow skipped it."""
-        with stops_deferred(), self.watchdog.watch("the optimizer step"):
+        with self._entry("the optimizer step"):
             return self._step()
 
     def _step(self) -> bool:
@@ -262,7 +279,8 @@ class ZeroInfinityEngine:
         """Every rank writes its shard of weights and optimizer state under ``path`` (a directory); once every
         rank's file is on disk, ``path/commit.json`` makes this save the current one (see
         zinf/checkpoint/commit.py). Collective."""
-        save_sharded(self, path, client_state)
+        with phase("saving a checkpoint"):
+            save_sharded(self, path, client_state)
 
     def load_checkpoint(self, path: str, allow_pickle: bool | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote, on any world size and placement (see [Note: resharding] in
@@ -272,7 +290,8 @@ class ZeroInfinityEngine:
         self.fetcher.drop_kept()
         trusted = self.config.checkpoint.allow_pickle if allow_pickle is None else allow_pickle
         try:
-            loaded = load_sharded(self, path, trusted)
+            with phase("loading a checkpoint"):
+                loaded = load_sharded(self, path, trusted)
         except PartlyLoadedError as exc:
             self.load_failed = str(exc)
             raise
@@ -292,18 +311,25 @@ class ZeroInfinityEngine:
         """The last optimizer step's time and memory breakdown (see :class:`zinf.StepReport`)."""
         return self.last_report
 
-    def close(self) -> None:
-        """Remove every hook and release offload files and buffers; parameters stay partitioned. A prefetch
-        round still in flight is applied first, so no collective of this engine is left pending at exit."""
-        self.fetcher.drop_kept()
-        if self.rounds.active and not self.rounds.failed:
-            self.fetcher.settle()
-            self.fetcher.sweep()
-        self.hooks.remove()
-        if self.checkpointing is not None:
-            self.checkpointing.remove()
-        self.placement.close()
-        self.comm.close()
+    def close(self, wait_for_ranks: bool = True) -> None:
+        """Remove every hook and release offload files, buffers, worker threads, the ranks' shared memory and zinf's
+        own process group; parameters stay partitioned. A prefetch round still in flight is applied first, so no
+        collective of this engine is left pending at exit; with ``wait_for_ranks=False`` it is dropped instead and
+        nothing collective runs (a process ending on an error, where the other ranks may be anywhere). A second call
+        does nothing. Engines a script leaves open are closed at exit (zinf/shutdown.py)."""
+        if self.closed:
+            return
+        with phase("closing the engine"):
+            self.fetcher.drop_kept()
+            if wait_for_ranks and self.rounds.active and not self.rounds.failed:
+                self.fetcher.settle()
+                self.fetcher.sweep()
+            self.hooks.remove()
+            if self.checkpointing is not None:
+                self.checkpointing.remove()
+            self.placement.close()
+            self.comm.close()
+            self.closed = True
 
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, step: int, skipped: bool, grad_norm: float | None, loss_scale: float | None) -> None:

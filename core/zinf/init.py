@@ -35,6 +35,8 @@ from zinf.offload.spill_store import SpillStore
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.partition import agree_with_rank0, partition_module_params
 from zinf.param.registry import group_of
+from zinf import shutdown
+from zinf.shutdown import phase
 
 __all__ = ["Init"]
 
@@ -156,12 +158,15 @@ class Init:
         self._agree = True
         self._mode = _EditMode(agree=lambda: self._agree)
         self._spill: SpillStore | None = None  # [Note: construction spill]: shards built for NVMe go there
+        self._phase = contextlib.ExitStack()  # the phase a fault line names while the block is open (zinf/shutdown.py)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
         self.comm = self.comm or Comm.current()
         self.device = self.device or default_device()
+        shutdown.install(self.comm.rank, self.comm.world)  # see [Note: the fault line] in zinf/native/fault.py
+        self._phase.enter_context(phase("building the model under zinf.Init"))
         self._handles = [
             nn.modules.module.register_module_module_registration_hook(self._on_child),
             nn.modules.module.register_module_parameter_registration_hook(self._on_param),
@@ -195,6 +200,7 @@ class Init:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self._phase.__exit__(*exc)
             trim_heap()  # what the build freed since the last count's trim ([Note: heap growth] in zinf/heap.py)
         if self.config.tiling.enabled and not exc[0]:
             from zinf.tiling import tile_linears

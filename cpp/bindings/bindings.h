@@ -7,4 +7,5 @@ void bind_aio(pybind11::module_& m);
 void bind_pool(pybind11::module_& m);
 void bind_checksum(pybind11::module_& m);
 void bind_shm(pybind11::module_& m);
+void bind_fault(pybind11::module_& m);
 }  // namespace zinf::bindings

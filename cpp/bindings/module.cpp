@@ -1,10 +1,10 @@
-// zinf._native: one extension module with submodules adam, aio, pool, checksum and shm.
+// zinf._native: one extension module with submodules adam, aio, pool, checksum, shm and fault.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags.";
+  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line.";
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
   auto aio = m.def_submodule("aio");
@@ -15,4 +15,6 @@ PYBIND11_MODULE(_native, m) {
   zinf::bindings::bind_checksum(checksum);
   auto shm = m.def_submodule("shm");
   zinf::bindings::bind_shm(shm);
+  auto fault = m.def_submodule("fault");
+  zinf::bindings::bind_fault(fault);
 }

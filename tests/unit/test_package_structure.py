@@ -344,6 +344,8 @@ _RECORDS = {
     ("schedule/hooks.py", "self.states[sub]"): "the hooks' own per-module record",
     ("schedule/rounds.py", "result"): "a round's result record, filled by the function that returns it",
     ("runtime/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
+    ("shutdown.py", "sys"): "Python's API for what an uncaught exception prints is assigning sys.excepthook (the "
+        "hook it replaces is called first)",
     ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
     ("schedule/hooks.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "

@@ -9,6 +9,7 @@ Public API used by the offload engine and the optimizer (``from zinf import nati
 - :class:`PinnedBufferPool`: a fixed-capacity aligned host buffer pool handing out uint8 tensors.
 - :func:`crc32c`: the CRC32C content checksum of a tensor's bytes (SSE4.2 where the CPU has it).
 - :mod:`.shm`: flags in shared memory for the collectives of ranks on one host.
+- :mod:`.fault`: the one line a process killed by a fatal signal writes (its rank, thread and phase).
 
 One module per job, each beside the stub of the extension submodule it wraps:
 
@@ -18,6 +19,8 @@ One module per job, each beside the stub of the extension submodule it wraps:
 - :mod:`.pool` (``_native_pool.pyi``): ``PinnedBufferPool``, ``PoolExhaustedError``.
 - :mod:`.checksum` (``_native_checksum.pyi``): ``crc32c``, ``crc32c_py``, ``checksum_backend``.
 - :mod:`.shm` (``_native_shm.pyi``): ``post``, ``wait_all`` (no fallback: without the extension, ``available()`` is False).
+- :mod:`.fault` (``_native_fault.pyi``): ``install``, ``phase``, ``describe`` (fallback: Python's faulthandler, which
+  names no rank or phase).
 
 Every native entry point has a pure-PyTorch fallback with the same signature (``*_torch`` /
 ``Python*`` / ``*_py``); they are used when the extension is missing and serve as test oracles.

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["register", "unregister", "owner", "lock", "hold", "Leftover", "collect_leftovers", "remove_registered",
-           "stops_deferred"]
+           "stops_deferred", "stopping"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,12 @@ def unregister(files: list[str]) -> None:
 
 _DEFERRING = 0  # depth of stops_deferred() on the main thread
 _PENDING_SIGNAL: int | None = None  # a SIGTERM noted inside it
+_STOPPING = False  # a SIGTERM was received: the process is being stopped
+
+
+def stopping() -> bool:
+    """Whether a SIGTERM is stopping this process (the other ranks may be anywhere: see zinf/shutdown.py)."""
+    return _STOPPING
 
 
 @contextlib.contextmanager
@@ -117,7 +123,8 @@ def stops_deferred() -> Iterator[None]:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    global _PENDING_SIGNAL
+    global _PENDING_SIGNAL, _STOPPING
+    _STOPPING = True
     log.warning("zinf: SIGTERM received; stopping and removing the swap files")
     if _DEFERRING:
         _PENDING_SIGNAL = signum  # raised when the engine's current call returns

@@ -1,0 +1,73 @@
+"""A run ends with exit status 0 however the script ends, and a rank that dies leaves a line saying where.
+
+- The stress runs (slow tier): a user's script (exit_script.py: DDP trains a transformers Llama and saves it, zinf
+  loads it with ``from_pretrained`` under ``zinf.Init`` and trains it) under torchrun, 50 times ending tidily
+  (``engine.close()``, ``destroy_process_group()``) and 50 times calling neither; and 20 runs of a script whose last
+  line is a collective (exit_collective_script.py). Every launch exits 0 and no rank prints C++'s
+  "terminate called" (see [Note: the end of a run] in zinf/shutdown.py).
+- The fault line: a rank killed by a signal inside a zinf step (a bad memory access in the backward; an abort in a
+  worker thread during the optimizer step) and a rank ended by an uncaught exception each leave a line naming the
+  rank and the phase (see [Note: the fault line] in zinf/native/fault.py).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import processes
+
+HERE = Path(__file__).resolve().parent
+ABORT = "terminate called"
+pytestmark = pytest.mark.distributed
+
+
+def _torchrun(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+    env = {**processes.env_without_launch(), "OMP_NUM_THREADS": "1"}
+    return processes.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _launches(script: Path, runs: int, args: list[str]) -> list[subprocess.CompletedProcess]:
+    """``runs`` launches, two at a time (each launch waits on its rendezvous and exit as much as it computes)."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda i: _torchrun(script, *[a.format(i=i) for a in args]), range(runs)))
+
+
+def _failures(results: list[subprocess.CompletedProcess]) -> list[str]:
+    return [f"run {i}: exit {r.returncode}\n{r.stderr[-3000:]}" for i, r in enumerate(results)
+            if r.returncode != 0 or ABORT in r.stderr]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["tidy", "bare"])
+def test_the_script_exits_cleanly_every_time(ending: str, tmp_path: Path) -> None:
+    results = _launches(HERE / "exit_script.py", 50, [str(tmp_path / "checkpoint-{i}"), ending])
+    failed = _failures(results)
+    assert not failed, f"{len(failed)} of 50 runs ending {ending!r} failed:\n" + "\n".join(failed[:3])
+    assert all(re.search(r"mean loss \d", r.stdout) for r in results)  # each run did its work
+
+
+@pytest.mark.slow
+def test_a_script_ending_on_a_collective_exits_cleanly() -> None:
+    failed = _failures(_launches(HERE / "exit_collective_script.py", 20, []))
+    assert not failed, f"{len(failed)} of 20 runs failed:\n" + "\n".join(failed[:3])
+
+
+@pytest.mark.parametrize(("mode", "line"), [
+    ("segv-backward", r"zinf: rank 1 of 2 \(pid \d+\) killed by SIGSEGV .* in its main thread during backward"),
+    ("abort-thread-step", r"zinf: rank 1 of 2 \(pid \d+\) killed by SIGABRT .* in thread \d+ \(\S+\) during the "
+                          r"optimizer step"),
+    ("raise-forward", r"zinf: rank 1 of 2 ended by an uncaught RuntimeError during forward: a shape this block "
+                      r"cannot take"),
+])
+def test_a_rank_that_dies_inside_a_step_says_where(mode: str, line: str) -> None:
+    result = _torchrun(HERE / "fault_script.py", mode, timeout=120)
+    assert result.returncode != 0
+    assert re.search(line, result.stderr), result.stderr[-4000:]
+    assert "rank 1 finished" not in result.stdout
