@@ -312,8 +312,8 @@ class ZeroInfinityEngine:
         return self.last_report
 
     def close(self, wait_for_ranks: bool = True) -> None:
-        """Remove every hook and release offload files, buffers, worker threads, the ranks' shared memory and zinf's
-        own process group; parameters stay partitioned. A prefetch round still in flight is applied first, so no
+        """Remove every hook and release offload files, buffers, worker threads and the ranks' shared memory;
+        parameters stay partitioned. A prefetch round still in flight is applied first, so no
         collective of this engine is left pending at exit; with ``wait_for_ranks=False`` it is dropped instead and
         nothing collective runs (a process ending on an error, where the other ranks may be anywhere). A second call
         does nothing. Engines a script leaves open are closed at exit (zinf/shutdown.py)."""

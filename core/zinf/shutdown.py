@@ -18,12 +18,13 @@ model's reducer: 11 of 16), since destroying only drops torch's own references. 
 So the first engine registers an exit handler (``_Process._at_exit``). Exit handlers run last-registered first,
 before the interpreter finalizes, with every thread still able to take the GIL; this one runs before those registered
 earlier (the launchers', torch's) and after zinf's later ones (the background CPU-Adam's join). It closes every engine
-the script did not close (background steps and I/O threads joined, the same-host shared memory unmapped, zinf's own
-groups destroyed; without any collective when an uncaught exception or a SIGTERM is ending the process, as the other
-ranks may be anywhere), destroys the default process group if the script has not (Lightning does the same at exit
-for NCCL), then collects cyclic garbage that still holds a group, so that each group's destructor joins its worker
+the script did not close (background steps and I/O threads joined, the same-host shared memory unmapped; without any
+collective when an uncaught exception or a SIGTERM is ending the process, as the other ranks may be anywhere),
+destroys the default process group and every group made from it if the script has not (Lightning does the same at
+exit for NCCL), then collects cyclic garbage that still holds a group, so that each group's destructor joins its worker
 threads now, and finally yields the GIL for a moment so that a worker finishing a release gets it. A group the script
-itself still refers to outlives all this; that moment is what is left for it.
+itself still refers to outlives all this (so does the gloo control group of an engine on NCCL that the script still
+holds: its ``Comm`` keeps it); that moment is what is left for it.
 
 Whatever ends a run early leaves one line naming the rank and the phase: a fatal signal through the C++ handler of
 zinf/native/fault.py ([Note: the fault line]), an uncaught exception through ``_Process._excepthook``, which names

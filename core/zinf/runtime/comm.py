@@ -103,13 +103,9 @@ class Comm:
         return t if t is not None and t.is_open and tensor.device.type == "cpu" else None
 
     def close(self) -> None:
-        """Unmap the shared memory (the collectives go through the process group from then on) and destroy the gloo
-        group that :meth:`with_host_group` made, while its worker threads can still finish (see [Note: the end of a
-        run] in zinf/shutdown.py). Its last message is done: every control message is waited for where it is sent."""
+        """Unmap the shared memory; the collectives go through the process group from then on."""
         if self.same_host is not None:
             self.same_host.close()
-        if self.host_group is not None and dist.is_initialized() and self.host_group in _live_groups():
-            dist.destroy_process_group(self.host_group)
 
     def host_all_gather_into(self, out: torch.Tensor, message: torch.Tensor, async_op: bool) -> Any:
         """:meth:`all_gather_into` for host tensors (see [Note: host-side agreement])."""
@@ -214,11 +210,6 @@ class Comm:
         if self.rank != src:
             for t, offset, n in zip(tensors, offsets, nbytes):
                 t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
-
-
-def _live_groups() -> Any:
-    """The process groups torch still knows (a group destroyed already, or with the default group, is not there)."""
-    return dist.distributed_c10d._world.pg_map
 
 
 class _Works:
