@@ -3,7 +3,8 @@
 - The stress runs (slow tier): a user's script (exit_script.py: DDP trains a transformers Llama and saves it, zinf
   loads it with ``from_pretrained`` under ``zinf.Init`` and trains it) under torchrun, 50 times ending tidily
   (``engine.close()``, ``destroy_process_group()``) and 50 times calling neither; and 20 runs of a script whose last
-  line is a collective (exit_collective_script.py). Every launch exits 0 and no rank prints C++'s
+  line is a collective (exit_collective_script.py), with the engine in memory and on NVMe with the background
+  CPU-Adam (zinf's own threads running as the script ends). Every launch exits 0 and no rank prints C++'s
   "terminate called" (see [Note: the end of a run] in zinf/shutdown.py).
 - The fault line: a rank killed by a signal inside a zinf step (a bad memory access in the backward; an abort in a
   worker thread during the optimizer step) and a rank ended by an uncaught exception each leave a line naming the
@@ -54,9 +55,11 @@ def test_the_script_exits_cleanly_every_time(ending: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_a_script_ending_on_a_collective_exits_cleanly() -> None:
-    failed = _failures(_launches(HERE / "exit_collective_script.py", 20, []))
+@pytest.mark.parametrize("placement", ["memory", "nvme"])
+def test_a_script_ending_on_a_collective_exits_cleanly(placement: str, tmp_path: Path) -> None:
+    failed = _failures(_launches(HERE / "exit_collective_script.py", 20, [placement, str(tmp_path)]))
     assert not failed, f"{len(failed)} of 20 runs failed:\n" + "\n".join(failed[:3])
+    assert not list(tmp_path.iterdir()), "swap files left behind"
 
 
 @pytest.mark.parametrize(("mode", "line"), [
