@@ -16,9 +16,11 @@ from zinf.offload.disk_speed import SPEED_FILE, load_speed, save_speed
 
 
 def _steps(nvme: Path) -> zinf.StepReport:
+    """The report of a second step whose NVMe traffic all falls inside it: with the optimizer step in the background,
+    a step's sweep may finish before its report or start after it, so the bytes a report counts depend on timing."""
     torch.manual_seed(0)
     config = zinf.ZeroConfig.from_dict({"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(nvme)],
-                                                    "pinned_pool_bytes": 4 << 20}})
+                                                    "pinned_pool_bytes": 4 << 20, "overlap_optimizer": False}})
     with zinf.Init(config):
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
