@@ -58,8 +58,6 @@ _OUTSIDE = "the script's own code (outside zinf's calls)"
 
 
 class Closeable(Protocol):
-    closed: bool
-
     def close(self, wait_for_ranks: bool = True) -> None: ...
 
 
@@ -125,9 +123,7 @@ class _Process:
 
     def _at_exit(self) -> None:
         fault.set_phase("zinf's exit handler: closing engines")
-        for engine in list(self._engines):
-            if engine.closed:
-                continue
+        for engine in list(self._engines):  # closing twice does nothing: closed ones need no check here
             try:
                 engine.close(wait_for_ranks=not (self._uncaught or cleanup.stopping()))
             except Exception as exc:  # noqa: BLE001 - the process is ending: said, not raised
