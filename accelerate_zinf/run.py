@@ -5,8 +5,10 @@
 it imports, such as transformers' ``Trainer``) looks it up, and makes transformers' ``from_pretrained``
 (in the script, or in TRL given a model name) build the model partitioned over all ranks with the launch's engine
 config (joining the ranks first if the script loads before building its Accelerator) and load it streaming (see
-[Note: from_pretrained under zinf] in zinf/integrations/transformers.py), then runs the script as ``__main__``
-with the script's own command line. ``--module name`` runs a module instead of a file.
+[Note: from_pretrained under zinf] in zinf/integrations/transformers.py) and transformers' ``Trainer`` save and
+resume the engine ([Note: Trainer checkpoints under zinf] in zinf/integrations/trainer.py): zinf's integrations are
+activated here, before the script runs. Then it runs the script as ``__main__`` with the script's own command line.
+``--module name`` runs a module instead of a file.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from accelerate.utils import parse_flag_from_env
 
 from accelerate_zinf.accelerator import Accelerator
 from accelerate_zinf.settings import engine_config, with_mixed_precision
+from zinf import integrations
 from zinf.integrations import transformers as hf_models
 
 __all__ = ["install", "main"]
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m accelerate_zinf.run script.py [args...] | --module name [args...]")
     install()
+    integrations.activate()  # from_pretrained and Trainer's saving and resuming on zinf, before the script runs
     # the engine config as the Accelerator will see it (ZINF_CONFIG, with the launch's mixed precision), so the
     # groups from_pretrained builds are the ones the engine keeps
     mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")

@@ -22,7 +22,7 @@ from torch import nn
 
 import zinf
 from accelerate_zinf.generation import LockstepGenerate
-from zinf.schedule.tensors import map_tensors
+from zinf.utils import map_tensors
 
 __all__ = ["ZinfModel", "ZinfOptimizer", "PendingModel", "refuse_partitioned_state_dict"]
 
@@ -40,10 +40,9 @@ def refuse_partitioned_state_dict(engine: zinf.ZeroInfinityEngine) -> None:
     without weights, silently. Inside ``engine.gathered_parameters()`` every parameter is whole and ``state_dict()``
     works. (transformers' Trainer saves this way too; zinf/integrations/trainer.py gathers for it on every rank.)
     """
-    from zinf.param.flat_group import GroupState
 
     def check(module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        if any(g.state is not GroupState.GATHERED for g in engine.groups):
+        if not engine.all_gathered():
             raise RuntimeError(
                 "zinf: state_dict() of a model partitioned by zinf has no weights (each rank holds a slice). Call "
                 "accelerator.get_state_dict(model) or accelerator.save_model(model, dir) on every rank instead (with "

@@ -8,7 +8,7 @@ parameter vector from the shards (ZeRO-3 does two a step: forward and backward, 
 groups), a reduce-scatter of the full gradient vector (ZeRO-3: one a step), an all-reduce of it (DDP: one a step),
 and torch's AdamW on half the parameters (one rank's shard). The all-gather and reduce-scatter run through gloo
 and through zinf's same-host transport (``overlap.shared_memory``, [Note: same-host collectives] in
-zinf/shared_memory.py). The last lines add them up per system: what a step's communication costs where nothing
+zinf/runtime/same_host.py). The last lines add them up per system: what a step's communication costs where nothing
 hides it (see docs/benchmarks.md, "What the collectives cost alone").
 """
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zinf.runtime.comm import Comm
-from zinf.shared_memory import SameHostTransport
+from zinf.runtime.same_host import SameHostTransport
 
 # torch 2.13's names for the tensor-in/tensor-out collectives; older releases only have the old ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -10,7 +10,7 @@ gathered as one unit, see [Note: blocks as units] in zinf/schedule/units.py) ove
 the share of zinf's step spent in them; zinf with ``unit_policy="modules"`` (every module gathered on its
 own; the MoE layers adopted as units after the first step) and its rounds; zinf with
 ``overlap.coalesce_gathers="off"`` (one all-gather per group, where the default on gloo issues one collective
-per round, see [Note: one collective per round] in zinf/runtime/gather_batch.py); zinf with
+per round, see [Note: one collective per round] in zinf/runtime/collectives.py); zinf with
 ``overlap.reshard_after_forward`` "always" (every group resharded after its forward: nothing kept for the backward)
 and "never" (every group kept gathered from its forward to its backward; see [Note: kept for backward] in
 zinf/schedule/keep.py). Ratios are against zinf's defaults.

@@ -28,6 +28,10 @@ def add_common(p: argparse.ArgumentParser, *, out: str, steps: int, warmup: int,
     p.add_argument("--ds-python", default=os.environ.get("ZINF_BENCH_DS_PYTHON", DEFAULT_DS_PYTHON),
                    help="the DeepSpeed venv's python (DeepSpeed is never a zinf dependency); absent: DeepSpeed rows "
                         "say 'skipped'")
+    p.add_argument("--zinf-python", action="append", default=[], metavar="NAME=PYTHON",
+                   help="another build of zinf to compare, by the interpreter that imports it (a venv with an earlier "
+                        "commit installed); its runs are the zinf systems named with @NAME (zinf-mem@NAME), "
+                        "alternating with this build's in one run")
     p.add_argument("--limit-gib", type=float, default=21.0, help="watchdog: kill a run whose ranks' RSS passes this")
     p.add_argument("--min-avail-gib", type=float, default=1.0, help="watchdog: kill a run when MemAvailable drops under")
     p.add_argument("--cap-min", type=float, default=25.0, help="watchdog: wall-clock cap per run, minutes")
@@ -36,11 +40,25 @@ def add_common(p: argparse.ArgumentParser, *, out: str, steps: int, warmup: int,
     p.add_argument("--plot", metavar="JSON", help="only redraw the plots and tables from this raw JSON, run nothing")
 
 
+def zinf_pythons(args: argparse.Namespace) -> dict[str, str]:
+    """``--zinf-python NAME=PYTHON`` options as {NAME: PYTHON}."""
+    found = {}
+    for item in args.zinf_python:
+        name, sep, python = item.partition("=")
+        if not sep or not name or not os.path.exists(python):
+            raise SystemExit(f"--zinf-python {item!r}: expected NAME=PYTHON with an existing interpreter")
+        found[name] = python
+    return found
+
+
 def system_list(args: argparse.Namespace) -> list[str]:
     names = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in names if s not in systems.SYSTEMS]
+    builds = zinf_pythons(args)
+    unknown = [s for s in names if s.partition("@")[0] not in systems.SYSTEMS
+               or ("@" in s and (systems.SYSTEMS[s.partition("@")[0]].kind != "zinf" or s.partition("@")[2] not in builds))]
     if unknown:
-        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(systems.SYSTEMS)}")
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(systems.SYSTEMS)} (a zinf system may "
+                         f"name another build: SYSTEM@NAME, with --zinf-python NAME=PYTHON)")
     return names
 
 
@@ -97,7 +115,8 @@ def run(args: argparse.Namespace, meta: dict, system: str, model: str, ranks: in
 
     return run_system(system, model, ranks=ranks, global_batch=args.global_batch, steps=args.steps,
                       warmup=args.warmup, threads=args.threads, limits=limits(args), work_dir=args.work_dir,
-                      ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"])
+                      ds_python=args.ds_python, device=args.device, peak_flops=meta["peak_flops"],
+                      zinf_pythons=zinf_pythons(args))
 
 
 def step_text(row: dict) -> str:

@@ -29,26 +29,30 @@ BREAKDOWN = ("forward", "backward", "compute", "all_gather", "reduce_scatter", "
 
 def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps: int, warmup: int, threads: int,
                limits: Limits, work_dir: str, ds_python: str, device: str, peak_flops: float,
-               tag: str = "", precision: str = "fp32", backend: str | None = None, build_on_cpu: bool = False) -> dict:
+               tag: str = "", precision: str = "fp32", backend: str | None = None, build_on_cpu: bool = False,
+               zinf_pythons: dict[str, str] | None = None) -> dict:
     """``backend``: the process group's (default NCCL on CUDA, gloo on the CPU); ``build_on_cpu``: see
-    systems.Context."""
+    systems.Context. ``system`` may name another build of zinf (``zinf-mem@base``): run by the interpreter
+    ``zinf_pythons`` gives for it."""
     spec = models.parse(model)
+    system, _, build = system.partition("@")
     info = systems.SYSTEMS[system]
     counts = models.counts(spec)
     row: dict = {"model": spec.name, "family": spec.family, "n_layer": spec.n_layer, "n_embd": spec.n_embd,
-                 "numel": counts.numel, "system": system, "label": info.label, "ranks": ranks,
+                 "numel": counts.numel, "system": f"{system}@{build}" if build else system,
+                 "label": f"{info.label} ({build})" if build else info.label, "ranks": ranks,
                  "global_batch": global_batch, "block": spec.block, "steps": steps, "warmup": warmup,
                  "flops_per_token": counts.flops_per_token, "device": device, "tag": tag, "precision": precision}
     if global_batch % ranks:
         raise SystemExit(f"global batch {global_batch} does not split over {ranks} ranks: pass a --global-batch "
                          f"that {ranks} divides")
-    python = sys.executable
+    python = (zinf_pythons or {})[build] if build else sys.executable
     if info.kind == "deepspeed":
         if not os.path.exists(ds_python):
             row.update(status="skipped", error=f"no DeepSpeed interpreter at {ds_python} (make one: {DS_VENV_HINT})")
             return row
         python = ds_python
-    name = f"{system}-{spec.name.replace(':', '_')}-r{ranks}{tag}"
+    name = f"{system}{'-' + build if build else ''}-{spec.name.replace(':', '_')}-r{ranks}{tag}"
     nvme_dir = os.path.join(work_dir, "nvme", name)
     shutil.rmtree(nvme_dir, ignore_errors=True)
     os.makedirs(nvme_dir, exist_ok=True)

@@ -12,16 +12,16 @@ from zinf.engine import ZeroInfinityEngine, initialize
 from zinf.errors import (CheckpointError, CollectiveMismatchError, CollectiveTimeoutError, ConfigError,
                          UnsupportedModelError, ZinfError)
 from zinf.checkpoint.pretrained import LoadReport, load_pretrained
-from zinf.integrations import trainer as _trainer
-from zinf.integrations import transformers as _transformers
+from zinf.integrations import trainer as _trainer  # noqa: F401 - registers its watch (integrations/__init__)
+from zinf.integrations import transformers as _transformers  # noqa: F401 - registers its watch
 from zinf.param.gathered import GatheredParameters
 from zinf.init import Init
 from zinf.report import StepReport
 from zinf.tiling import TiledLinear, tile_linears
 
 logging.getLogger("zinf").addHandler(logging.NullHandler())
-_transformers.watch()  # from_pretrained under zinf.Init / zinf launch builds a partitioned model (integrations/)
-_trainer.watch()  # transformers' Trainer saves and resumes a model trained by zinf (integrations/trainer.py)
+# Importing zinf patches no other library: zinf.Init, the engine and zinf launch activate the transformers glue
+# ([Note: integrations are activated, not imported] in zinf/integrations/__init__.py).
 
 __version__ = "0.1.0"
 

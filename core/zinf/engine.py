@@ -27,16 +27,20 @@ from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
 from zinf.runtime.comm import Comm, compute_device
-from zinf.shared_memory import SameHostTransport
+from zinf.runtime.context import RunContext
+from zinf.runtime.streams import Streams
+from zinf.runtime.same_host import SameHostTransport
 from zinf.schedule.fetcher import ParamFetcher
-from zinf.runtime.streams import install_rank_filter
+from zinf.runtime.logs import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
-from zinf.placement import Placement
+from zinf.placement import Placement, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
+from zinf.param.state import GroupState
+from zinf.param.accounting import group_bytes, merge_bytes
 from zinf.param.gathered import GatheredParameters
 from zinf.param.partition import partition_model
-from zinf.report import StepReport, StepTimers, tier_of
+from zinf.report import StepReport, StepTimers
 from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
 from zinf.schedule.rounds import Rounds
@@ -45,7 +49,7 @@ from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.schedule.reduce import GradReducer
-from zinf import shutdown
+from zinf import integrations, shutdown
 from zinf.shutdown import phase
 
 __all__ = ["ZeroInfinityEngine", "initialize"]
@@ -62,6 +66,7 @@ class ZeroInfinityEngine:
                  config: ZeroConfig | None = None, *, comm: Comm | None = None,
                  device: torch.device | str | None = None) -> None:
         install_rank_filter()  # zinf logs on rank 0 only, unless ZINF_LOG_ALL_RANKS=1 or log_all_ranks(True)
+        integrations.activate()  # transformers' Trainer saves and resumes this engine's model (zinf/integrations/)
         self.closed = False
         with phase("building the engine"):
             self._build(model, optimizer, config, comm, device)
@@ -76,39 +81,40 @@ class ZeroInfinityEngine:
             self.comm = self.comm.with_same_host(SameHostTransport.connect(self.comm, self.config.collective_timeout_s))
         self.module = model
         _check_model(model)
-        replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize)
+        replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize, comm=self.comm)
         if optimizer is not None:
             remap_optimizer(optimizer, replaced)
         self.groups: list[FlatParamGroup] = partition_model(model, self.comm, self.config.compute_dtype, self.device,
                                                                  self.config.storage_dtype)
         for g in self.groups:  # parameters frozen after zinf.Init built them
-            g.use_comm(self.comm)
-            g.refresh_requires_grad()
-            g.fit_master()  # a frozen group keeps its shard alone (see [Note: frozen groups] in zinf/param/flat_group.py)
+            g.layout.check_ranks(self.comm.rank, self.comm.world, g.name)
+            g.grad_in.refresh_requires_grad(g.params)
+            g.master_shard.fit(g.trainable)  # a frozen group keeps its shard alone ([Note: frozen groups] in zinf/param/master.py)
         self.timers = StepTimers()
+        # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
+        # and [Note: host bytes accounted] in zinf/host_memory.py
+        trims = trims_host_heap(self.config.offload, self.device)
+        self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
+        self.host = HostMemory(self.heap)
+        # one context for every part of this engine: its process group, streams, timers and host account
+        self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host)
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
         fp16 = self.config.precision == "fp16"
-        self.placement = Placement(self.config.offload, self.groups, self.comm, optimizer, self.timers,
+        self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
                                    check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0)
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
-                g.make_persistent()
+                g.make_persistent(self.ctx)
         stepper = [self.placement.optimizer] if self.placement.optimizer is not None else []
-        # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
-        # and [Note: host bytes accounted] in zinf/host_memory.py
-        trims = self.placement.trims_host_heap(self.device)
-        self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
-        self.host = HostMemory(self.heap)
         bucket = self.config.overlap.bucket_bytes(self.comm.backend, same_host=self.comm.same_host is not None)
-        self.reducer = GradReducer(self.comm, bucket, self.timers,
-                                   on_complete=stepper[0].on_grad_complete if stepper else None, host=self.host)
-        self.rounds = Rounds(self.comm, self.groups, self.reducer, self.timers, self.config.grad_reduce_dtype,
+        self.reducer = GradReducer(self.ctx, bucket, on_complete=stepper[0].on_grad_complete if stepper else None)
+        self.rounds = Rounds(self.ctx, self.groups, self.reducer, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
-        self.fetcher = ParamFetcher(self.config.overlap, self.timers, self.rounds, host=self.host)
+        self.fetcher = ParamFetcher(self.config.overlap, self.ctx, self.rounds)
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
-            model, self.config, self.comm, self.timers, self.fetcher, self.reducer, self.rounds,
+            model, self.config, self.ctx, self.fetcher, self.reducer, self.rounds,
             on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
             on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
             unit_stages=self.placement.stages_like_one_group)
@@ -193,7 +199,7 @@ class ZeroInfinityEngine:
         if self.optimizer is None:
             raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
         start = time.perf_counter()
-        self.fetcher.drop_kept()  # a forward whose backward never ran: its kept groups would go stale here
+        self.hooks.keep.drop()  # a forward whose backward never ran: its kept groups would go stale here
         step, skipped, grad_norm = self.global_step, False, None
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -211,10 +217,10 @@ class ZeroInfinityEngine:
             if order is not None:
                 self.optimizer.follow(order)
             self.optimizer.step()  # applies the gradients' pending factors, writes new shards, zeroes the gradients
-            for g in self.groups:  # frozen groups never change (see [Note: frozen groups] in zinf/param/flat_group.py)
-                if g.persistent and g.owns_full and g.trainable:
+            for g in self.groups:  # frozen groups never change (see [Note: frozen groups] in zinf/param/master.py)
+                if g.persistent and g.owns_full and g.trainable and g.state is GroupState.GATHERED:
                     g.to_sharded()
-                    g.to_gathered()
+                    g.to_gathered(self.ctx)
         self._unscaled = self._clipped = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
@@ -260,7 +266,7 @@ class ZeroInfinityEngine:
     def gathered_parameters(self, modifier_rank: int | None = None) -> GatheredParameters:
         """``with engine.gathered_parameters(): ...`` -- every full parameter, for reading or (with a
         modifier rank) editing; see :class:`zinf.GatheredParameters`."""
-        return GatheredParameters(self.params, modifier_rank=modifier_rank)
+        return GatheredParameters(self.params, modifier_rank=modifier_rank, ctx=self.ctx)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """An ordinary (unsharded, fp32) state dict of the user's module, built one group at a time (collective);
@@ -272,7 +278,7 @@ class ZeroInfinityEngine:
         """Load an ordinary (unsharded) state dict, e.g. ``full_state_dict()`` of this or an untiled model, or
         ``zinf consolidate`` output: every rank takes its shard of each parameter. Called on every rank with
         the same values. With ``strict`` a missing or unexpected key is an error before anything changes."""
-        self.fetcher.drop_kept()  # a forward's kept groups would keep the old values gathered
+        self.hooks.keep.drop()  # a forward's kept groups would keep the old values gathered
         model_state.load_full_state_dict(self, state, strict)
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
@@ -287,7 +293,7 @@ class ZeroInfinityEngine:
         zinf/checkpoint/model_state.py); returns the client state. Collective. ``allow_pickle``: whether the user
         trusts the files (``None``: the config's ``checkpoint.allow_pickle``; see docs/checkpoints.md)."""
         self.load_failed = None
-        self.fetcher.drop_kept()
+        self.hooks.keep.drop()
         trusted = self.config.checkpoint.allow_pickle if allow_pickle is None else allow_pickle
         try:
             with phase("loading a checkpoint"):
@@ -300,11 +306,11 @@ class ZeroInfinityEngine:
 
     def master_of(self, group: FlatParamGroup) -> torch.Tensor:
         """This rank's fp32 master shard of ``group`` (read back from its tier when offloaded)."""
-        return group.read_master()
+        return group.master_shard.read()
 
     def set_master(self, group: FlatParamGroup, master: torch.Tensor) -> None:
         """Replace this rank's master shard of ``group`` and the parameter shard derived from it."""
-        self.fetcher.drop_kept()
+        self.hooks.keep.drop()
         group.write_master(master)
 
     def report(self) -> StepReport | None:
@@ -320,9 +326,9 @@ class ZeroInfinityEngine:
         if self.closed:
             return
         with phase("closing the engine"):
-            self.fetcher.drop_kept()
+            self.hooks.keep.drop()
             if wait_for_ranks and self.rounds.active and not self.rounds.failed:
-                self.fetcher.settle()
+                self.fetcher.apply_pending_round()
                 self.fetcher.sweep()
             self.hooks.remove()
             if self.checkpointing is not None:
@@ -358,31 +364,14 @@ class ZeroInfinityEngine:
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes held by the engine right now, per tier and kind (measured from the tensors themselves)."""
-        out: dict[str, dict[str, int]] = {}
+        parts = [group_bytes(self.groups), self.placement.bytes_by_tier()]
+        parts += [self.optimizer.bytes_by_tier()] if self.optimizer else []
+        parts += [self.comm.same_host.bytes_by_tier()] if self.comm.same_host is not None else []
+        return merge_bytes(parts)
 
-        def add(kind: str, t: torch.Tensor, nbytes: int | None = None) -> None:
-            tier = out.setdefault(tier_of(t), {})
-            tier[kind] = tier.get(kind, 0) + (t.untyped_storage().nbytes() if nbytes is None else nbytes)
-
-        for g in self.groups:
-            if g.shard is not None:
-                add("param_shards", g.shard)
-            if g.master is not None and (g.shard is None or g.master.data_ptr() != g.shard.data_ptr()):
-                add("master", g.master)
-            if g.grad.resident is not None:
-                add("grad_shards", g.grad.resident)
-            if g.owns_full:
-                add("gathered", g.full)
-            if g.grad_buffer_bytes:  # the flat gradient lives where the group computes, as the full buffer
-                add("grad_buffers", g.full, g.grad_buffer_bytes)
-        elsewhere = [self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
-        if self.comm.same_host is not None:
-            elsewhere.append(self.comm.same_host.bytes_by_tier())
-        for part in elsewhere:
-            for tier, kinds in part.items():
-                for kind, nbytes in kinds.items():
-                    out.setdefault(tier, {})[kind] = out.get(tier, {}).get(kind, 0) + nbytes
-        return out
+    def all_gathered(self) -> bool:
+        """Whether every parameter is whole on this rank now (e.g. inside ``gathered_parameters()``)."""
+        return all(g.state is GroupState.GATHERED for g in self.groups)
 
 
 def _check_model(model: nn.Module) -> None:

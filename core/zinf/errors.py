@@ -29,7 +29,7 @@ class CollectiveTimeoutError(ZinfError):
 
 class SharedMemoryTimeout(ZinfError, RuntimeError):
     """A rank of this host did not post its part of a shared-memory collective within the timeout (see [Note:
-    same-host collectives] in zinf/shared_memory.py); the collective watchdog reports it as a
+    same-host collectives] in zinf/runtime/same_host.py); the collective watchdog reports it as a
     :class:`CollectiveTimeoutError`."""
 
 

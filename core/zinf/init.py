@@ -31,11 +31,12 @@ from torch.utils._pytree import tree_flatten
 from zinf.config import ZeroConfig
 from zinf.heap import trim_heap
 from zinf.runtime.comm import Comm, compute_device, default_device
+from zinf.runtime.context import RunContext
 from zinf.offload.spill_store import SpillStore
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.partition import agree_with_rank0, partition_module_params
 from zinf.param.registry import group_of
-from zinf import shutdown
+from zinf import integrations, shutdown
 from zinf.shutdown import phase
 
 __all__ = ["Init"]
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 # Tensor queries that read only metadata, which a released parameter's placeholder keeps (see [Note: releasing
-# memory] in flat_group.py): code that counts or inspects parameters while the model is built (a loader checking
+# memory] in zinf/param/layout.py): code that counts or inspects parameters while the model is built (a loader checking
 # shapes, ``sum(p.numel() ...)`` in ``configure_model``) gathers nothing.
 _METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
                        torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size,
@@ -69,8 +70,9 @@ _RANDOM_FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Te
 class _EditMode(TorchFunctionMode):
     """Gathers partitioned parameters that construction code touches, and writes edits back. See module doc."""
 
-    def __init__(self, agree: Callable[[], bool]) -> None:
+    def __init__(self, ctx: RunContext, agree: Callable[[], bool]) -> None:
         super().__init__()
+        self.ctx = ctx  # the Init's: edits gather through its process group and streams
         self.open: list[FlatParamGroup] = []
         self.agree = agree  # whether edits are made rank 0's before they are written back
 
@@ -91,14 +93,15 @@ class _EditMode(TorchFunctionMode):
                     self.close(g)
         for g in touched:
             if g.state is not GroupState.GATHERED:
-                g.acquire()
+                g.acquire(self.ctx)
                 self.open.append(g)
         if func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             home = torch.get_default_device()
             group = (self._gathered_group(target, touched) if isinstance(target, torch.Tensor)
                      and home.type != "meta" and kwargs.get("generator") is None else None)
-            dtype = group.built_dtype_at(target) if group is not None else None
+            slot = group.layout.slot_at(target.storage_offset() - group.full.storage_offset()) if group else None
+            dtype = slot.dtype if slot is not None else target.dtype if group is not None else None
             if group is not None and (target.device != home or target.dtype != dtype):
                 # [Note: edits draw where plain PyTorch would]
                 local = target.detach().to(home, dtype)
@@ -124,7 +127,7 @@ class _EditMode(TorchFunctionMode):
             return
         self.open.remove(group)
         if self.agree():
-            agree_with_rank0([group.full], group.comm, group.name)
+            agree_with_rank0([group.full], self.ctx.comm, group.name)
         group.write_back()
         group.release()
 
@@ -156,15 +159,17 @@ class Init:
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._parents: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # to find the roots for tiling
         self._agree = True
-        self._mode = _EditMode(agree=lambda: self._agree)
         self._spill: SpillStore | None = None  # [Note: construction spill]: shards built for NVMe go there
         self._phase = contextlib.ExitStack()  # the phase a fault line names while the block is open (zinf/shutdown.py)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        integrations.activate()  # a from_pretrained in this block builds the model partitioned (integrations/)
         self.comm = self.comm or Comm.current()
         self.device = self.device or default_device()
+        self.ctx = RunContext.build(self.comm, self.device)  # what the edits' gathers move tensors with
+        self._mode = _EditMode(self.ctx, agree=lambda: self._agree)
         shutdown.install(self.comm.rank, self.comm.world)  # see [Note: the fault line] in zinf/native/fault.py
         self._phase.enter_context(phase("building the model under zinf.Init"))
         self._handles = [
@@ -206,7 +211,7 @@ class Init:
             from zinf.tiling import tile_linears
 
             for root in [m for m in self._parents if m not in self._names]:  # built here, attached to nothing
-                tile_linears(root, self.config.tiling, self.config.compute_dtype.itemsize)
+                tile_linears(root, self.config.tiling, self.config.compute_dtype.itemsize, comm=self.comm)
 
     def _on_param(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and group_of(param) is None:

@@ -77,7 +77,7 @@ def measure_path(path: str, size_bytes: int) -> tuple[float, float, bool]:
     offload engine's settings; returns (write GB/s, read GB/s, whether O_DIRECT was in effect). The file is
     removed afterwards."""
     from zinf import native
-    from zinf.config import OffloadConfig
+    from zinf.config_sections import OffloadConfig
 
     directory = Path(path)
     if not directory.is_dir():

@@ -29,25 +29,26 @@ from typing import Sequence
 import torch
 
 from zinf import native
-from zinf.config import OffloadConfig
-from zinf.runtime.comm import Comm
-from zinf.runtime.staging import device_is_apart
+from zinf.config_sections import OffloadConfig
+from zinf.device_memory import device_is_apart
 from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
-from zinf.offload.param_store import CpuShardStore, NvmeShardStore
+from zinf.offload.nvme_param_store import NvmeShardStore
+from zinf.offload.param_store import CpuShardStore
 from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
-from zinf.offload.state_store import CpuStateStore, NvmeStateStore
+from zinf.offload.nvme_state_store import NvmeStateStore
+from zinf.offload.state_store import CpuStateStore
 from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer
 from zinf.optim.sharded import ShardedOptimizer
-from zinf.param.fence import UpdateFence
+from zinf.param.store import UpdateFence
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, DeviceShardStore, ShardStore
-from zinf.report import StepTimers
+from zinf.runtime.context import RunContext
 from zinf.units import format_bytes
 
 __all__ = ["Placement"]
@@ -68,20 +69,29 @@ def _span(nbytes: int) -> int:
     return align_up(nbytes + TRAILER_BYTES)
 
 
+def trims_host_heap(cfg: OffloadConfig, device: torch.device) -> bool:
+    """Whether freed gathers and gradients should go back to the system during the step (``trim_heap_bytes``,
+    [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute) and the parameters are offloaded,
+    host memory being what the run is short of."""
+    return device.type == "cpu" and cfg.params != "device"
+
+
 class Placement:
     """Builds and owns the stores, the swap space and the optimizer over shards for one engine."""
 
-    def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], comm: Comm,
-                 optimizer: torch.optim.Optimizer | None, timers: StepTimers | None = None,
-                 check_finite: bool = False, eager_grad_stats: bool = False) -> None:
+    def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], ctx: RunContext,
+                 optimizer: torch.optim.Optimizer | None, check_finite: bool = False,
+                 eager_grad_stats: bool = False) -> None:
         self.cfg, self.groups = cfg, list(groups)
+        comm = ctx.comm
         # frozen shards that stay in checkpoint files (see [Note: frozen shards in place] in zinf/offload/in_place.py)
-        self._in_place = {id(g): g.in_place_record for g in self.groups if cfg.enabled and cfg.params == "nvme"
-                          and cfg.frozen_in_place and not g.trainable and g.in_place_record is not None}
+        reads_in_place = cfg.enabled and cfg.params == "nvme" and cfg.frozen_in_place
+        self._in_place = {id(g): g.residence.in_place_record(g) for g in self.groups if reads_in_place
+                          and not g.trainable and g.residence.in_place_record(g) is not None}
         if not (cfg.enabled and cfg.params == "nvme"):  # shards zinf.Init built straight to NVMe come back to memory
             for g in self.groups:
                 g.unspill()
-        self.timers = timers or StepTimers()
+        self.timers = ctx.timers
         self.fence = UpdateFence(self.timers)
         offloaded_opt = cfg.optimizer != "device"
         if offloaded_opt:
@@ -112,13 +122,13 @@ class Placement:
         # shards on a device apart from the host, updated by the host's CPU-Adam: staged (see [Note: staged updates])
         staged = bool(self.groups) and device_is_apart(self.groups[0].device)
         if cfg.params == "device" and offloaded_opt and staged:
-            self.store = StagedDeviceStore(self.groups)
+            self.store = StagedDeviceStore(self.groups, ctx.streams)
         elif cfg.params == "cpu":
-            self.store = CpuShardStore(self.groups)
+            self.store = CpuShardStore(self.groups, ctx.streams)
         elif cfg.params == "nvme":
             assert self.swap is not None and room is not None
             self.store = NvmeShardStore(self.groups, self.swap, room, reserve_bytes=param_reserve,
-                                        in_place=self._in_place)
+                                        in_place=self._in_place, streams=ctx.streams)
         # the optimizer's state (and the gradients it reads with it)
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
@@ -133,7 +143,7 @@ class Placement:
         if cfg.enabled:
             for g in self.groups:
                 device = torch.device("cpu") if offloaded_opt else g.device
-                grad = GradShard(g, [g.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
+                grad = GradShard(g, [g.layout.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
                                  eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite,
                                  off_device=offloaded_opt and staged)
                 g.place(self.store, grad, self.fence, self.states if g.trainable else None)
@@ -144,7 +154,7 @@ class Placement:
         self._move_initial_state()
         for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
             if g.trainable and g.shard_only:  # straight to NVMe (see [Note: construction spill])
-                g.restore_master()
+                g.master_shard.restore(g.device)
         self.optimizer: ShardOptimizer | None = None
         if self.states is not None:
             self.optimizer = OffloadedAdam(optimizer, self.groups, self.states, self.fence, self.stash,  # type: ignore[arg-type]
@@ -171,7 +181,7 @@ class Placement:
         assert isinstance(self.store, NvmeShardStore)
         out = {}
         for g in self.groups:
-            spill, rec = g.spill_path, self.store.records[id(g)]
+            spill, rec = g.residence.spill_path, self.store.records[id(g)]
             if isinstance(rec, Record) and spill is not None and \
                     os.stat(os.path.dirname(spill)).st_dev == os.stat(os.path.dirname(rec.path)).st_dev:
                 out[id(g)] = rec
@@ -239,12 +249,6 @@ class Placement:
         if self.cfg.params != "nvme" or not self.groups:
             return True
         return sum(self._staged_bytes(g) for g in groups) <= self._largest_staged
-
-    def trims_host_heap(self, device: torch.device) -> bool:
-        """Whether freed gathers and gradients should go back to the system during the step (``trim_heap_bytes``,
-        [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute) and the parameters were offloaded,
-        host memory being what the run is short of."""
-        return device.type == "cpu" and self.cfg.params != "device"
 
     def _check_host_memory(self) -> None:
         """Host memory this placement keeps during training, against what is free once the shards and

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from zinf.config import CheckpointingConfig
+from zinf.config_sections import CheckpointingConfig
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.streams import BufferFence
 

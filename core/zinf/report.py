@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from zinf.runtime.staging import is_device_memory
+from zinf.device_memory import is_device_memory
 
 __all__ = ["StepTimers", "StepReport", "io_hidden_share", "tier_of"]
 

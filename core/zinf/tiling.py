@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zinf.config import TilingConfig
+from zinf.config_sections import TilingConfig
 from zinf.errors import UnsupportedModelError
+from zinf.runtime.comm import Comm
 
 __all__ = ["TiledLinear", "LinearTile", "tile_linears", "remap_optimizer", "plan_tiles", "tile_spec", "merge_tiles", "split_tiles"]
 
@@ -235,15 +236,18 @@ def plan_tiles(in_features: int, out_features: int, config: TilingConfig, itemsi
         n += 1
 
 
-def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4) -> dict[int, list[nn.Parameter]]:
+def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4,
+                 comm: Comm | None = None) -> dict[int, list[nn.Parameter]]:
     """Replace every ``nn.Linear`` of ``model`` whose weight has at least ``config.min_numel`` elements by a
     :class:`TiledLinear` with the same weights (partitioned like the layer it replaces, if it was). Returns
     ``id(old parameter) -> its new parameters`` (the weight's tiles; the bias itself) so that an optimizer
     built on the old parameters can be pointed at the new ones. Layers whose weight is shared with another
-    module (tied) or also registered elsewhere stay untiled; a partitioned layer is gathered once, alone."""
+    module (tied) or also registered elsewhere stay untiled; a partitioned layer is gathered once, alone, through
+    ``comm`` (default: the current process group)."""
     if not config.enabled:
         return {}
     from zinf.param.partition import partition_module_params
+    from zinf.param.gathered import gather_full_master
     from zinf.param.registry import group_of, unregister
 
     uses: dict[int, int] = {}
@@ -267,7 +271,8 @@ def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4) -> d
             if group is None:
                 tiled = TiledLinear.from_linear(child, tiles)
             else:
-                full = group.gather_master_full()
+                comm = comm or Comm.current(device=group.device)
+                full = gather_full_master(comm, group)
                 values = [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in group.slots]
                 tiled = TiledLinear(child.in_features, child.out_features, child.bias is not None, tiles=tiles,
                                     device=values[0].device, init=False)
@@ -280,9 +285,9 @@ def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4) -> d
                     unregister(p)
                 full_name = _join(name, child_name)
                 for k, t in enumerate(tiled.tiles):
-                    partition_module_params(t, f"{full_name}.tiles.{k}", group.comm, group.compute_dtype, group.device,
+                    partition_module_params(t, f"{full_name}.tiles.{k}", comm, group.compute_dtype, group.device,
                                             storage_dtype=group.storage_dtype)
-                partition_module_params(tiled, full_name, group.comm, group.compute_dtype, group.device,
+                partition_module_params(tiled, full_name, comm, group.compute_dtype, group.device,
                                         storage_dtype=group.storage_dtype)
             setattr(module, child_name, tiled)
             replaced[id(child.weight)] = [t.weight for t in tiled.tiles]  # type: ignore[misc]

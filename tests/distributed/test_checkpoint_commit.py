@@ -19,7 +19,7 @@ from torch import nn
 import zinf
 from dist_utils import run_distributed
 from zinf.checkpoint import CheckpointError, consolidate, read_client_state
-from zinf.checkpoint.commit import hold_save_lock, release_save_lock
+from zinf.checkpoint.leftovers import hold_save_lock, release_save_lock
 import processes
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ from torch import nn
 
 import zinf
 from dist_utils import run_distributed
-from zinf.runtime.staging import STAGED_DEVICE_ENV
+from zinf.device_memory import STAGED_DEVICE_ENV
 
 pytestmark = pytest.mark.distributed
 

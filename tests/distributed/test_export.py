@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 from pathlib import Path
 
@@ -155,13 +157,15 @@ def test_shards_are_written_while_gathering(tmp_path: Path, monkeypatch: pytest.
     """Streamed: a shard is on disk before the later groups are gathered (the model is never whole in memory)."""
     engine = _trained_gpt(0, 1)
     seen: list[int] = []
-    gather = FlatParamGroup.gather_master_full
+    import zinf.checkpoint.export as export
 
-    def counting(group: FlatParamGroup, master: torch.Tensor | None = None) -> torch.Tensor:
+    gather = export.gather_full_master
+
+    def counting(comm: Any, group: FlatParamGroup, master: torch.Tensor | None = None) -> torch.Tensor:
         seen.append(len(list((tmp_path / "hf").glob("model-*.safetensors"))))
-        return gather(group, master)
+        return gather(comm, group, master)
 
-    monkeypatch.setattr(FlatParamGroup, "gather_master_full", counting)
+    monkeypatch.setattr(export, "gather_full_master", counting)
     paths = save_safetensors(engine, tmp_path / "hf", max_shard_size="20KB")
     assert len(seen) == len(engine.groups) and seen[0] == 0 and seen[-1] == len(paths) - 2, seen
     assert seen == sorted(seen)

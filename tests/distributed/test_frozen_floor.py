@@ -1,4 +1,4 @@
-"""Frozen parameters at their floor (see [Note: frozen groups] in zinf/param/flat_group.py), on 1 and 2 gloo ranks.
+"""Frozen parameters at their floor (see [Note: frozen groups] in zinf/param/master.py), on 1 and 2 gloo ranks.
 
 The model: a frozen base (an embedding and linear layers) with trainable LoRA-like adapters and a head in
 modules of their own, and one mixed module (a LayerNorm whose weight is frozen and bias trains), which keeps

@@ -1,4 +1,4 @@
-"""[Note: one collective per round] (zinf/runtime/gather_batch.py): a round's gathers issued as one coalesced
+"""[Note: one collective per round] (zinf/runtime/collectives.py): a round's gathers issued as one coalesced
 collective move the same bytes as one all-gather each, across dtypes and sizes (an empty shard among them), with
 some groups only served (this rank's slice into scratch) and the rest started; and the engine issues one
 collective per round where it issued one per group before, with bit-identical losses."""
@@ -14,8 +14,8 @@ from dist_utils import run_distributed
 from models import batches, build, make_optimizer
 from training import train_global
 from zinf.runtime.comm import Comm
-from zinf.runtime.gather_batch import GatherBatch
-from zinf.runtime.streams import streams_for
+from zinf.runtime.collectives import GatherBatch
+from zinf.runtime.streams import Streams
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +28,7 @@ def _shard(rank: int, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _batched(rank: int, world: int) -> dict:
     comm = Comm.current()
-    batch = GatherBatch(comm, streams_for("cpu"))
+    batch = GatherBatch(comm, Streams(torch.device("cpu")))
     outs, joins = [], []
     for i, (numel, dtype) in enumerate(SHAPES):
         out = torch.full((numel * world,), -1.0, dtype=dtype)

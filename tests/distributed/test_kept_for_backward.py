@@ -155,7 +155,7 @@ def _budget_and_loads(rank: int, world: int) -> dict:
     x, y = data[2]
     engine(x.chunk(world)[rank], y.chunk(world)[rank])  # a training forward: its backward never comes
     fetcher = engine.fetcher
-    kept = list(fetcher._kept)
+    kept = engine.hooks.keep.kept
     assert len(kept) >= 2 and fetcher.gathered_bytes == sum(g.nbytes_full for g in kept)
     # a module that needs one kept group and more than the cap leaves room for: the other kept groups are given
     # back, not the one it needs (that would gather it again on this rank alone, outside any round)
@@ -168,12 +168,12 @@ def _budget_and_loads(rank: int, world: int) -> dict:
     assert all(g.state is GroupState.SHARDED for g in kept[1:])
     assert fetcher.gathered_bytes == kept[0].nbytes_full + largest.nbytes_full
     fetcher.release(needed)
-    fetcher.drop_kept()
+    engine.hooks.keep.drop()
     assert fetcher.gathered_bytes == 0 and all(g.state is GroupState.SHARDED for g in engine.groups)
     fetcher.config = config.overlap
     # another training forward keeps groups again; a load then replaces every value, kept ones too
     engine(x.chunk(world)[rank], y.chunk(world)[rank])
-    assert engine.fetcher._kept
+    assert engine.hooks.keep.kept
     torch.manual_seed(5)
     other = build("gpt").state_dict()
     engine.load_full_state_dict(other)

@@ -1,4 +1,4 @@
-"""Collectives through shared memory between the ranks of one host (zinf/shared_memory.py), against gloo's on the
+"""Collectives through shared memory between the ranks of one host (zinf/runtime/same_host.py), against gloo's on the
 same tensors, and a training run with them against the same run through gloo (2 and 4 gloo ranks)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch import nn
 
 import zinf
 from dist_utils import run_distributed
-from zinf import shared_memory
+from zinf.runtime import same_host
 from zinf.runtime.comm import Comm
-from zinf.shared_memory import SameHostTransport
+from zinf.runtime.same_host import SameHostTransport
 
 pytestmark = pytest.mark.distributed
 
@@ -31,9 +31,9 @@ def _collectives(rank: int, world: int) -> dict:
     assert shared.same_host is not None, "every rank is on this host: the transport must be set up"
     g = torch.Generator().manual_seed(100 + rank)
     dist.barrier()  # every rank has unlinked its file
-    out: dict = {"files": glob.glob(os.path.join(shared_memory.SHM_DIR, f"zinf-shm-{shared.same_host.token}-*"))}
+    out: dict = {"files": glob.glob(os.path.join(same_host.SHM_DIR, f"zinf-shm-{shared.same_host.token}-*"))}
     # sizes below, at and above a chunk (split over several), several tensors of mixed dtypes in one call
-    chunk = shared_memory.CHUNK_BYTES
+    chunk = same_host.CHUNK_BYTES
     sizes = [7, 1000, chunk // 4 // world, chunk // 4 + 13, 3 * chunk // 4 + 5]
     for n in sizes:
         shard = torch.randn(n, generator=g)

@@ -1,5 +1,5 @@
 """The device path on CPU: ``ZINF_STAGED_DEVICE=1`` makes the compute device a memory apart from the host's (see
-[Note: staged device] in zinf/runtime/staging.py), so shards, gradients and updates cross between them through
+[Note: staged device] in zinf/device_memory.py), so shards, gradients and updates cross between them through
 host staging buffers and copies, as on a GPU; the CPU-Adam refuses device memory as it would a CUDA tensor.
 
 Every recipe trains through that path on 1 and 2 gloo ranks against plain PyTorch:
@@ -25,7 +25,7 @@ import zinf
 from dist_utils import run_distributed
 from models import build, make_optimizer
 from training import Recipe, mixed_reference, reference, zinf_worker
-from zinf.runtime.staging import STAGED_DEVICE_ENV
+from zinf.device_memory import STAGED_DEVICE_ENV
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from zinf.runtime.comm import Comm
-from zinf.runtime.streams import Streams, streams_for
+from zinf.runtime.streams import Streams
 from zinf.offload.swap import Record
 
 pytestmark = pytest.mark.gpu
@@ -142,19 +142,19 @@ def test_nvme_store_waits_for_the_copy_before_the_pool_takes_the_buffer(
         streams: Streams, fenced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """NvmeShardStore.fetch copies the pool buffer to the device on copy_in; done() gives the buffer back to the
     pool only after that copy's fence. The copy is held back behind a sleep on compute (copy_in waits for it)."""
-    from zinf.offload import param_store
+    from zinf.offload import nvme_param_store, nvme_slots
     from zinf.offload.pool_room import PoolRoom
 
     if not fenced:  # the control: the buffer is released without waiting for the copy
-        monkeypatch.setattr(param_store._Slot, "_wait_copied", lambda self: None)
+        monkeypatch.setattr(nvme_slots.Slot, "_wait_copied", lambda self: None)
     group: Any = _Group()
     swap: Any = _InstantSwap()
     room: Any = PoolRoom(_PinnedPool())  # type: ignore[arg-type]
-    store = param_store.NvmeShardStore([group], swap, room, reserve_bytes=0)
+    store = nvme_param_store.NvmeShardStore([group], swap, room, reserve_bytes=0, streams=streams)
     assert store.prefetch(group)
     torch.cuda._sleep(_SLEEP_CYCLES)  # on compute: the copy-in waits for it, so it has not started when done() runs
     shard = store.fetch(group)
-    copy_in = streams_for(group.device).copy_in  # the store's streams (shared per device), not the fixture's
+    copy_in = streams.copy_in  # the streams handed to the store
     assert shard.is_cuda and not copy_in.query(), "the copy should still be queued behind the sleep"
     store.done(group)  # not kept: the buffer goes back to the pool (which overwrites it)
     torch.cuda.synchronize()

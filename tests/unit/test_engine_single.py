@@ -154,7 +154,7 @@ def test_backward_that_raises_leaves_the_engine_usable() -> None:
     out.register_hook(boom)
     with pytest.raises(RuntimeError, match="boom"):
         engine.backward(out.sum())
-    assert not engine.hooks.in_backward and all(not g.backward_held for g in engine.groups)
+    assert not engine.hooks.pass_state.in_backward and all(not g.backward_held for g in engine.groups)
     engine.zero_grad()
     engine.backward(engine(x).sum())
     engine.step()

@@ -11,8 +11,11 @@ module is imported, so the checks run without torch, Lightning or Accelerate doi
    Which imports count: every ``import`` / ``from ... import`` in a module, at module level and
    inside functions, methods and classes alike: an import moved into a function to dodge a cycle
    still makes the two modules depend on each other, it only defers the failure to run time.
-   Imports under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) are not edges, since they never
-   run; their ``else:`` branch is. Relative imports are resolved against the importing module.
+   Imports under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) are edges too: they never run, but a
+   module that names another one's types in its annotations cannot be read or changed without it, so a
+   cycle through them is a cycle of understanding. (``_graph(..., typing_too=False)`` leaves them out, as
+   the rule test shows, for the graph of what runs.) Relative imports are resolved against the importing
+   module.
 
    Where an edge goes:
 
@@ -66,6 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from layers import LAYERS, layer_of as _layer_of
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"zinf": REPO / "core" / "zinf", "lightning_zinf": REPO / "lightning_zinf",
@@ -268,7 +273,7 @@ def _describe(graph: Graph, chain: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def graph() -> Graph:
-    return _graph(PACKAGES)
+    return _graph(PACKAGES, typing_too=True)
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
@@ -340,14 +345,12 @@ _RECORDS = {
     ("checkpoint/export.py", "entry"): "an export plan entry, filled by the planner that built it",
     ("checkpoint/export.py", "plan"): "the export plan, filled by the planner that built it",
     ("schedule/hooks.py", "call"): "the hooks' own per-call record (what a module call acquired)",
-    ("schedule/hooks.py", "state"): "the hooks' own per-module record",
-    ("schedule/hooks.py", "self.states[sub]"): "the hooks' own per-module record",
     ("schedule/rounds.py", "result"): "a round's result record, filled by the function that returns it",
-    ("runtime/streams.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
+    ("runtime/logs.py", "record"): "logging.Filter API: a filter annotates the LogRecord it is given",
     ("shutdown.py", "sys"): "Python's API for what an uncaught exception prints is assigning sys.excepthook (the "
         "hook it replaces is called first)",
     ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
-    ("schedule/hooks.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
+    ("schedule/module_backward.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "
         "per process, so that .to()/.cpu()/.half() see partitioned parameters",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
@@ -514,15 +517,88 @@ def test_no_package_cycle(graph: Graph) -> None:
     assert not cycles, f"{len(cycles)} cycle(s) between zinf's packages:\n{report}"
 
 
-def test_packages_are_layers_with_typing_imports() -> None:
-    """The layers hold for the names a module only annotates with, too: a lower package never refers to a higher
-    one, not even under ``if TYPE_CHECKING:`` (``runtime`` knows nothing of flat groups or the schedule: it moves
-    tensors; ``param`` holds the groups; ``schedule`` decides when they are gathered and reduced)."""
-    packages = _package_graph(_graph(PACKAGES, typing_too=True), "zinf")
-    cycles = _cycles(packages)
-    report = "\n".join(_describe(packages, chain) for chain in cycles)
-    assert not cycles, f"{len(cycles)} cycle(s) between zinf's packages, imports under TYPE_CHECKING counted:\n{report}"
-    below_param = {"zinf.runtime"}
-    for low in below_param:
-        upward = sorted(t for t in packages.get(low, {}) if t not in below_param)
-        assert not upward, f"{low} imports {upward}: it must not know the layers above it"
+def test_every_module_has_a_layer(graph: Graph) -> None:
+    unplaced = sorted(m for m in graph if _layer_of(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (add them where they belong): {unplaced}"
+
+
+def test_no_import_points_to_a_higher_layer(graph: Graph) -> None:
+    """The layers hold for every import, annotation-only ones included: a module never refers to one above it
+    (``runtime`` knows nothing of flat groups or the schedule: it moves tensors; ``param`` holds the groups;
+    ``schedule`` decides when they are gathered and reduced)."""
+    upward = []
+    for importer, targets in sorted(graph.items()):
+        low = _layer_of(importer)
+        for target, edges in sorted(targets.items()):
+            high = _layer_of(target)
+            if low is not None and high is not None and high > low:
+                where = ", ".join(f"{e.path}:{e.line}" for e in edges)
+                upward.append(f"{importer} ({LAYERS[low][0]}) -> {target} ({LAYERS[high][0]}): {where}")
+    assert not upward, f"{len(upward)} import(s) of a higher layer:\n" + "\n".join(upward)
+
+
+def test_layer_rule() -> None:
+    assert LAYERS[_layer_of("zinf.runtime.comm")][0] == "runtime"  # type: ignore[index]
+    assert LAYERS[_layer_of("zinf.integrations")][0] == "base"  # type: ignore[index]
+    assert LAYERS[_layer_of("zinf.integrations.trainer")][0] == "face"  # type: ignore[index]
+    assert LAYERS[_layer_of("zinf.configuration")][0] == "face"  # type: ignore[index]  # not zinf.config's
+    assert _layer_of("torch") is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Where collectives are issued, and what holds a process group
+
+# the primitives that move tensor data between ranks, as ``Comm`` offers them and as torch.distributed does
+_DATA_COLLECTIVES = {"all_gather_into", "all_gather_coalesced", "reduce_scatter_sum", "all_gather_into_tensor",
+                     "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
+                     "all_gather_into_tensor_coalesced"}
+# the one file that issues them (callers decide when, it decides how), and the one that defines Comm's
+_COLLECTIVE_FILES = {"runtime/collectives.py", "runtime/comm.py"}
+
+
+def _data_collective_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    return sorted((node.lineno, node.func.attr) for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in _DATA_COLLECTIVES)
+
+
+def test_data_collectives_are_issued_from_one_runtime_file() -> None:
+    found = []
+    for path in sorted(PACKAGES["zinf"].rglob("*.py")):
+        rel = str(path.relative_to(PACKAGES["zinf"]))
+        if rel in _COLLECTIVE_FILES:
+            continue
+        found += [f"{rel}:{line}: {name}" for line, name in _data_collective_calls(ast.parse(path.read_text()))]
+    assert not found, ("tensor all-gathers and reduce-scatters go through zinf/runtime/collectives.py:\n"
+                       + "\n".join(found))
+    assert _data_collective_calls(ast.parse("x.comm.all_gather_into(a, b, async_op=True)\nf(y)\n")) == [
+        (1, "all_gather_into")]
+
+
+def test_no_stream_table_and_no_group_holds_a_process_group() -> None:
+    """Streams reach their users in the run context (zinf/runtime/context.py), never from a table by device; a flat
+    group's layout knows its rank and world, and its gathers are handed the context."""
+    sources = {str(p.relative_to(PACKAGES["zinf"])): p.read_text() for p in PACKAGES["zinf"].rglob("*.py")}
+    assert not [f for f, text in sources.items() if "streams_for" in text]
+    group = ast.parse(sources["param/flat_group.py"])
+    assigned = {t.attr for node in ast.walk(group) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in _assigned(target) if isinstance(t, ast.Attribute) and _is_own(t.value)}
+    assert {"rank", "world"} <= assigned and not assigned & {"comm", "ctx", "streams"}, sorted(assigned)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes: a module is read in one sitting
+
+_MAX_MODULE_LINES = 400
+_MAX_GROUP_LINES = 300  # FlatParamGroup: the gather state machine; its master, residence and gradient are apart
+
+
+def test_modules_and_the_flat_group_stay_small() -> None:
+    long = [f"{p.relative_to(REPO)}: {n} lines" for root in PACKAGES.values() for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > _MAX_MODULE_LINES]
+    assert not long, f"modules over {_MAX_MODULE_LINES} lines (split them by concern):\n" + "\n".join(long)
+    tree = ast.parse((PACKAGES["zinf"] / "param" / "flat_group.py").read_text())
+    group = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FlatParamGroup")
+    span = (group.end_lineno or group.lineno) - group.lineno + 1
+    assert span <= _MAX_GROUP_LINES, f"FlatParamGroup is {span} lines"

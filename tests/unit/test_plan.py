@@ -14,7 +14,8 @@ import zinf.plan
 from zinf.cli import main
 from zinf.plan import Machine, PlanError, parse_placement, plan
 from zinf.offload.swap import ALIGN
-from zinf.plan.cost import ALL_PLACEMENTS, state_bytes
+from zinf.plan.memory import state_bytes
+from zinf.plan.placements import ALL_PLACEMENTS
 
 GiB = 2**30
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

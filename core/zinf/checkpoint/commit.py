@@ -14,18 +14,8 @@ them never touches a file the current commit names, and each part records the co
 ABANDONED:
 
 1. rank 0 reads the current commit and draws the save id; every rank learns both (one all-gather);
-2. WRITING: each rank removes its leftovers (see [Note: node-local storage]
-When nodes do not share the directory (each writes to its own disk under the same path), step 3 finds out:
-every rank reports which of the save's parts it sees. Ranks that see the same set share a directory; the
-commit record lists every part, and per rank the lowest rank of its directory (``storage``) and its host.
-Step 4 then writes ``commit.json`` in every directory: rank 0's first (the save is current from that rename
-on), then the first rank of each other directory. A load follows rank 0's record, shared with every rank, and
-each rank reads its own part from its own directory: on the same world size (another world size would need
-other nodes' files and is refused with the fix). A directory some ranks see only partly is refused at save
-time. Rank ``r``'s files are still owned by rank ``r`` (below), so each node removes only its own leftovers.
-
-[Note: leftovers]), writes its part, flushes and fsyncs
-   it and the directory;
+2. WRITING: each rank removes its leftovers (see [Note: leftovers] in zinf/checkpoint/leftovers.py), writes its
+   part, flushes and fsyncs it and the directory;
 3. every rank learns every rank's outcome (one all-gather). AGREED when all succeeded; otherwise every
    rank removes its part and raises the same CheckpointError (ABANDONED: the previous commit is current);
 4. rank 0 writes ``commit.json.tmp``, fsyncs it, renames it onto ``commit.json`` and fsyncs the directory:
@@ -37,261 +27,42 @@ A kill at any instant leaves the previous commit or the new one current, each wi
 Readers trust only ``commit.json``, and check each part's own record of its commit against it. What rank 0
 read is shared with every rank, so ranks also agree when each sees a directory of its own node.
 
-[Note: leftovers]
-zinf's files in a checkpoint directory are ``commit.json``, ``commit.json.tmp``, the parts above (``.tmp``
-included), and the rank files of the earlier format that had no commit (``rank00000-of-00002.pt``, and
-``.pt.tmp`` while written). Each is owned by rank ``(its rank number) % world`` (``commit.json.tmp`` by
-rank 0), so no two ranks remove the same file and the files of a larger earlier world are removed too.
-Nothing else in the directory is ever touched (``commit.lock`` stays: see below). A save removes every
-leftover it owns. A load removes them too, unless another process is saving into the directory right now
-(savers hold a shared ``flock`` on ``commit.lock`` for the length of a save; the kernel drops it if they die):
-then it removes only parts of saves older than the current commit, since a newer part may belong to the
-save in flight. One writer per directory: two jobs saving into the same directory at once are not supported.
+[Note: node-local storage]
+When nodes do not share the directory (each writes to its own disk under the same path), step 3 finds out:
+every rank reports which of the save's parts it sees. Ranks that see the same set share a directory; the
+commit record lists every part, and per rank the lowest rank of its directory (``storage``) and its host.
+Step 4 then writes ``commit.json`` in every directory: rank 0's first (the save is current from that rename
+on), then the first rank of each other directory. A load follows rank 0's record, shared with every rank, and
+each rank reads its own part from its own directory: on the same world size (another world size would need
+other nodes' files and is refused with the fix). A directory some ranks see only partly is refused at save
+time. Rank ``r``'s files are still owned by rank ``r`` ([Note: leftovers] in zinf/checkpoint/leftovers.py), so
+each node removes only its own leftovers.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import socket
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
+from zinf.checkpoint.commit_record import COMMIT, COMMIT_FORMAT, LEGACY_NAME, Commit, read_commit
+from zinf.checkpoint.leftovers import hold_save_lock, release_save_lock, remove_leftovers, tidy
 from zinf.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zinf.runtime.comm import Comm
 
-__all__ = ["Commit", "Save", "SaveState", "agreed_commit", "check_part", "raise_if_any", "require_commit", "tidy"]
+__all__ = ["Save", "SaveState"]
 
 log = logging.getLogger("zinf")
 
-COMMIT = "commit.json"
-COMMIT_FORMAT = "zinf-commit-v2"
-_PART = re.compile(r"^step(?P<step>\d+)-[0-9a-f]+\.rank(?P<rank>\d{5})-of-\d{5}\.(pt|safetensors)(\.tmp)?$")
-_LEGACY = re.compile(r"^rank(?P<rank>\d{5})-of-\d{5}\.pt(?P<tmp>\.tmp)?$")
-
-
-@dataclass(frozen=True)
-class Commit:
-    """One save: what ``commit.json`` holds, and what each of the save's parts records about itself."""
-
-    tag: str
-    save_id: str
-    global_step: int
-    world: int
-    # see [Note: node-local storage]: per rank, the lowest rank that sees the same directory (empty: one directory
-    # all ranks share), and the host each rank ran on
-    storage: tuple[int, ...] = ()
-    hosts: tuple[str, ...] = ()
-
-    @property
-    def shared(self) -> bool:
-        return not any(self.storage)
-
-    def file(self, rank: int) -> str:
-        return f"{self.tag}.rank{rank:05d}-of-{self.world:05d}.safetensors"
-
-    def files(self) -> list[str]:
-        return [self.file(r) for r in range(self.world)]
-
-    def where(self, rank: int) -> str:
-        """Where rank ``rank``'s part is, for error messages (empty on shared storage)."""
-        if self.shared or rank >= len(self.storage):
-            return ""
-        return f" (on the storage of rank {self.storage[rank]}, host {self.hosts[rank] if self.hosts else '?'})"
-
-    def part_record(self, rank: int) -> dict[str, Any]:
-        """What rank ``rank``'s part stores under its record's ``"commit"`` key (fixed before the save knows where
-        its parts landed)."""
-        return {"tag": self.tag, "save_id": self.save_id, "global_step": self.global_step, "world": self.world,
-                "rank": rank}
-
-    def describe(self) -> str:
-        return f"save {self.tag} at step {self.global_step} by {self.world} rank(s)"
-
-
-# -- reading ---------------------------------------------------------------------------------------------
-
-def read_commit(directory: Path) -> Commit | None:
-    """The commit ``directory/commit.json`` names; ``None`` when there is none."""
-    path = directory / COMMIT
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise CheckpointError(f"zinf checkpoint: cannot read {path} ({exc}).") from exc
-    try:
-        record = json.loads(text)
-        if record.get("format") == "zinf-commit-v1":
-            raise CheckpointError(
-                f"zinf checkpoint: {directory} was written by an earlier zinf (format zinf-sharded-v1, torch files per "
-                "rank). Load it with that zinf and save it again with this one, or consolidate it there ('zinf "
-                "consolidate') and load the weights with engine.load_full_state_dict.")
-        if record.get("format") != COMMIT_FORMAT:
-            raise ValueError(f"format {record.get('format')!r}, expected {COMMIT_FORMAT!r}")
-        return Commit(tag=str(record["tag"]), save_id=str(record["save_id"]),
-                      global_step=int(record["global_step"]), world=int(record["world"]),
-                      storage=tuple(int(r) for r in record.get("storage", ())),
-                      hosts=tuple(str(h) for h in record.get("hosts", ())))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"zinf checkpoint: {path} is not a zinf commit record ({exc}); it was edited or "
-                              "damaged. Restore it from a copy of the checkpoint, or load another checkpoint.") from exc
-
-
-def require_commit(directory: Path) -> Commit:
-    """The current commit of ``directory``, or a CheckpointError saying why there is none."""
-    if not directory.exists():
-        raise CheckpointError(f"zinf checkpoint: {directory} does not exist.")
-    if not directory.is_dir():
-        raise CheckpointError(f"zinf checkpoint: {directory} is not a directory (a zinf checkpoint is a directory "
-                              f"holding {COMMIT} and one file per rank).")
-    commit = read_commit(directory)
-    if commit is not None:
-        return commit
-    names = sorted(os.listdir(directory))
-    if any((m := _LEGACY.match(n)) and not m["tmp"] for n in names):
-        raise CheckpointError(
-            f"zinf checkpoint: {directory} holds rank files but no {COMMIT}: it was written by an earlier zinf, "
-            "whose saves had no commit, so nothing proves that its rank files come from one save. Load it with "
-            "the zinf that wrote it and save it again with this one (or consolidate it there with 'zinf consolidate' "
-            "and load the weights with engine.load_full_state_dict).")
-    if any(_PART.match(n) for n in names):
-        raise CheckpointError(f"zinf checkpoint: {directory} has no {COMMIT}: no save into it completed (it holds "
-                              "parts of an interrupted save, which are never loaded). Load another checkpoint.")
-    raise CheckpointError(f"zinf checkpoint: {directory} holds no zinf checkpoint (no {COMMIT}).")
-
-
-def agreed_commit(directory: Path, comm: "Comm") -> Commit:
-    """The commit rank 0 reads, on every rank; every rank raises the same error when there is none (collective)."""
-    found: Commit | str | None = None
-    if comm.rank == 0:
-        try:
-            found = require_commit(directory)
-        except (CheckpointError, OSError) as exc:  # every rank must hear of it, or the others wait forever
-            found = str(exc) if isinstance(exc, CheckpointError) else f"zinf checkpoint: cannot read {directory} ({exc})."
-    found = comm.all_gather_object(found)[0]
-    if isinstance(found, str):
-        raise CheckpointError(found)
-    return found
-
-
-def check_part(record: Any, commit: Commit, rank: int, file: Path) -> None:
-    """Refuse a part whose own record (its payload's ``"commit"``) is not rank ``rank`` of ``commit``."""
-    if record == commit.part_record(rank):
-        return
-    if isinstance(record, dict):
-        found = (f"save {record.get('tag')} at step {record.get('global_step')} "
-                 f"(rank {record.get('rank')} of {record.get('world')})")
-    else:
-        found = "no save (it has no commit record; written by an earlier zinf?)"
-    raise CheckpointError(
-        f"zinf checkpoint: rank {rank}'s file {file} belongs to {found}, but {COMMIT} names {commit.describe()} "
-        f"(rank {rank} of {commit.world}): the directory mixes files of different saves. Restore the files of "
-        "one save, or load another checkpoint.")
-
-
-def raise_if_any(comm: "Comm", problem: str | None, cause: BaseException | None = None) -> None:
-    """Every rank raises when any rank had a problem, so none goes on alone into a collective (collective)."""
-    problems = [(r, p) for r, p in enumerate(comm.all_gather_object(problem)) if p is not None]
-    if len(problems) == 1:
-        raise CheckpointError(problems[0][1]) from cause
-    if problems:
-        raise CheckpointError("; ".join(f"rank {r}: {p}" for r, p in problems)) from cause
-
-
-# -- leftovers -------------------------------------------------------------------------------------------
-
-def _owner(name: str) -> int | None:
-    if name == f"{COMMIT}.tmp":
-        return 0
-    m = _PART.match(name) or _LEGACY.match(name)
-    return int(m["rank"]) if m else None
-
-
-def remove_leftovers(directory: Path, keep: Commit | None, rank: int, world: int, *, keep_legacy: bool = False,
-                     only_older: bool = False) -> None:
-    """Remove the files of ``directory`` that ``rank`` owns and ``keep`` does not name (see [Note: leftovers]).
-    With ``only_older`` (a load) only parts of saves older than ``keep``: a newer part may belong to a save that
-    another process is writing right now, and removing it would break that save's commit."""
-    named = set(keep.files()) if keep is not None else set()
-    removed = []
-    for entry in os.scandir(directory):
-        owner = _owner(entry.name)
-        if owner is None or owner % world != rank or entry.name in named or not entry.is_file(follow_symlinks=False):
-            continue
-        if only_older:
-            m = _PART.match(entry.name)
-            if m is None or keep is None or int(m["step"]) >= keep.global_step:
-                continue
-        if keep_legacy and (m := _LEGACY.match(entry.name)) and not m["tmp"]:
-            continue
-        Path(entry.path).unlink(missing_ok=True)
-        removed.append(entry.name)
-    if removed:
-        log.debug("zinf checkpoint: removed %s from %s", ", ".join(sorted(removed)), directory)
-
-
-LOCK = "commit.lock"
-
-
-def hold_save_lock(directory: Path) -> int:
-    """A saver's shared lock on ``directory/commit.lock`` for the length of its save (the kernel drops it if the
-    process dies); returns the fd to close."""
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
-def release_save_lock(fd: int | None) -> None:
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def save_in_flight(directory: Path) -> bool:
-    """Whether some process holds the save lock of ``directory`` (True when that cannot be told)."""
-    try:
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return True
-    try:
-        for _ in range(20):  # another reader's probe holds the exclusive lock for an instant: try again
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return False
-            except BlockingIOError:
-                time.sleep(0.005)
-        return True
-    finally:
-        os.close(fd)
-
-
-def tidy(directory: Path, keep: Commit, rank: int, world: int, *, loading: bool = False) -> None:
-    """``remove_leftovers``; failing to remove (a read-only copy of a checkpoint) is only a warning. At a load
-    while another process is saving into the directory, only parts of saves older than ``keep`` go (a newer
-    part may belong to the save in flight)."""
-    try:
-        remove_leftovers(directory, keep, rank, world, only_older=loading and save_in_flight(directory))
-    except OSError as exc:
-        log.warning("zinf checkpoint: could not remove files of other saves from %s (%s); the next save retries.",
-                    directory, exc)
-
-
-# -- saving ----------------------------------------------------------------------------------------------
 
 class SaveState(enum.Enum):
     """One rank's side of one save (see [Note: commit protocol]). What is on disk in each state:
@@ -431,7 +202,7 @@ def _previous(directory: Path) -> dict[str, Any]:
     if commit is not None:
         return {"commit": commit, "clean": True,
                 "note": f"The previous checkpoint (step {commit.global_step}, save {commit.tag}) is still current"}
-    if any((m := _LEGACY.match(n)) and not m["tmp"] for n in os.listdir(directory)):
+    if any((m := LEGACY_NAME.match(n)) and not m["tmp"] for n in os.listdir(directory)):
         return {"commit": None, "clean": True, "note": "The rank files an earlier zinf wrote there are untouched"}
     return {"commit": None, "clean": True, "note": f"No checkpoint was current in {directory} before, and none is now"}
 

@@ -15,18 +15,16 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from zinf.checkpoint.model_state import slot_views
 from zinf.checkpoint.safetensors_header import TensorSpec
 from zinf.checkpoint.shard_writer import SAFETENSORS, ShardPlan, ShardWriter, parse_size, plan_shards
+from zinf.checkpoint.source import ModelSource
 from zinf.errors import ZinfError
 from zinf.tiling import TiledLinear
-
-if TYPE_CHECKING:
-    from zinf.engine import ZeroInfinityEngine
+from zinf.param.gathered import gather_full_master
 
 __all__ = ["save_safetensors", "parse_size"]
 
@@ -46,7 +44,7 @@ class _Sources:
     buffers: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
-def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str,
+def _plan(engine: ModelSource, limit: int, prefix: str,
           dtype: torch.dtype | None) -> tuple[_Sources, ShardPlan]:
     """Names and shapes of every tensor to write, in writing order (groups, then buffers), and their shards."""
 
@@ -100,7 +98,7 @@ def _plan(engine: "ZeroInfinityEngine", limit: int, prefix: str,
         raise ValueError(f"save_safetensors: {exc}") from None
 
 
-def _agree(engine: "ZeroInfinityEngine", error: BaseException | None, what: str) -> None:
+def _agree(engine: ModelSource, error: BaseException | None, what: str) -> None:
     """Raise on every rank when rank 0 failed (``error``), so no rank is left waiting in a collective."""
     failed = torch.tensor([int(error is not None)], dtype=torch.int32, device=engine.comm.device)
     engine.comm.broadcast(failed, src=0)
@@ -110,7 +108,7 @@ def _agree(engine: "ZeroInfinityEngine", error: BaseException | None, what: str)
         raise ZinfError(f"save_safetensors: rank 0 failed while {what}; see its error.")
 
 
-def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike, *, max_shard_size: int | str = "10GB",
+def save_safetensors(engine: ModelSource, directory: str | os.PathLike, *, max_shard_size: int | str = "10GB",
                      prefix: str | None = None, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``engine``'s model to ``directory`` as Hugging Face safetensors (sharded above ``max_shard_size``).
 
@@ -154,7 +152,7 @@ def save_safetensors(engine: "ZeroInfinityEngine", directory: str | os.PathLike,
     assembling: dict[str, dict[int, torch.Tensor]] = {}  # a tiled layer's tiles until the last one arrives
     with torch.no_grad():
         for g in engine.groups:
-            full = g.gather_master_full(engine.master_of(g))
+            full = gather_full_master(engine.comm, g, engine.master_of(g))
             if writer is None:
                 continue
             for index, value in slot_views(full, [(s.offset, s.shape) for s in g.slots]):

@@ -16,18 +16,16 @@ does), or from the rank's own part when buffers stay per rank and the world size
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.part_file import PartReader, PartWriter, TensorSpec, payload
+from zinf.checkpoint.source import ModelSource
 from zinf.errors import CheckpointError, UnsupportedModelError
 from zinf.tiling import merge_tiles, split_tiles, tile_spec
-
-if TYPE_CHECKING:
-    from zinf.engine import ZeroInfinityEngine
-    from zinf.param.flat_group import FlatParamGroup
+from zinf.param.gathered import gather_full_master
 
 __all__ = ["slot_views", "user_names", "full_state_dict", "load_full_state_dict", "shard_layout", "write_part",
            "load_parts", "same_model", "check_fits", "Loaded"]
@@ -40,33 +38,33 @@ def slot_views(flat: torch.Tensor, spans: list[tuple[int, Any]]) -> Iterator[tup
         yield index, flat[offset : offset + shape.numel()].view(shape)
 
 
-def user_names(engine: "ZeroInfinityEngine") -> dict[int, list[str]]:
+def user_names(engine: ModelSource) -> dict[int, list[str]]:
     """Every name of each parameter, as the user's module names it (a front end's root prefix removed)."""
     prefix = engine.name_prefix
     return {pid: [n[len(prefix):] if prefix and n.startswith(prefix) else n for n in ns]
             for pid, ns in param_names(engine.module).items()}
 
 
-def _user_buffers(engine: "ZeroInfinityEngine") -> dict[str, torch.Tensor]:
+def _user_buffers(engine: ModelSource) -> dict[str, torch.Tensor]:
     prefix = engine.name_prefix
     return {(n[len(prefix):] if prefix and n.startswith(prefix) else n): b
             for n, b in persistent_buffers(engine.module).items()}
 
 
-def _user_tiles(engine: "ZeroInfinityEngine") -> dict[str, dict[str, list[int]]]:
+def _user_tiles(engine: ModelSource) -> dict[str, dict[str, list[int]]]:
     prefix = engine.name_prefix
     return {(n[len(prefix):] if prefix and n.startswith(prefix) else n): g for n, g in tile_spec(engine.module).items()}
 
 
 # -- full state dicts ----------------------------------------------------------------------------------------
 
-def full_state_dict(engine: "ZeroInfinityEngine", rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: ModelSource, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """An ordinary (unsharded, fp32) state dict of the user's module, built one group at a time (collective)."""
     names = user_names(engine)
     keep = not rank0_only or engine.comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     for g in engine.groups:
-        full = g.gather_master_full(g.read_master())
+        full = gather_full_master(engine.comm, g, g.master_shard.read())
         if not keep:
             continue
         for index, value in slot_views(full, [(s.offset, s.shape) for s in g.slots]):
@@ -84,7 +82,7 @@ def full_state_dict(engine: "ZeroInfinityEngine", rank0_only: bool = True) -> di
     return out
 
 
-def load_full_state_dict(engine: "ZeroInfinityEngine", state: dict[str, torch.Tensor], strict: bool = True) -> None:
+def load_full_state_dict(engine: ModelSource, state: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Every rank takes its shard of each parameter of ``state`` (an ordinary state dict, the same on every rank);
     with ``strict`` a missing or unexpected key is an error before anything changes. Names may carry the front
     end's root prefix or not."""
@@ -118,7 +116,7 @@ def load_full_state_dict(engine: "ZeroInfinityEngine", state: dict[str, torch.Te
             + ([f"unexpected keys {unexpected[:8]}"] if unexpected else [])))
     with torch.no_grad():
         for g in engine.groups:
-            kept = None if all(p is None or id(p) in found for p in g.params) else g.gather_master_full(g.read_master())
+            kept = None if all(p is None or id(p) in found for p in g.params) else gather_full_master(engine.comm, g, g.master_shard.read())
             full = torch.zeros(g.padded_numel, dtype=torch.float32, device=engine.device)
             for p, slot in zip(g.params, g.slots):
                 where = slice(slot.offset, slot.offset + slot.numel)
@@ -135,7 +133,7 @@ def load_full_state_dict(engine: "ZeroInfinityEngine", state: dict[str, torch.Te
 
 # -- this rank's part of a sharded checkpoint ----------------------------------------------------------------
 
-def shard_layout(engine: "ZeroInfinityEngine") -> list[dict[str, Any]]:
+def shard_layout(engine: ModelSource) -> list[dict[str, Any]]:
     """The groups' layout as a checkpoint records it: sizes, parameter names (the user's module's, so a checkpoint
     moves between front ends), shapes, offsets."""
     names = user_names(engine)
@@ -172,7 +170,7 @@ def _buffer(name: str) -> str:
     return f"buffer.{name}"
 
 
-def write_part(engine: "ZeroInfinityEngine", file: Any, record: dict[str, Any], client_state: Any,
+def write_part(engine: ModelSource, file: Any, record: dict[str, Any], client_state: Any,
                format_name: str) -> None:
     """Write this rank's part to ``file``: the fp32 master shard and optimizer state of every group, read from
     its tier one group at a time, buffers, and the record of everything else."""
@@ -194,7 +192,7 @@ def write_part(engine: "ZeroInfinityEngine", file: Any, record: dict[str, Any], 
     writer = PartWriter(file, specs, payload(meta, client_state), format_name)
     try:
         for gi, g in enumerate(engine.groups):
-            writer.write(_master(gi), g.read_master().detach().to("cpu", torch.float32))
+            writer.write(_master(gi), g.master_shard.read().detach().to("cpu", torch.float32))
             if keys[gi]:
                 for k, v in optimizer.group_state(g).items():
                     writer.write(_state(gi, k), v.detach().to("cpu", torch.float32).reshape(-1))
@@ -228,7 +226,7 @@ class Loaded:
     client_state: Any
 
 
-def load_parts(engine: "ZeroInfinityEngine", first: dict[str, Any], part: Callable[[int], PartReader], old_world: int,
+def load_parts(engine: ModelSource, first: dict[str, Any], part: Callable[[int], PartReader], old_world: int,
                buffers_from: int, client_state: Any) -> "Loaded":
     """Restore this rank's state from the parts of a checkpoint of ``old_world`` ranks: ``first`` is rank 0's
     record, ``part(k)`` rank ``k``'s reader (opened and checked by the caller), buffers from rank
@@ -256,7 +254,7 @@ def load_parts(engine: "ZeroInfinityEngine", first: dict[str, Any], part: Callab
     return Loaded(global_step=first["global_step"], client_state=client_state)
 
 
-def check_fits(engine: "ZeroInfinityEngine", meta: dict[str, Any]) -> None:
+def check_fits(engine: ModelSource, meta: dict[str, Any]) -> None:
     """Raise when a part's record cannot be loaded into ``engine`` (another model; optimizer state where the
     engine has none is ignored, none where it has one is an error)."""
     why = same_model(meta["layout"], shard_layout(engine))

@@ -170,18 +170,18 @@ def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -
     keep = any(p is not None and id(p) not in key_of for p in params)
     at_width = not keep and all(files.tensors[key_of[id(p)]].dtype == g.storage_dtype for p in params if p is not None)
     if at_width:
-        g.expect_exact_values()
+        g.master_shard.expect_exact_values()
     if at_width and g.shard_only and g.master is None:
         # [Note: reading at the storage width]; the buffer is the store's: what no file fills is zeroed, as in the
         # fp32 path's fresh vector
         record = _in_place(g, params, files, key_of)
         if record is not None:  # [Note: frozen shards in place] in zinf/offload/in_place.py
-            g.keep_in_place(record)
+            g.residence.keep_in_place(g, record)
             files.count_read(sum(e.nbytes for e in record.extents))  # read by the store, not through ``files``
         else:
             g.write_shard(lambda out: _read_slices(g, params, files, key_of, out, zero_rest=True))
         return
-    local = g.read_master().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
+    local = g.master_shard.read().to("cpu", torch.float32, copy=True) if keep else torch.zeros(g.shard_numel)
     _read_slices(g, params, files, key_of, local, zero_rest=False)
     g.write_master(local.to(g.device))
 
@@ -190,7 +190,7 @@ def _in_place(g: FlatParamGroup, params: list[nn.Parameter | None], files: Tenso
               key_of: dict[int, str]) -> InPlaceRecord | None:
     """Where this rank's shard of ``g`` lies in the safetensors files, when it may stay there (see [Note: frozen
     shards in place] in zinf/offload/in_place.py); None otherwise."""
-    if not g.loads_in_place:
+    if not g.residence.may_load_in_place(g) or g.persistent:
         return None
     infos = [files.tensors[key_of[id(p)]] for p in params if p is not None]
     if not infos or any(info.offset < 0 for info in infos) or files.from_state_dict:
@@ -208,9 +208,9 @@ def _rank_slices(g: FlatParamGroup, params: list[nn.Parameter | None]
                  ) -> Iterator[tuple[nn.Parameter | None, int, int, int]]:
     """(parameter, start, end in this rank's shard, the first of its flattened elements there) for every parameter
     slot of ``g`` that this rank's shard covers."""
-    lo = g.comm.rank * g.shard_numel
+    lo = g.rank * g.shard_numel
     for i, (p, slot) in enumerate(zip(params, g.slots)):
-        a, b = g.local_range(i)
+        a, b = g.layout.local_range(i)
         if a < b:
             yield p, a, b, a + lo - slot.offset
 
@@ -226,4 +226,4 @@ def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: Te
         elif zero_rest:
             out[a:b].zero_()
     if zero_rest:
-        out[max(g.numel - g.comm.rank * g.shard_numel, 0) :].zero_()
+        out[max(g.numel - g.rank * g.shard_numel, 0) :].zero_()

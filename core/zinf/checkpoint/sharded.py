@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from zinf.checkpoint.commit import Commit, Save, agreed_commit, check_part, raise_if_any, require_commit, tidy
+from zinf.checkpoint.commit import Save
+from zinf.checkpoint.commit_record import Commit, agreed_commit, check_part, raise_if_any, require_commit
+from zinf.checkpoint.leftovers import tidy
 from zinf.checkpoint.model_state import Loaded, check_fits, load_parts, slot_views, write_part
 from zinf.checkpoint.part_file import PartReader
 from zinf.checkpoint.safetensors_header import TensorSpec
+from zinf.checkpoint.source import ModelSource
 from zinf.errors import CheckpointError, PartlyLoadedError
 from zinf.heap import trim_heap
 from zinf.tiling import merge_tiles
-
-if TYPE_CHECKING:
-    from zinf.engine import ZeroInfinityEngine
 
 __all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "state_specs", "open_checkpoint",
            "read_client_state", "Checkpoint", "CheckpointError", "FORMAT"]
@@ -38,7 +38,7 @@ __all__ = ["save_sharded", "load_sharded", "consolidate", "iter_state", "state_s
 FORMAT = "zinf-sharded-v3"  # record as JSON, client state loaded weights_only (zinf-sharded-v2: pickled)
 
 
-def save_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, client_state: Any = None) -> Path:
+def save_sharded(engine: ModelSource, path: str | os.PathLike, client_state: Any = None) -> Path:
     """Every rank writes its part of a new checkpoint of the engine's step under ``path`` (a directory), reading
     its state one group at a time; once all parts are on disk, rank 0 commits it and the previous checkpoint's
     files are removed. Collective; returns this rank's file. When any rank fails (a full disk, a failed background
@@ -95,7 +95,7 @@ def open_checkpoint(path: str | os.PathLike, allow_pickle: bool = False) -> Chec
     return Checkpoint(path, require_commit(path), allow_pickle)
 
 
-def load_sharded(engine: "ZeroInfinityEngine", path: str | os.PathLike, allow_pickle: bool = False) -> Loaded:
+def load_sharded(engine: ModelSource, path: str | os.PathLike, allow_pickle: bool = False) -> Loaded:
     """Restore the checkpoint that ``path/commit.json`` names into ``engine``, whatever world size and placement
     wrote it; returns the step and client state for the engine to take. Collective. Every part this rank needs is
     opened and checked against the model, and the client state read, before anything changes; when any rank finds a
@@ -152,7 +152,7 @@ def _problem(exc: Exception) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
-def _sources(engine: "ZeroInfinityEngine", first: dict[str, Any], commit: Commit) -> list[int]:
+def _sources(engine: ModelSource, first: dict[str, Any], commit: Commit) -> list[int]:
     """The old ranks whose parts this rank reads (its own alone on node-local storage: same world, same shards)."""
     if not commit.shared:
         return [engine.comm.rank]

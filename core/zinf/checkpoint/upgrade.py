@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from zinf.checkpoint.commit import require_commit, save_in_flight
+from zinf.checkpoint.commit_record import require_commit
+from zinf.checkpoint.leftovers import save_in_flight
 from zinf.checkpoint.part_file import PartReader, PartWriter, payload
 from zinf.checkpoint.sharded import FORMAT
 from zinf.errors import CheckpointError

@@ -27,6 +27,10 @@ model is a zinf engine (``trainer.model_wrapped.engine``) or, before ``prepare``
   DeepSpeed the optimizer state of that step).
 
 RNG files, ``trainer_state.json``, the data skip on resume and checkpoint rotation are Trainer's, unchanged.
+
+The methods are wrapped when zinf's integrations are activated, not when zinf is imported: by ``zinf launch`` before
+the script runs (so before ``_load_from_checkpoint``), and by building an engine, which comes before every other
+wrapped step ([Note: integrations are activated, not imported] in zinf/integrations/__init__.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch import nn
 from zinf.checkpoint.export import save_safetensors
 from zinf.engine import ZeroInfinityEngine
 from zinf.errors import CheckpointError
+from zinf import integrations
 from zinf.integrations import transformers as hf_models
 from zinf.integrations.after_import import when_imported, wrap_once
 from zinf.param.gathered import GatheredParameters
@@ -59,8 +64,12 @@ _originals: dict[str, Any] = {}
 
 
 def watch() -> None:
-    """Wrap ``Trainer``'s methods now if ``transformers.trainer`` is loaded, else as soon as it is."""
+    """Wrap ``Trainer``'s methods now if ``transformers.trainer`` is loaded, else as soon as it is (called by
+    ``zinf.integrations.activate``)."""
     when_imported(_MODULE, install)
+
+
+integrations.register(watch)
 
 
 def install() -> bool:

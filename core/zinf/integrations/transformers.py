@@ -12,10 +12,11 @@ generation config work as they are.
 It applies when ``from_pretrained`` runs inside ``zinf.Init`` (a user's block, the Accelerate front end's
 ``init_module()``, Lightning's ``configure_model``), or anywhere once a launcher has called ``enable(config)``
 (``zinf launch``): the launcher, not the order of lines in the script, decides. ``from_pretrained`` and four
-private methods of ``PreTrainedModel`` are wrapped once (``install``), when ``transformers.modeling_utils`` is
-first imported in a process that imported zinf (``watch``, called by ``zinf/__init__``), whichever came first; each
-wrapper defers to the original unless a zinf load is running, so nothing changes for models loaded outside zinf. The transformers versions this follows are those of the ``test``
-extra (5.x).
+private methods of ``PreTrainedModel`` are wrapped once (``install``) when zinf's integrations are activated
+(entering ``zinf.Init``, building an engine, ``zinf launch``: [Note: integrations are activated, not imported] in
+zinf/integrations/__init__.py), or when ``transformers.modeling_utils`` is first imported after that (``watch``);
+importing zinf wraps nothing. Each wrapper defers to the original unless a zinf load is running, so nothing changes
+for models loaded outside zinf. The transformers versions this follows are those of the ``test`` extra (5.x).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from zinf.checkpoint.pretrained import load_pretrained
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
+from zinf import integrations
 from zinf.integrations.after_import import when_imported, wrap_once
 from zinf.init import Init
 from zinf.param.registry import group_of
@@ -50,10 +52,12 @@ _REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distribu
 
 def enable(config: ZeroConfig, start: Callable[[], None] | None = None) -> None:
     """From now on every ``from_pretrained`` in this process builds a partitioned model with ``config`` (a launcher
-    calls this before the user's script runs). ``start`` is called first when no process group exists yet (a script
-    that loads its model before building its Accelerator or Trainer): the launcher joins its ranks there, the way its
-    trainer would, so that the model is partitioned over all of them rather than built whole on each."""
+    calls this before the user's script runs; it activates all of zinf's integrations, Trainer's too). ``start`` is
+    called first when no process group exists yet (a script that loads its model before building its Accelerator or
+    Trainer): the launcher joins its ranks there, the way its trainer would, so that the model is partitioned over
+    all of them rather than built whole on each."""
     _launch.update(config=config, start=start)
+    integrations.activate()
     install()
 
 
@@ -75,8 +79,12 @@ _MODULE = "transformers.modeling_utils"
 
 
 def watch() -> None:
-    """Install the wrappers now if transformers' model code is loaded, else as soon as it is."""
+    """Install the wrappers now if transformers' model code is loaded, else as soon as it is (called by
+    ``zinf.integrations.activate``)."""
     when_imported(_MODULE, install)
+
+
+integrations.register(watch)
 
 
 def install() -> bool:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from zinf.runtime.staging import is_device_memory
+from zinf.device_memory import is_device_memory
 
 from .loader import _native, require
 

@@ -1,7 +1,7 @@
 """Flags in shared memory: wraps ``zinf._native.shm`` (stub: ``_native_shm.pyi`` beside this file).
 
 The ranks of one host signal each other through 32-bit sequence numbers in a file they all map
-(see [Note: same-host collectives] in zinf/shared_memory.py):
+(see [Note: same-host collectives] in zinf/runtime/same_host.py):
 
 - :func:`post`: every store before it is made visible, then the flag is set and its waiters woken;
 - :func:`wait_all`: wait until every flag reached a sequence number (spin, then a futex sleep), with a timeout,

@@ -9,7 +9,7 @@ waiting, on the copy-in stream, after the compute stream's work up to the step (
 last reads of the shards), and keeps the copy's fence: the group's next all-gather waits for it on the device
 (``fetch``), and the staging buffer is filled again only once the copy has read it (a host wait on the copy-in
 stream, never on compute). On CPU this runs only under the staged setting ([Note: staged device] in
-zinf/runtime/staging.py); without it the device is the host, and the plain device tier (zinf/param/store.py) is used.
+zinf/device_memory.py); without it the device is the host, and the plain device tier (zinf/param/store.py) is used.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from zinf.param.store import DeviceShardStore
-from zinf.runtime.staging import host_empty
-from zinf.runtime.streams import BufferFence, region, streams_for
+from zinf.device_memory import host_empty
+from zinf.runtime.streams import BufferFence, Streams
+from zinf.runtime.logs import region
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -34,11 +35,11 @@ NUM_STAGING = 2  # one being filled by the CPU-Adam, one being copied to the dev
 class StagedDeviceStore(DeviceShardStore):
     tier = "device"
 
-    def __init__(self, groups: Sequence["FlatParamGroup"]) -> None:
+    def __init__(self, groups: Sequence["FlatParamGroup"], streams: Streams) -> None:
         self._groups = list(groups)
         self._shards: dict[int, torch.Tensor] = {id(g): g.hand_over_shard() for g in self._groups}
         self.device = self._groups[0].device if self._groups else torch.device("cpu")
-        self._streams = streams_for(self.device)
+        self._streams = streams  # the engine's
         nbytes = max((g.shard_numel * g.storage_dtype.itemsize for g in self._groups), default=0)
         self._ring: list[tuple[torch.Tensor, BufferFence | None]] = [
             (host_empty(nbytes, torch.uint8, self.device), None) for _ in range(NUM_STAGING)]

@@ -60,7 +60,7 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
             continue
         runs = []
         for i, p in enumerate(g.params):
-            a, b = g.local_range(i)
+            a, b = g.layout.local_range(i)
             if b > a and p is not None and p.requires_grad and id(p) in hyper:
                 runs.append((a, b, hyper[id(p)], i))
         for lo in range(0, g.shard_numel, size):

@@ -4,25 +4,14 @@ The user's torch Adam/AdamW stays the source of hyper-parameters (read from its 
 every step, so LR schedulers keep working); its own param groups are not stepped. As with torch's Adam, a
 parameter is stepped only when it has a gradient: frozen parameters never, and a parameter no rank
 produced a gradient for since the last step not in that step; each parameter keeps its own step count
-for the bias correction (see [Note: stepped parameters] in zinf/param/flat_group.py). The states live in
-a state store (zinf/offload/state_store.py: host memory, or NVMe records stepped as a pipeline), which hands
-the step one sub-group at a time.
-
-[Note: fused step]
-One pass per sub-group: the C++ kernel reads the gradient, master and moments once, applies the gradient's
-pending factors (fp16 unscale, clip coefficient: ``GradShard.take_factor``, one float32 multiply equal to
-applying them one by one), steps Adam/AdamW, writes the master, the moments and the compute-dtype
-parameter shard straight into the parameter store's write buffer (``param_out``), and zeroes the resident
-gradient it has just read (``zero_grad``: the cache line is already there), ready for the next backward. The norms and finiteness
-that clipping and loss scaling need were taken when each gradient shard was complete (zinf/param/grad_shard.py),
-so the step reads each byte once: 16 bytes per parameter in (gradient, master, two moments) and 12 + 2 out
-(master, moments, bf16 shard), the floor of 30, with the gradient's zeroing folded into the same pass;
-torch's clip_grad_norm_, fused AdamW and copy move 46 (54 with an fp16 unscale pass).
+for the bias correction (see [Note: stepped parameters] in zinf/param/grad_flat.py). The states live in
+a state store (host memory: zinf/offload/state_store.py; NVMe records stepped as a pipeline:
+zinf/offload/nvme_state_store.py), which hands the step one sub-group at a time.
 
 [Note: background step]
 With ``offload.overlap_optimizer`` the step runs on a background thread (the C++ Adam and the I/O
 waits release the GIL), in the order the next forward needs the groups (below). The update fence
-(zinf/param/fence.py) holds each group until its new shard is committed and its gradient shard zeroed; its
+(``UpdateFence`` in zinf/param/store.py) holds each group until its new shard is committed and its gradient shard zeroed; its
 next gather (and any NVMe read-ahead of it) waits on that. The next backward waits for every group's
 update (``before_backward``), not for the state writes still trailing on disk; the next step,
 checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
@@ -32,55 +21,45 @@ group raises the error instead of training on a half-updated model.
 The forward that follows a background step gathers the groups in its recorded order, each waiting for its own
 update; a step that sweeps them in construction order makes the forward wait wherever the two orders differ (a
 head built before the embedding, a block defined before the one that runs first, a tied weight's group). Once the
-training forward's order replays (zinf/schedule/trace.py), the engine hands it to the optimizer (``follow``:
+training forward's order replays (zinf/schedule/pass_state.py), the engine hands it to the optimizer (``follow``:
 ``ModuleHooks.forward_order``, each group where the forward first gathers it) and the sweep steps those groups in
 that order, groups the forward never gathers last. On NVMe, states read ahead for the next step in the old order
 are given back and read again in turn (once per change of order). Each sub-group's step is independent of the
 others', so the order changes no value.
 
-[Note: a background step at exit]
-The step runs on a worker of a one-thread ``ThreadPoolExecutor`` (made at the first background step, kept until
-the engine closes), which interpreter exit joins after its queued work is done, instead of killing it inside
-native code. That join only knows a worker once it started, a moment after the first submission: an exception
-raised in the main thread in between leaves a step running that nobody waits for. zinf's SIGTERM handler raised
-its ``SystemExit`` there (now it waits for ``step()`` to return: [Note: clean stops] in zinf/offload/cleanup.py);
-a Ctrl-C still can. Finalization then stops the thread when it next takes the GIL, inside the C++ Adam's or the
-I/O wait's frames, and the process aborts ("terminate called without an active exception", seen about once in ten
-SIGTERMs of a small NVMe run) before the swap files are removed. So an exit handler joins every background step
-once its thread is running (:func:`_join_background_steps`); registered when the first step starts, it runs before
-the swap files' removal (exit handlers run last-registered first).
+The fused pass over one sub-group is zinf/optim/fused_step.py ([Note: fused step]); the wait for a running step
+at interpreter exit, zinf/optim/exit_wait.py ([Note: a background step at exit]); the state in checkpoints,
+zinf/optim/offloaded_state.py.
 """
 
 from __future__ import annotations
 
-import atexit
-import math
 import logging
-import threading
-import weakref
+import math
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.optim.early_steps import EarlyInputs, EarlySteps, hyper_key
+from zinf.optim.exit_wait import wait_at_exit
+from zinf.optim.fused_step import adam_sub_group
+from zinf.optim.offloaded_state import OffloadedAdamState
 from zinf.offload.subgroups import SubGroup, hyper_index
-from zinf.param.fence import UpdateFence
+from zinf.param.store import UpdateFence
 from zinf.report import StepTimers
 
 if TYPE_CHECKING:
-    from zinf.offload.state_store import CpuStateStore, NvmeStateStore
+    from zinf.offload.nvme_state_store import NvmeStateStore
+    from zinf.offload.state_store import CpuStateStore
     from zinf.param.flat_group import FlatParamGroup
     from zinf.param.store import ShardStore
 
 __all__ = ["OffloadedAdam", "check_offloadable"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state proper; the stores also hold the fp32 master
 
 log = logging.getLogger(__name__)
 
@@ -103,26 +82,7 @@ def _power_of_two(f: float) -> bool:
     return f > 0.0 and math.isfinite(f) and math.frexp(f)[0] == 0.5
 
 
-_RUNNING: "weakref.WeakSet[OffloadedAdam]" = weakref.WeakSet()  # optimizers that started a background step
-_EXIT_HANDLER = threading.Lock()
-_exit_handler_registered = False
-
-
-def _join_background_steps() -> None:
-    """At interpreter exit: wait for every background step (see [Note: a background step at exit])."""
-    for optimizer in list(_RUNNING):
-        optimizer.join_at_exit()
-
-
-def _register_exit_handler() -> None:
-    global _exit_handler_registered
-    with _EXIT_HANDLER:
-        if not _exit_handler_registered:
-            atexit.register(_join_background_steps)
-            _exit_handler_registered = True
-
-
-class OffloadedAdam:
+class OffloadedAdam(OffloadedAdamState):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
                  states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
                  background: bool = False, timers: StepTimers | None = None, early: bool = False) -> None:
@@ -168,7 +128,7 @@ class OffloadedAdam:
         self._factors = {id(g): g.grad.take_factor() for g in self.groups}
         self._stepped, self._kept = {}, {}
         for g in self.groups:  # what this step updates, taken now: the groups' flags are reset as they finish
-            inputs = self._inputs(g, self._factors[id(g)], g.grad_used.tolist(), self._hyper)
+            inputs = self._inputs(g, self._factors[id(g)], g.grad_in.used.tolist(), self._hyper)
             self._stepped[id(g)], self.steps[id(g)] = list(inputs.stepped), list(inputs.steps)
             taken = self.early.take(g) if self.early is not None else None
             if taken is not None:
@@ -184,11 +144,10 @@ class OffloadedAdam:
         if not self.background:
             self._run()
             return
-        # a frozen group has no sub-group (see [Note: frozen groups] in zinf/param/flat_group.py): its gathers never wait
+        # a frozen group has no sub-group (see [Note: frozen groups] in zinf/param/master.py): its gathers never wait
         self.fence.begin([g for g in self.groups if self.states.of(g)])
-        # interpreter exit waits for a running step (see [Note: a background step at exit])
-        _register_exit_handler()
-        _RUNNING.add(self)
+        # interpreter exit waits for a running step (see [Note: a background step at exit] in zinf/optim/exit_wait.py)
+        wait_at_exit(self)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-offloaded-adam")
         self._job = self._pool.submit(self._background)
@@ -210,7 +169,7 @@ class OffloadedAdam:
                 or self._backwards + 1 != self._backwards_per_step or self.early.started(group)):
             return
         hyper = self._hyper_now()
-        self.early.start(group, self._inputs(group, self._early_factor, group.grad_used.tolist(), hyper), hyper)
+        self.early.start(group, self._inputs(group, self._early_factor, group.grad_in.used.tolist(), hyper), hyper)
 
     def _predict_next(self) -> None:
         """The factor the next early steps take: this step's, when every group has the same power of two."""
@@ -303,11 +262,11 @@ class OffloadedAdam:
 
     def _finish_group(self, group: "FlatParamGroup") -> None:
         group.store.commit(group)
-        group.zero_grad(memory_zeroed=True)  # the Adam pass zeroed what it read (see [Note: fused step])
+        group.zero_grad(memory_zeroed=True)  # zeroed by the Adam pass: [Note: fused step] in zinf/optim/fused_step.py
         self.fence.finish(group)
 
     def _step(self, sg: SubGroup, states: dict[str, torch.Tensor]) -> None:
-        """See [Note: fused step]."""
+        """See [Note: fused step] in zinf/optim/fused_step.py."""
         g = sg.group
         out = g.store.writer(g)
         fp32 = out.dtype == torch.float32
@@ -333,105 +292,9 @@ class OffloadedAdam:
             return
         if kept is False:
             self.early.roll_back(sg)  # type: ignore[union-attr]
-        for lo, hi, k, i in sg.segments:
-            a, b = lo - sg.lo, hi - sg.lo
-            if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
-                if out is not None:
-                    out[lo:hi].copy_(master[a:b])
-                if grad is not None and not stashed:
-                    grad[a:b].zero_()
-                continue
-            if grad is None:  # stepped with no gradient memory yet (zeros): only when nothing wrote one
-                grad = g.grad.tensor()[sg.lo : sg.hi]
-            native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], self._hyper[k], step=steps[i],
-                             clip_coef=factor, param_out=None if fp32 or out is None else out[lo:hi],
-                             zero_grad=not stashed)
-            if fp32 and out is not None:
-                out[lo:hi].copy_(master[a:b])
-        for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard
-            if out is not None:
-                out[lo:hi].copy_(master[lo - sg.lo : hi - sg.lo])
-            if grad is not None and not stashed:
-                grad[lo - sg.lo : hi - sg.lo].zero_()
+        adam_sub_group(sg, master, m, v, grad, out, self._hyper, stepped, steps, factor, fp32=fp32, stashed=stashed)
         if sg.last_of_group:
             self._finish_group(g)
-
-    # -- state for checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        self.wait()
-        moments = [self.states.read_states(g) for g in self.groups]
-        # the hyper-parameters too, as torch's optimizers do: an LR scheduler restored on its own does not set the
-        # optimizer's current lr, so a resumed run would take its first step with the lr the optimizer was built with
-        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
-        return {"param_steps": [list(self.steps[id(g)]) for g in self.groups], "param_groups": hyper,
-                "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.wait()
-        saved = state.get("param_groups")  # absent in checkpoints written before it was saved
-        if saved is not None:
-            if len(saved) != len(self.optimizer.param_groups):
-                raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
-                                 f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
-            for pg, values in zip(self.optimizer.param_groups, saved):
-                pg.update({k: v for k, v in values.items() if k != "params"})
-        if "param_steps" in state:
-            for g, steps in zip(self.groups, state["param_steps"]):
-                self.steps[id(g)] = list(steps)
-        else:  # written before steps were counted per parameter: one count per optimizer param group
-            hyper = hyper_index(self.optimizer)
-            for g in self.groups:
-                self.steps[id(g)] = [None if n is None else int(state["steps"][hyper[id(p)]])
-                                     for n, p in zip(self.steps[id(g)], g.params)]
-        for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
-            self.states.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
-
-    # -- portable state (see [Note: portable optimizer state] in zinf/optim/protocol.py) ----------------
-    def state_meta(self) -> dict[str, Any]:
-        self.wait()
-        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
-        scalars = [[None if not n else {"step": n} for n in self.steps[id(g)]] for g in self.groups]
-        return {"param_groups": hyper, "scalars": scalars}
-
-    def state_keys(self, group: "FlatParamGroup") -> list[str]:
-        return list(MOMENTS) if any(n is not None for n in self.steps[id(group)]) else []
-
-    def group_state(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
-        if not self.state_keys(group):
-            return {}
-        self.wait()
-        states = self.states.read_states(group)
-        return {k: states[k] for k in MOMENTS}  # the master is saved with the parameters
-
-    def load_state_meta(self, meta: dict[str, Any]) -> None:
-        self.wait()
-        saved = meta["param_groups"]
-        if len(saved) != len(self.optimizer.param_groups):
-            raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
-        for pg, values in zip(self.optimizer.param_groups, saved):
-            pg.update({k: v for k, v in values.items() if k != "params"})
-        for g, scalars in zip(self.groups, meta["scalars"]):
-            extra = sorted({k for s in scalars if s for k in s} - {"step"})
-            if extra:
-                raise ValueError(f"zinf: the checkpoint's optimizer state has per-parameter {extra}, which the "
-                                 "offloaded CPU-Adam does not keep: it was written by another optimizer. Load it with "
-                                 "that optimizer (offload.optimizer='device').")
-            self.steps[id(g)] = [None if n is None else int(s["step"]) if s else 0
-                                 for n, s in zip(self.steps[id(g)], scalars)]
-
-    def load_group_state(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
-        if not self.state_keys(group):
-            return
-        unknown = sorted(set(states) - set(MOMENTS))
-        if unknown:
-            raise ValueError(f"zinf: the checkpoint's optimizer state {unknown} is not Adam's; the offloaded CPU-Adam "
-                             "cannot continue it. Load it with the optimizer that wrote it (offload.optimizer='device').")
-        zeros = torch.zeros(group.shard_numel, dtype=torch.float32)
-        self.states.write_states(group, {k: states.get(k, zeros) for k in MOMENTS})
-
-    def finish_load(self) -> None:
-        return None
 
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         out = {self.states.tier: {"optimizer_state": self.states.state_bytes()}}

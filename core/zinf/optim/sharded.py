@@ -9,7 +9,7 @@ exact for optimizers whose update is element-wise (Adam, AdamW, SGD, Adagrad, RM
 As in PyTorch, a parameter is stepped only when it has a gradient: a frozen parameter never (it gets
 no gradient view, so no gradient shard memory and, with torch's optimizers, no state), and one that
 no rank produced a gradient for since the last step (a skipped branch) not in that step (see
-[Note: stepped parameters] in zinf/param/flat_group.py). A parameter of a frozen group, which keeps no
+[Note: stepped parameters] in zinf/param/grad_flat.py). A parameter of a frozen group, which keeps no
 master (see [Note: frozen groups] there), is replaced by a placeholder of its shard's size (one element,
 expanded) that is never stepped.
 """
@@ -86,7 +86,7 @@ class ShardedOptimizer:
                         f"(shape {tuple(p.shape)}). Build the optimizer from model.parameters() of that model."
                     )
                 index = group.index_of(p)
-                a, b = group.local_range(index)
+                a, b = group.layout.local_range(index)
                 if group.shard_only:
                     placeholder = torch.zeros(1, dtype=torch.float32, device=group.device).expand(b - a)
                     shard = nn.Parameter(placeholder, requires_grad=False)
@@ -104,12 +104,12 @@ class ShardedOptimizer:
             g.grad.apply_pending()
         # set every time: a zero_grad(set_to_none=True) in user code must not detach the shards
         for s, (group, index, grad) in zip(self.shard_params, self._grads):
-            s.grad = grad if grad is not None and bool(group.grad_used[index]) else None
+            s.grad = grad if grad is not None and bool(group.grad_in.used[index]) else None
         with _foreach_on_cpu(self.optimizer, self.groups):
             self.optimizer.step()
         for g in self.groups:
             if not g.shard_only:
-                g.refresh_shard_from_master()  # the storage-dtype shard follows the fp32 master
+                g.master_shard.refresh_shard()  # the storage-dtype shard follows the fp32 master
                 g.zero_grad()
 
     def wait(self) -> None:
@@ -173,7 +173,7 @@ class ShardedOptimizer:
     def group_state(self, group: FlatParamGroup) -> dict[str, torch.Tensor]:
         out = {k: torch.zeros(group.shard_numel, dtype=torch.float32) for k in self.state_keys(group)}
         for index, shard in self._members(group):
-            a, b = group.local_range(index)
+            a, b = group.layout.local_range(index)
             for k, v in self.optimizer.state.get(shard, {}).items():
                 if k in out and b > a:
                     out[k][a:b] = v.detach().reshape(-1).to("cpu", torch.float32)
@@ -194,7 +194,7 @@ class ShardedOptimizer:
     def load_group_state(self, group: FlatParamGroup, states: dict[str, torch.Tensor]) -> None:
         for index, shard in self._members(group):
             if id(shard) in self._loading:
-                a, b = group.local_range(index)
+                a, b = group.layout.local_range(index)
                 self._loading[id(shard)].update({k: v[a:b].clone().view(shard.shape) for k, v in states.items()})
 
     def finish_load(self) -> None:

@@ -17,7 +17,7 @@ other pending factor (a clip coefficient) makes the norms be taken again from th
 
 [Note: gradient landing]
 A shard in host memory while compute runs on a device apart (``off_device``: an offloaded optimizer on CUDA, or the
-staged setting, see [Note: staged device] in zinf/runtime/staging.py) receives each reduce-scattered slice by a copy
+staged setting, see [Note: staged device] in zinf/device_memory.py) receives each reduce-scattered slice by a copy
 on the copy-out stream, issued once the reduce-scatter is done, into (pinned) host memory: the host does not wait.
 When nothing accumulates (EMPTY) the slice is copied straight into the shard; a later micro-batch's slice lands in a
 staging buffer of its own and is added on the host. The shard *lands* (its copies are waited for, the staged slices
@@ -30,15 +30,15 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from zinf.runtime.staging import host_empty, host_zeros
-from zinf.runtime.streams import BufferFence, region, streams_for
+from zinf.device_memory import host_empty, host_zeros
+from zinf.runtime.streams import BufferFence, Streams
+from zinf.runtime.logs import region
+from zinf.param.keys import GroupKey
 
-if TYPE_CHECKING:
-    from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["GradState", "GradShard", "GradStash"]
 
@@ -53,8 +53,8 @@ class GradState(enum.Enum):
 class GradStash(Protocol):
     """Where complete gradient shards go when they do not stay in memory (NVMe)."""
 
-    def write(self, group: "FlatParamGroup", shard: torch.Tensor) -> None: ...
-    def read(self, group: "FlatParamGroup") -> torch.Tensor: ...
+    def write(self, group: GroupKey, shard: torch.Tensor) -> None: ...
+    def read(self, group: GroupKey) -> torch.Tensor: ...
 
 
 def _exact_factor(f: float) -> bool:
@@ -65,7 +65,7 @@ def _exact_factor(f: float) -> bool:
 
 
 class GradShard:
-    def __init__(self, group: "FlatParamGroup", ranges: Sequence[tuple[int, int]], device: torch.device,
+    def __init__(self, group: GroupKey, ranges: Sequence[tuple[int, int]], device: torch.device,
                  stash: GradStash | None = None, eager_stats: bool = False, check_finite: bool = False,
                  off_device: bool = False) -> None:
         self._group = group  # for the stash's records; the shard itself never reads the group
@@ -111,17 +111,16 @@ class GradShard:
             return host_zeros(self.numel, torch.float32, self._group.device)
         return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
-    def add_reduced(self, part: torch.Tensor, world: int, reduced: BufferFence) -> BufferFence | None:
+    def add_reduced(self, part: torch.Tensor, world: int, reduced: BufferFence, streams: Streams) -> BufferFence | None:
         """Add this rank's reduce-scattered slice (``part``: the sum over ranks, on the compute device; the
         reduce-scatter's fence ``reduced``) as its mean over ranks. Off the device, the copy is only issued (see
-        [Note: gradient landing]); its fence is returned, holding the device tensors it reads until the compute
+        [Note: gradient landing]) on ``streams.copy_out``; its fence is returned, holding the device tensors it reads until the compute
         stream has waited for it (the caller's ``make_wait`` and ``release``)."""
         if not self.off_device:
             self.accumulating().add_(part.to(self.device, torch.float32).div_(world))
             return None
         if self.state is GradState.ON_NVME:
             self.tensor()  # read back: the slice is added to it
-        streams = streams_for(part.device)
         reduced.make_wait(streams.copy_out)
         with region("d2h", self._group.name), streams.use(streams.copy_out):
             mean = part.to(torch.float32).div_(world)

@@ -18,6 +18,7 @@ from zinf.runtime.comm import Comm
 from zinf.param import module_moves
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import group_of, groups_of, register_group, unregister
+from zinf.param.gathered import gather_full_master
 
 __all__ = ["partition_module_params", "partition_model", "module_groups", "agree_with_rank0"]
 
@@ -96,7 +97,8 @@ def partition_module_params(
         agree_with_rank0([p.data for _, p in picked], comm, name or type(module).__name__)
     group = FlatParamGroup(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
-        comm=comm, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype, placeholders=placeholders,
+        rank=comm.rank, world=comm.world, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype,
+        placeholders=placeholders,
     )
     module_moves.install()  # [Note: moving a partitioned model]
     return register_group(group)
@@ -119,11 +121,11 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
                 live[id(p)] = p
 
     for g in groups_of(live.values()):
-        compatible = (g.comm.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
+        compatible = (g.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
                       and g.storage_dtype == (storage_dtype or compute_dtype))
         if compatible and all(p is not None and id(p) in live for p in g.params):
             continue
-        _dissolve(g, keep=lambda p: id(p) in live)
+        _dissolve(g, comm, keep=lambda p: id(p) in live)
 
     by_owner: dict[int, set[int]] = {}
     for pid, p in live.items():
@@ -136,9 +138,9 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
     return groups_of(live.values())
 
 
-def _dissolve(group: FlatParamGroup, keep: Callable[[nn.Parameter], bool]) -> None:
+def _dissolve(group: FlatParamGroup, comm: Comm, keep: Callable[[nn.Parameter], bool]) -> None:
     """Give the kept parameters of ``group`` their full fp32 values back (to be regrouped); drop the group."""
-    full = group.gather_master_full()
+    full = gather_full_master(comm, group)
     for p, slot in zip(group.params, group.slots):
         if p is None:
             continue

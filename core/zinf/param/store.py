@@ -1,51 +1,55 @@
-"""Where a group's compute-dtype parameter shard lives between uses: the store protocol, and the device tier.
+"""Where a group's compute-dtype parameter shard lives between uses: the store protocol, the device tier, and the
+fence that says whether a background optimizer step has produced a group's new shard yet ([Note: update fence]).
 
 One store per engine, chosen once from ``offload.params`` (zinf/placement.py) and built complete
 by its constructor; groups only call ``fetch`` / ``done`` around their all-gather, ``writer`` /
 ``commit`` when their shard is rewritten (an optimizer step, an edit) and ``read`` when a frozen group's values
-are read outside training (see [Note: frozen groups] in zinf/param/flat_group.py). The host and NVMe stores live in
+are read outside training (see [Note: frozen groups] in zinf/param/master.py). The host and NVMe stores live in
 zinf/offload/param_store.py; the rest of the engine never asks which one it holds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import threading
+
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from zinf.param.flat_group import FlatParamGroup
+from zinf.param.keys import GroupKey
+from zinf.report import StepTimers
 
-__all__ = ["ShardStore", "DeviceShardStore"]
+
+__all__ = ["UpdateFence", "ShardStore", "DeviceShardStore"]
 
 
 class ShardStore(Protocol):
     tier: str
 
-    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+    def prefetch(self, group: GroupKey, demand: bool = False) -> bool:
         """Start bringing ``group``'s shard closer (an NVMe read); False when there is no room for it now."""
         ...
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: GroupKey) -> torch.Tensor:
         """``group``'s shard on the compute device, the source of its all-gather. A store that copies it there (host
         or NVMe tiers, on CUDA) does so on the copy-in stream and makes the all-gather stream wait for that copy;
         the host buffer it copied from is reused only after the copy's fence (see zinf/runtime/streams.py)."""
         ...
 
-    def done(self, group: "FlatParamGroup") -> None:
+    def done(self, group: GroupKey) -> None:
         """The all-gather that read ``fetch``'s tensor has finished."""
         ...
 
-    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+    def read(self, group: GroupKey) -> torch.Tensor:
         """``group``'s shard as it is now, at its storage width, on the host or the device (outside training: a
         checkpoint, a state dict, an export). The caller copies what it keeps."""
         ...
 
-    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+    def writer(self, group: GroupKey) -> torch.Tensor:
         """A storage-dtype tensor of ``shard_numel`` elements to write ``group``'s new shard into."""
         ...
 
-    def commit(self, group: "FlatParamGroup") -> None:
+    def commit(self, group: GroupKey) -> None:
         """The new shard is written; store it."""
         ...
 
@@ -77,25 +81,25 @@ class DeviceShardStore:
 
     tier = "device"
 
-    def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
+    def prefetch(self, group: GroupKey, demand: bool = False) -> bool:
         return True
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: GroupKey) -> torch.Tensor:
         assert group.shard is not None
         return group.shard
 
-    def done(self, group: "FlatParamGroup") -> None:
+    def done(self, group: GroupKey) -> None:
         return None
 
-    def read(self, group: "FlatParamGroup") -> torch.Tensor:
+    def read(self, group: GroupKey) -> torch.Tensor:
         assert group.shard is not None
         return group.shard
 
-    def writer(self, group: "FlatParamGroup") -> torch.Tensor:
+    def writer(self, group: GroupKey) -> torch.Tensor:
         assert group.shard is not None
         return group.shard
 
-    def commit(self, group: "FlatParamGroup") -> None:
+    def commit(self, group: GroupKey) -> None:
         return None
 
     def begin_update(self) -> None:
@@ -118,3 +122,58 @@ class DeviceShardStore:
 
 
 DEVICE_STORE = DeviceShardStore()
+
+
+# -- whether a background step has produced a shard yet ---------------------------------------------------------
+# [Note: update fence]
+# Which groups' new shards a background optimizer step has not produced yet.
+# 
+# A background step (zinf/optim/offloaded.py [Note: background step]) updates the groups in order while the
+# next forward starts; a gather of a group whose update is still running must wait for it, and a gather after a
+# failed step must raise that step's error instead of training on a half-updated model. The fence is built
+# once by the placement and handed to every group, the parameter store and the optimizer; with no background
+# step nothing is ever pending and every call is a dictionary lookup.
+
+
+class UpdateFence:
+    """The groups still pending, under one condition variable: a step begins with one set, not an event per group
+    (made on the training thread between the backward and the next forward, they cost it a millisecond a step)."""
+
+    def __init__(self, timers: StepTimers | None = None) -> None:
+        self._cond = threading.Condition()
+        self._pending: set[int] = set()
+        self._error: BaseException | None = None
+        self._timers = timers or StepTimers()
+
+    def begin(self, groups: "list[GroupKey]") -> None:
+        """A background step starts: every group in ``groups`` is pending until ``finish``."""
+        with self._cond:
+            self._pending = {id(g) for g in groups}
+
+    def finish(self, group: GroupKey) -> None:
+        with self._cond:
+            if id(group) in self._pending:
+                self._pending.discard(id(group))
+                self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The step failed: every group stays pending for good and its waiters raise ``error``."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def pending(self, group: GroupKey) -> bool:
+        return self._error is not None or id(group) in self._pending
+
+    def wait(self, group: GroupKey) -> None:
+        """Block until ``group``'s update is done (timed as ``optimizer_wait``: the step fell behind the forward);
+        raise the step's error if it failed."""
+        if id(group) in self._pending and self._error is None:
+            with self._timers.time("optimizer_wait"), self._cond:
+                self._cond.wait_for(lambda: id(group) not in self._pending or self._error is not None)
+        if self._error is not None:
+            raise self._error
+
+    def wait_all(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending or self._error is not None)

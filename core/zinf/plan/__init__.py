@@ -24,7 +24,7 @@ and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_b
                                    machine the CPU store keeps the master's own tensor: no second copy)
     any, a frozen group            its shard pb on the parameters' tier, nothing else (no master,   pb
     (no parameter trains)          gradient, moments or optimizer records; never rewritten or
-                                   reduce-scattered: [Note: frozen groups] in zinf/param/flat_group.py)
+                                   reduce-scattered: [Note: frozen groups] in zinf/param/master.py)
 
 Not model state, reported apart and not checked: the full parameters gathered at once (with several ranks, or
 offloaded shards: about ``overlap.prefetch_bytes`` + 2 x the largest group) and an activation estimate (17
@@ -74,8 +74,8 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from zinf.plan.cost import (ALL_PLACEMENTS, Calibration, Estimate, PlanPlacement, Workload, estimate,
-                            parse_placement)
+from zinf.plan.cost import Calibration, Estimate, Workload, estimate
+from zinf.plan.placements import ALL_PLACEMENTS, PlanPlacement, parse_placement
 from zinf.plan.machine import Machine, measure_machine
 from zinf.plan.model import (ModelSpec, PlanError, spec_from_factory, spec_from_hf, spec_from_module,
                              spec_from_params)
@@ -262,7 +262,8 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
     if batch_tokens < 1:
         raise PlanError(f"zinf plan: --batch-tokens = {batch_tokens} is not allowed; expected tokens per rank per step >= 1.")
-    from zinf.config import PRECISIONS, RESHARD_AFTER_FORWARD
+    from zinf.config import PRECISIONS
+    from zinf.config_sections import RESHARD_AFTER_FORWARD
 
     if reshard_after_forward not in RESHARD_AFTER_FORWARD:
         raise PlanError(f"zinf plan: --reshard-after-forward {reshard_after_forward!r} is not allowed; expected one "

@@ -5,7 +5,10 @@ Everything is per rank. ``Ps`` is this rank's shard numel summed over the groups
 multiple of the world size), ``pb`` the compute dtype's bytes (4 for fp32, 2 for bf16/fp16). A frozen group (no
 parameter requires a gradient) costs its shard alone, at ``pb``: no master, gradient or optimizer state, no
 optimizer sub-group or record, never rewritten or reduce-scattered (see [Note: frozen groups] in
-zinf/param/flat_group.py); the rest below counts the trainable groups' shards.
+zinf/param/master.py); the rest below counts the trainable groups' shards.
+
+The model states' bytes are counted in zinf/plan/memory.py; this module adds the working set on the device, the
+data moved per step and the time it takes, and checks what fits the machine.
 """
 
 from __future__ import annotations
@@ -14,65 +17,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from zinf.config import PRECISIONS, TIERS
+from zinf.config import PRECISIONS
 from zinf.offload.pool_room import block_bytes
-from zinf.offload.state_store import READ_AHEAD_BYTES
-from zinf.offload.subgroups import ALIGN_NUMEL
-from zinf.offload.swap import TRAILER_BYTES, align_up
+from zinf.offload.nvme_state_store import READ_AHEAD_BYTES
 from zinf.plan.machine import Machine
+from zinf.plan.memory import choose_pool, disk_bytes, pool_need, record_span, state_bytes, trained_shards
 from zinf.plan.model import ModelSpec, PlanError
+from zinf.plan.placements import PlanPlacement
 
-__all__ = ["PlanPlacement", "Estimate", "ALL_PLACEMENTS", "parse_placement", "estimate", "Workload", "Calibration"]
-
-
-@dataclass(frozen=True)
-class PlanPlacement:
-    """Where parameter shards, optimizer states (fp32 master + two Adam moments) and gradient shards live."""
-
-    params: str
-    optimizer: str
-    grads: str
-
-    @property
-    def name(self) -> str:
-        auto = {"device": "device", "cpu": "cpu", "nvme": "nvme"}[self.optimizer]
-        return f"{self.params}/{self.optimizer}" + ("" if self.grads == auto else f"/{self.grads}")
-
-    @property
-    def num_offloads(self) -> int:
-        """How far state moves off the device: 1 per kind on CPU, 2 on NVMe (ties prefer the smaller)."""
-        return sum({"device": 0, "cpu": 1, "nvme": 2}[t] for t in (self.params, self.optimizer, self.grads))
-
-    def offload_config(self) -> dict[str, str]:
-        auto = self.grads == self.optimizer
-        return {"params": self.params, "optimizer": self.optimizer, "grads": "auto" if auto else self.grads}
-
-
-def _all() -> tuple[PlanPlacement, ...]:
-    out = []
-    for p in TIERS:
-        for o in TIERS:
-            out.append(PlanPlacement(p, o, o))
-            if o == "nvme":
-                out.append(PlanPlacement(p, o, "cpu"))
-    return tuple(out)
-
-
-ALL_PLACEMENTS = _all()
-
-
-def parse_placement(text: str) -> PlanPlacement:
-    """``"params/optimizer[/grads]"``, e.g. ``"device/cpu"``, ``"nvme/nvme"``, ``"nvme/nvme/cpu"``."""
-    parts = text.strip().split("/")
-    if len(parts) == 2:
-        parts.append(parts[1])
-    names = [p.name for p in ALL_PLACEMENTS]
-    if len(parts) == 3:
-        for p in ALL_PLACEMENTS:
-            if (p.params, p.optimizer, p.grads) == tuple(parts):
-                return p
-    raise PlanError(f"zinf plan: unknown placement {text!r}; expected params/optimizer[/grads] with tiers "
-                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe), one of {names}.")
+__all__ = ["Estimate", "estimate", "Workload", "Calibration"]
 
 
 @dataclass(frozen=True)
@@ -147,90 +100,6 @@ class Estimate:
 _STATE_KINDS = ("param_shards", "master", "grad_shards", "optimizer_state", "pinned_pool")
 
 
-def _span(nbytes: int) -> int:
-    return align_up(nbytes + TRAILER_BYTES)
-
-
-def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
-    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)  # as plan_subgroups
-    out = []
-    for n in shards:
-        out += [min(size, n - lo) for lo in range(0, n, size)]
-    return out
-
-
-def _trained(spec: ModelSpec, shards: Sequence[int]) -> list[int]:
-    """The shards of the groups that train (frozen groups have no optimizer state, gradient or update)."""
-    return [n for n, g in zip(shards, spec.groups) if g.trainable]
-
-
-def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
-    """What Placement._check_pool requires of offload.pinned_pool_bytes."""
-    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
-    trained = _trained(spec, shards)
-    pipeline = largest = 0
-    if pl.optimizer == "nvme" and trained:
-        per = 4 if pl.grads == "nvme" else 3
-        pipeline = 3 * per * block_bytes(max(_span(n * 4) for n in _subgroup_numels(trained, sub_group_numel)))
-    if pl.params == "nvme":
-        largest = block_bytes(max(_span(n * pb) for n in shards))
-    return pipeline + 4 * largest
-
-
-def choose_pool(need: int, param_span_bytes: int) -> int:
-    """The pool the planner recommends: what the checks need, half again for read-ahead, and room to keep the
-    parameter shards cached (up to 1 GiB), in 64 MiB steps, at least the engine's 256 MiB."""
-    want = int(need * 1.5) + min(param_span_bytes, 1 << 30)
-    return max(256 << 20, align_up(want, 64 << 20))
-
-
-def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, machine_device: str,
-                pool_bytes: int) -> dict[str, dict[str, int]]:
-    """Bytes per tier and kind as ``engine.resident_bytes()`` reports them at their peak (gradient shards on
-    NVMe counted while they are there)."""
-    shards = spec.shard_numels(world)
-    ps, pb = sum(shards), PRECISIONS[precision].itemsize
-    trainable = sum(_trained(spec, shards))
-    frozen = ps - trainable  # their shards alone
-    out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
-
-    def add(tier: str, kind: str, n: int) -> None:
-        if n:
-            out[tier][kind] = out[tier].get(kind, 0) + n
-
-    # fp32 with a device optimizer: a trainable group's shard is its master
-    shared = pb == 4 and pl.optimizer == "device"
-    if pl.params == "nvme":
-        add("nvme", "param_shards", sum(_span(n * pb) for n in shards))
-    elif shared and (pl.params == "device" or machine_device == "cpu"):
-        # the trainable shards are the masters' own tensors (the CPU store's too, without CUDA): counted below
-        add(pl.params, "param_shards", frozen * pb)
-    else:
-        add(pl.params, "param_shards", ps * pb)
-    if pl.optimizer == "device":
-        add("device", "param_shards" if shared and pl.params == "device" else "master", trainable * 4)
-        add("device", "optimizer_state", trainable * 8)
-        add("device", "grad_shards", trainable * 4)
-    else:
-        # fp32 shards in host memory are the CPU-Adam's masters ([Note: one fp32 master on the host])
-        host_master = pb == 4 and pl.optimizer == "cpu" and (pl.params == "cpu" or (pl.params == "device"
-                                                                                    and machine_device == "cpu"))
-        add(pl.optimizer, "optimizer_state", trainable * (8 if host_master else 12))
-        add(pl.grads, "grad_shards", trainable * 4)
-    if "nvme" in (pl.params, pl.optimizer):
-        add("cpu", "pinned_pool", pool_bytes)
-    return out
-
-
-def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
-    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
-    total = sum(_span(n * pb) for n in shards) if pl.params == "nvme" else 0
-    if pl.optimizer == "nvme":
-        per = 4 if pl.grads == "nvme" else 3
-        total += per * sum(_span(n * 4) for n in _subgroup_numels(_trained(spec, shards), sub_group_numel))
-    return total
-
-
 def _activation_bytes(spec: ModelSpec, wl: Workload, pb: int) -> int:
     """A rough activation estimate (not checked against runs): 17 compute-dtype values per hidden unit per token
     per layer with fused attention, the logits in fp32 three times; with checkpointing the block inputs only,
@@ -290,10 +159,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     world, ranks = wl.world, max(1, wl.ranks_per_node)
     shards = spec.shard_numels(world)
     ps = sum(shards)
-    trainable = sum(_trained(spec, shards))
+    trainable = sum(trained_shards(spec, shards))
     uses_nvme = "nvme" in (pl.params, pl.optimizer)
     need = pool_need(spec, world, storage, pl, wl.sub_group_numel) if uses_nvme else 0
-    param_spans = sum(_span(n * sb) for n in shards)
+    param_spans = sum(record_span(n * sb) for n in shards)
     pool = (wl.pinned_pool_bytes or choose_pool(need, param_spans if pl.params == "nvme" else 0)) if uses_nvme else 0
     nbytes = state_bytes(spec, world, storage, pl, machine.device, pool)
     acts = _activation_bytes(spec, wl, pb)
@@ -310,10 +179,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         # the pool keeps shards for the backward and updated shards for the next forward (NvmeShardStore);
         # what it cannot keep is read in the forward and again in the backward
         # the pool less the parameter store's reserve (3 x the largest shard) and the optimizer's reads in flight
-        cache = max(0, pool - 3 * block_bytes(max(_span(n * sb) for n in shards))
+        cache = max(0, pool - 3 * block_bytes(max(record_span(n * sb) for n in shards))
                     - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
-        io["nvme_write"] += sum(_span(n * sb) for n in _trained(spec, shards))  # frozen shards are never rewritten
+        io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":
         io["nvme_read"] += trainable * 12
         io["nvme_write"] += trainable * 12

@@ -259,17 +259,17 @@ def _measure_cuda_copy(nbytes: int = 256 << 20) -> tuple[float, float]:  # pragm
 
 def _measure_allgather() -> float:
     """Bytes received per second by this rank in an all-gather of 64 MiB over the process group that is up."""
-    import torch.distributed as dist
-
-    from zinf.runtime.comm import default_device
+    from zinf.runtime.collectives import all_gather_now
+    from zinf.runtime.comm import Comm, default_device
 
     dev = default_device()
-    world = dist.get_world_size()
+    comm = Comm.current(device=dev)
+    world = comm.world
     shard = torch.ones((64 << 20) // 4 // world, device=dev)
     full = torch.empty(shard.numel() * world, device=dev)
-    dist.all_gather_into_tensor(full, shard)
+    all_gather_now(comm, full, shard)
     _sync(dev)
-    t = min(_timed(lambda: (dist.all_gather_into_tensor(full, shard), _sync(dev))) for _ in range(3))
+    t = min(_timed(lambda: (all_gather_now(comm, full, shard), _sync(dev))) for _ in range(3))
     return shard.numel() * 4 * (world - 1) / t
 
 

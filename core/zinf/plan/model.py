@@ -62,7 +62,7 @@ class ModelSpec:
 
     def shard_numels(self, world: int) -> list[int]:
         """Per group, this rank's shard (the flat vector padded to a multiple of ``world``, see [Note: flat
-        layout] in zinf/param/flat_group.py)."""
+        layout] in zinf/param/layout.py)."""
         return [max(1, math.ceil(g.numel / world)) for g in self.groups]
 
     def describe(self) -> str:

@@ -1,8 +1,6 @@
-"""The distributed runtime: the process group and the compute device (comm), streams and work in flight (streams),
-the collective watchdog, and the two mirror collectives over flat groups: the all-gather of parameter shards
-(gather) and the reduce-scatter of gradients into shards (reduce)."""
+"""The distributed runtime (how tensors move): the process group and its primitives (``comm.py``), the shared-memory
+transport of CPU ranks on one host (``same_host.py``), the data collectives with their stream choreography
+(``collectives.py``), side streams, fences and work in flight (``streams.py``), the run context handed to every part
+of an engine (``context.py``), logging by rank (``logs.py``) and the collective watchdog (``watchdog.py``).
 
-from zinf.runtime.comm import Comm, default_device
-from zinf.runtime.streams import install_rank_filter, streams_for
-
-__all__ = ["Comm", "default_device", "install_rank_filter", "streams_for"]
+Nothing is imported here: a module below ``runtime`` that needs one of these imports it from its own file."""

@@ -9,15 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from zinf.shared_memory import SameHostTransport
-
-__all__ = ["Comm", "default_device", "compute_device"]
+__all__ = ["Comm", "Transport", "default_device", "compute_device"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -25,6 +22,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # torch's coalescing manager (private, used by FSDP1 and torch's own tests); without it, one call per tensor
 _coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None) if dist.is_available() else None
 _ALIGN_BYTES = 16  # the widest element (complex128): a slot at this boundary views as any dtype
+
+
+class Transport(Protocol):
+    """A way for the ranks of one host to move collectives' bytes other than the process group (the shared memory of
+    zinf/runtime/same_host.py). Its collectives complete when called."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None: ...
+
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
+
+    def bytes_by_tier(self) -> dict[str, dict[str, int]]: ...
+
+    def close(self) -> None: ...
 
 
 def default_device() -> torch.device:
@@ -60,8 +73,8 @@ class Comm:
     # tensors only (NCCL); None: ``group`` itself takes host tensors (see [Note: host-side agreement])
     host_group: Any = None
     # the ranks' shared memory where every rank runs on this host and computes on its CPU (see [Note: same-host
-    # collectives] in zinf/shared_memory.py); None: every collective through ``group``
-    same_host: SameHostTransport | None = None
+    # collectives] in zinf/runtime/same_host.py); None: every collective through ``group``
+    same_host: Transport | None = None
 
     @functools.cached_property
     def backend(self) -> str:
@@ -91,12 +104,12 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         return dataclasses.replace(self, host_group=dist.new_group(ranks=ranks, backend="gloo"))
 
-    def with_same_host(self, transport: SameHostTransport | None) -> "Comm":
+    def with_same_host(self, transport: Transport | None) -> "Comm":
         """This group with its ranks' shared memory (``SameHostTransport.connect``, which every rank calls
         together); this group as it is when there is none."""
         return self if transport is None else dataclasses.replace(self, same_host=transport)
 
-    def _shared(self, tensor: torch.Tensor) -> SameHostTransport | None:
+    def _shared(self, tensor: torch.Tensor) -> Transport | None:
         """The shared-memory transport for a collective of ``tensor``, if it takes one: open, and a CPU tensor.
         Whether it applies is the same on every rank (every rank closes the transport at the same point)."""
         t = self.same_host
@@ -140,7 +153,7 @@ class Comm:
         torch 2.13: bf16 then fp32 comes back wrong). With gloo and device tensors, one call per tensor: gloo's
         coalesced all-gather of CUDA tensors kills the process (SIGSEGV, measured with torch 2.11 on an H200),
         where its single all-gather of them works. See [Note: one collective per round] in
-        zinf/runtime/gather_batch.py."""
+        zinf/runtime/collectives.py."""
         if (self.world == 1 or len(outs) <= 1 or _coalescing_manager is None
                 or ("gloo" in self.backend and outs[0].device.type != "cpu")):
             works = [self.all_gather_into(o, s, async_op=True) for o, s in zip(outs, shards)]

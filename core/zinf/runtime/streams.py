@@ -1,8 +1,8 @@
 """Side streams, the events that gate reuse, and the names that profiler traces and debug logs share.
 
 [Note: streams]
-One :class:`Streams` per device (:func:`streams_for`, made on first use and shared by the groups,
-the stores and the reducer) holds four side streams (the layout of torch FSDP2's
+One :class:`Streams` per engine (built with its run context, ``zinf/runtime/context.py``, and handed to the
+stores, the reducer and the gathers) holds four side streams (the layout of torch FSDP2's
 ``FSDPCommContext``). The compute stream is not one of them: it is whatever stream torch has
 current when the engine runs (:meth:`Streams.current`), so a user's own stream context is respected.
 
@@ -57,43 +57,26 @@ engine's code is the same on both devices with no branch on the device; fences o
 tensors. A fence still checks it was recorded before it is waited for, so CPU tests catch a
 reuse that would race on CUDA.
 
-Names: :func:`label` builds ``zinf::<kind>(<module>)`` (e.g. ``zinf::all_gather(layers.3)``), and
-:func:`region` opens ``torch.profiler.record_function`` with it and logs it at DEBUG, so a trace and
-a debug log name the same work alike. :class:`RankFilter` keeps the ``zinf`` loggers to rank 0.
+The names that profiler traces and debug logs give this work (``zinf::all_gather(layers.3)``) are made in
+zinf/runtime/logs.py (``label``, ``region``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import threading
-from typing import Any, Callable, ContextManager, Iterator, Literal, Union
+from typing import Any, Callable, ContextManager, Union
 
 import torch
-import torch.distributed as dist
-
-from zinf.runtime.comm import compute_device
 
 __all__ = [
-    "KINDS",
     "BufferFence",
     "InFlight",
-    "Kind",
     "NullEvent",
     "NullStream",
-    "RankFilter",
     "SharedWork",
     "Streams",
-    "current_rank",
-    "install_rank_filter",
-    "label",
-    "log_all_ranks",
-    "region",
-    "streams_for",
 ]
 
-log = logging.getLogger(__name__)
 
 # FSDP2's choice: high priority (-1) for the copy-in, all-gather and reduce-scatter streams, so their
 # short copies are not delayed behind compute kernels; 0 (the default, lowest) for the rest.
@@ -240,6 +223,15 @@ class Streams:
         """A new fence recorded on ``stream`` now, holding ``keep`` (see :meth:`BufferFence.record`)."""
         return self.fence().record(stream, *keep)
 
+    def issue(self, stream: Stream, launch: Callable[[], Any], keep: tuple[torch.Tensor, ...] = ()) -> "InFlight":
+        """Run ``launch`` (it issues a collective or a copy and returns its handle, or None) on ``stream`` once that
+        stream has waited for compute (rule 1: what it reads or writes was allocated there); the returned
+        :class:`InFlight` holds ``keep`` until compute joins it (rule 2)."""
+        stream.wait_stream(self.current())
+        with self.use(stream):
+            work = launch()
+        return InFlight(self, stream, work, keep)
+
     def named(self) -> dict[str, Stream]:
         return {"copy_in": self.copy_in, "all_gather": self.all_gather,
                 "reduce_scatter": self.reduce_scatter, "copy_out": self.copy_out}
@@ -250,25 +242,6 @@ class Streams:
 
 def _null_use(stream: Any) -> ContextManager[None]:
     return contextlib.nullcontext()
-
-
-_by_device: dict[torch.device, Streams] = {}
-_by_device_lock = threading.Lock()
-
-
-def streams_for(device: torch.device | str) -> Streams:
-    """The :class:`Streams` of ``device``: made on first use and shared by everything that runs there (groups,
-    stores, the reducer), so a copy-in, the all-gather that waits for it and the compute that waits for
-    that are on the same four streams without passing them around. ``cuda`` means the current device; every
-    CPU device shares one set of no-op stand-ins."""
-    device = compute_device(device)
-    found = _by_device.get(device)
-    if found is None:
-        with _by_device_lock:  # the background optimizer thread asks too
-            found = _by_device.get(device)
-            if found is None:
-                found = _by_device[device] = Streams(device)
-    return found
 
 
 class SharedWork:
@@ -299,11 +272,12 @@ class InFlight:
     as it always did on CPU), records a fence there, makes compute wait for it and then drops ``keep``.
     """
 
-    __slots__ = ("streams", "stream", "_work", "_keep")
+    __slots__ = ("streams", "stream", "shared", "_work", "_keep")
 
     def __init__(self, streams: Streams, stream: Stream, work: Any, keep: tuple[torch.Tensor, ...] = ()) -> None:
         self.streams = streams
         self.stream = stream
+        self.shared = work if isinstance(work, SharedWork) else None  # joined once for every InFlight on it
         self._work = work
         self._keep = keep
 
@@ -324,99 +298,3 @@ class InFlight:
         if shared is not None:
             shared.mark_joined(fence)
         return fence
-
-
-# ---- names shared by profiler traces and debug logs -------------------------------------------------
-
-Kind = Literal["h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer",
-               "broadcast_buffers"]
-KINDS: tuple[str, ...] = ("h2d", "all_gather", "reduce_scatter", "d2h", "nvme_read", "nvme_write", "optimizer",
-                          "broadcast_buffers")
-
-
-def label(kind: Kind, name: str) -> str:
-    """``zinf::<kind>(<name>)``, ``name`` being the module's qualified name, e.g. ``zinf::h2d(layers.3)``."""
-    if kind not in KINDS:
-        raise ValueError(f"zinf: unknown region kind {kind!r}; expected one of {', '.join(KINDS)}")
-    return f"zinf::{kind}({name})"
-
-
-@contextlib.contextmanager
-def region(kind: Kind, name: str) -> Iterator[str]:
-    """A profiler range named :func:`label` ``(kind, name)``; the same label is logged when ``zinf`` is at DEBUG."""
-    text = label(kind, name)
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s", text)
-    if not torch._C._autograd._profiler_enabled():  # no profiler running: a range would cost ~20 us for nothing
-        yield text
-        return
-    with torch.profiler.record_function(text):
-        yield text
-
-
-# ---- rank-0 logging ----------------------------------------------------------------------------------
-
-_ALL_RANKS_ENV = "ZINF_LOG_ALL_RANKS"
-_all_ranks_override: bool | None = None
-
-
-def log_all_ranks(enabled: bool | None = True) -> None:
-    """Let every rank's ``zinf`` records through (True), rank 0's only (False), or follow the
-    environment variable ``ZINF_LOG_ALL_RANKS=1`` again (None, the default state)."""
-    global _all_ranks_override
-    _all_ranks_override = enabled
-
-
-def _all_ranks() -> bool:
-    if _all_ranks_override is not None:
-        return _all_ranks_override
-    return os.environ.get(_ALL_RANKS_ENV, "") == "1"
-
-
-def current_rank() -> int:
-    """The global rank: torch.distributed's once initialised, else the launcher's ``RANK``, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
-
-
-class RankFilter(logging.Filter):
-    """Passes info and debug records on rank 0 only, unless all ranks log (``all_ranks``, else
-    :func:`log_all_ranks`, else ``ZINF_LOG_ALL_RANKS=1``); warnings and errors pass on every rank. Records from
-    other ranks are prefixed ``[rank N]``. The rank
-    is also set on the record as ``zinf_rank`` for formatters."""
-
-    def __init__(self, all_ranks: bool | None = None) -> None:
-        super().__init__()
-        self.all_ranks = all_ranks
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        rank = current_rank()
-        if rank == 0:
-            record.zinf_rank = 0
-            return True
-        if record.levelno < logging.WARNING and not (_all_ranks() if self.all_ranks is None else self.all_ranks):
-            return False  # warnings and errors pass on every rank: a timeout or a failed step is rank-specific
-        if getattr(record, "zinf_rank", None) is None:  # prefix once, whatever else filters the record
-            record.msg = f"[rank {rank}] {record.msg}"
-        record.zinf_rank = rank
-        return True
-
-
-def install_rank_filter(logger_name: str = "zinf") -> RankFilter:
-    """Put one :class:`RankFilter` on ``logger_name`` and on every logger below it that exists now.
-
-    A filter on a logger is not consulted for records of its child loggers (``zinf.schedule.fetcher``),
-    hence the walk over existing descendants; call again after importing more modules. Idempotent:
-    loggers that already carry a RankFilter keep it, and that filter is returned.
-    """
-    root = logging.getLogger(logger_name)
-    found = next((f for f in root.filters if isinstance(f, RankFilter)), None)
-    shared = found or RankFilter()
-    prefix = logger_name + "."
-    loggers = [root] + [lg for name, lg in list(logging.Logger.manager.loggerDict.items())
-                        if name.startswith(prefix) and isinstance(lg, logging.Logger)]
-    for lg in loggers:
-        if not any(isinstance(f, RankFilter) for f in lg.filters):
-            lg.addFilter(shared)
-    return shared

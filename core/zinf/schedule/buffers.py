@@ -40,9 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zinf.runtime.comm import Comm
-from zinf.runtime.streams import region
-from zinf.report import StepTimers
+from zinf.runtime.context import RunContext
+from zinf.runtime.logs import region
 
 __all__ = ["BufferSync"]
 
@@ -50,11 +49,11 @@ __all__ = ["BufferSync"]
 class BufferSync:
     """Rank 0's buffers to every rank at construction and before a forward, as DDP; see [Note: buffers like DDP]."""
 
-    def __init__(self, model: nn.Module, comm: Comm, timers: StepTimers, enabled: bool) -> None:
+    def __init__(self, model: nn.Module, ctx: RunContext, enabled: bool) -> None:
         self.model = model
-        self.comm = comm
-        self.timers = timers
-        self.enabled = enabled and comm.world > 1 and next(model.buffers(), None) is not None
+        self.comm = ctx.comm
+        self.timers = ctx.timers
+        self.enabled = enabled and ctx.comm.world > 1 and next(model.buffers(), None) is not None
         self.due = True  # DDP's require_forward_param_sync: the first forward syncs
 
     def broadcast(self) -> None:

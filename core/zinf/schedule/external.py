@@ -4,7 +4,8 @@ A torch function mode sees every tensor operation of the forward pass. When one 
 is a zinf parameter whose group is not gathered (a tied weight read by the parent, a child's
 weight used by a sibling), the group is gathered on behalf of the innermost running module, held
 until that module's forward ends, and remembered as that module's external group so that its
-backward (and later forwards) gather it up front. See ``ModuleHooks.on_external``.
+backward (and later forwards) gather it up front. Both watches tell an :class:`ExternalSink` (the engine's
+``ModuleHooks``, whose ``on_external`` does the gathering).
 
 [Note: external parameters, paid once]
 The mode costs a Python call for every tensor operation of the forward, and what it finds is the same from
@@ -20,22 +21,30 @@ time after the recorded step; ``detect_external_params`` catches such uses in th
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zinf.param.flat_group import GroupState
+from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of
 
-if TYPE_CHECKING:
-    from zinf.schedule.hooks import ModuleHooks
+__all__ = ["ExternalParamMode", "ExternalSink", "ParamLookups"]
 
-__all__ = ["ExternalParamMode", "ParamLookups"]
+
+class ExternalSink(Protocol):
+    """What the watches tell of an external use: ``busy`` (non-zero while the engine's own hook code runs, whose
+    uses are not the model's) and ``on_external(group)``, called for a use of a parameter whose group is not
+    gathered."""
+
+    @property
+    def busy(self) -> int: ...
+
+    def on_external(self, group: FlatParamGroup) -> None: ...
 
 
 class ExternalParamMode(TorchFunctionMode):
-    def __init__(self, hooks: "ModuleHooks") -> None:
+    def __init__(self, hooks: ExternalSink) -> None:
         super().__init__()
         self.hooks = hooks
 
@@ -85,7 +94,7 @@ class ParamLookups:
     paid once]). ``install`` puts a watched dict on every module that owns parameters; ``remove`` puts the plain
     ones back."""
 
-    def __init__(self, hooks: "ModuleHooks", model: nn.Module) -> None:
+    def __init__(self, hooks: ExternalSink, model: nn.Module) -> None:
         self.hooks = hooks
         self.armed = False
         self._modules = [m for m in model.modules() if m._parameters]

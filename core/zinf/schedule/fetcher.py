@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
-from zinf.config import OverlapConfig
-from zinf.host_memory import HostMemory
+from zinf.config_sections import OverlapConfig
 from zinf.param.state import GroupState
-from zinf.runtime.gather_batch import GatherBatch
-from zinf.runtime.streams import InFlight, region, streams_for
-from zinf.report import StepTimers
+from zinf.runtime.collectives import GatherBatch
+from zinf.runtime.context import RunContext
+from zinf.runtime.streams import InFlight
+from zinf.runtime.logs import region
 from zinf.units import format_bytes
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
+    from zinf.schedule.keep import BackwardKeep
     from zinf.schedule.rounds import Rounds
 
 __all__ = ["ParamFetcher", "FetchCounts"]
@@ -32,37 +33,36 @@ class FetchCounts(NamedTuple):
 class ParamFetcher:
     """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
 
-    def __init__(self, config: OverlapConfig, timers: StepTimers, rounds: "Rounds | None" = None,
-                 host: HostMemory | None = None) -> None:
+    def __init__(self, config: OverlapConfig, ctx: RunContext, rounds: "Rounds | None" = None) -> None:
         self.config = config
-        self.timers = timers
-        self.host = host if host is not None else HostMemory()  # told of every full buffer allocated and freed
+        self.ctx = ctx  # the gathers' process group and streams
+        self.timers = ctx.timers
+        self.host = ctx.host  # told of every full buffer allocated and freed
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
         self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
-        self._kept: list[FlatParamGroup] = []  # kept gathered by a forward for its backward, not taken by one yet
-        self._kept_taken: list[FlatParamGroup] = []  # what the running backward took over, until a module uses it
+        self.keep: BackwardKeep | None = None  # the groups kept for a backward: see use_keep
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.num_prefetched = 0  # gathers started ahead of use
         self.num_demand = 0  # gathers a module had to start itself (trace not known yet, or no budget)
 
     def acquire(self, groups: Sequence[FlatParamGroup], label: str) -> None:
-        self.settle()
+        self.apply_pending_round()
         todo = [g for g in groups if g.state is GroupState.SHARDED]
         limit = self.config.max_gathered_bytes
         if limit and todo:
             self._check_budget(todo, groups, label, limit)
         if todo:  # issue every gather first, then wait: the module's gathers run together
             self.num_demand += len(todo)
-            self.start(todo, label, ahead=False)
+            self.gather_wanted(todo, label, ahead=False)
         waiting = [g for g in groups if g.state is GroupState.GATHERING]
         if waiting:
             with self.timers.time("all_gather"), region("all_gather", label):
                 for g in waiting:
                     g.finish_gather()
         for g in groups:
-            g.acquire()
+            g.acquire(self.ctx)
         if self._served:
             self.join_served()
 
@@ -72,45 +72,22 @@ class ParamFetcher:
             if g.state is GroupState.SHARDED:
                 self._count(g, -1)
 
-    def keep(self, groups: Sequence[FlatParamGroup]) -> None:
-        """A forward call's hold on ``groups`` becomes their backward's (see [Note: kept for backward] in
-        zinf/schedule/keep.py): they stay gathered, and the release that ends their backward ends it."""
-        for g in groups:
-            g.hold_for_backward()
-        self._kept.extend(groups)
-
-    def kept_to_backward(self) -> None:
-        """A backward started: what the forward kept is the backward's now (released as its gradients complete)."""
-        self._kept_taken, self._kept = self._kept, []
-
-    def drop_kept(self, but: Sequence[FlatParamGroup] = ()) -> None:
-        """Give back what a forward kept for a backward that has not taken it (except ``but``)."""
-        kept = [g for g in self._kept if all(g is not b for b in but)]
-        self._kept = [g for g in self._kept if any(g is b for b in but)]
-        for g in kept:
-            if g.drop_backward_hold():
-                self.release([g])
-
-    def reached(self, groups: Sequence[FlatParamGroup]) -> None:
-        """The backward reached a module that uses ``groups``: kept ones among them are in use, no longer ahead."""
-        if self._kept_taken:
-            self._kept_taken = [g for g in self._kept_taken if all(g is not r for r in groups)]
-
-    def _kept_bytes(self) -> int:
-        """Bytes kept for a backward that has not reached them yet: they fill the prefetch window as gathers ahead
-        do, so that the parameters gathered at once stay within what the window allows."""
-        if self.config.reshard_after_forward == "never":
-            return 0  # everything is kept by request: counting it would turn the forward's prefetch off
-        self._kept_taken = [g for g in self._kept_taken if g.backward_held]
-        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
+    def use_keep(self, keep: BackwardKeep) -> None:
+        """The groups ``keep`` holds for a backward (see [Note: kept for backward] in zinf/schedule/keep.py) fill the
+        prefetch window until the backward reaches them, and are given back first when a gather needs the room
+        under ``max_gathered_bytes``."""
+        self.keep = keep
 
     def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
         """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget.
         With several ranks the round that asks for them is not waited for here: it is applied by the next
-        call that gathers (``settle``), so a prefetch does not hold this rank until the others post theirs."""
-        self.settle()
+        call that gathers (``apply_pending_round``), so a prefetch does not hold this rank until the others post
+        theirs."""
+        self.apply_pending_round()
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
-        budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead) - self._kept_bytes()
+        budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
+        if self.keep is not None:
+            budget -= self.keep.kept_bytes()
         if self.config.max_gathered_bytes:
             budget = min(budget, self.config.max_gathered_bytes - self.gathered_bytes)
         reading = True
@@ -130,7 +107,7 @@ class ParamFetcher:
             for g in groups:
                 if g.state is not GroupState.SHARDED or g in chosen:
                     continue
-                if g.update_pending and g.comm.world == 1:
+                if g.update_pending and g.world == 1:
                     # its background update is not done: gathering now would stall this module. Only where
                     # the gather is not a collective: with several ranks every rank must start the same
                     # gathers in the same order, and whether an update is done yet differs between ranks.
@@ -150,7 +127,7 @@ class ParamFetcher:
         if chosen:
             self.num_prefetched += len(chosen)
             if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
-                self.start(chosen, "prefetch", ahead=True)
+                self.gather_wanted(chosen, "prefetch", ahead=True)
 
     def _check_budget(self, todo: Sequence[FlatParamGroup], groups: Sequence[FlatParamGroup], label: str,
                       limit: int) -> None:
@@ -160,7 +137,8 @@ class ParamFetcher:
         make its acquire gather it again on this rank alone, outside any round."""
         need = sum(g.nbytes_full for g in todo if g.owns_full)
         if self.gathered_bytes + need > limit:
-            self.drop_kept(but=groups)
+            if self.keep is not None:
+                self.keep.drop(but=groups)
             for g in self._ahead:
                 if (g.holds == 0 and g.state is GroupState.GATHERED and not g.persistent and not g.backward_held
                         and all(g is not n for n in groups)):
@@ -176,19 +154,19 @@ class ParamFetcher:
                 "its large linear layers (tiling.min_numel and tiling.max_tile_bytes, or zinf.TiledLinear), or raise "
                 "overlap.max_gathered_bytes.")
 
-    def settle(self) -> None:
+    def apply_pending_round(self) -> None:
         """Apply a prefetch round still in flight (before anything else is issued: see [Note: rounds])."""
         if self.rounds is not None and self.rounds.pending:
-            union, wanted = self.rounds.settle()
+            union, wanted = self.rounds.apply_pending()
             self.gather_union(union, wanted, ahead=True)
 
-    def start(self, wanted: Sequence[FlatParamGroup], label: str, ahead: bool) -> None:
+    def gather_wanted(self, wanted: Sequence[FlatParamGroup], label: str, ahead: bool) -> None:
         """Start the gathers of ``wanted`` (sharded groups) and, with several ranks, of whatever the other
         ranks ask for in the same round. Groups this rank did not ask for, and with ``ahead`` the ones it
         asked for, are released at the end of the pass unless a module takes them."""
         if self.rounds is None:
             union = list(wanted)
-        else:  # acquire and prefetch have settled a deferred round already
+        else:  # acquire and prefetch have applied a pending round already
             if not wanted:
                 return  # nothing to post: rounds pair with rounds, so skipping one is always safe
             union = self.rounds.post_work(wanted, label)
@@ -202,13 +180,13 @@ class ParamFetcher:
         try:
             for g in union:
                 if g.state is GroupState.SHARDED:
-                    self._start(g, batch)
+                    self._start_one(g, batch)
                     self._count(g, +1)
                     if ahead or id(g) not in mine:
                         self._ahead.append(g)
                 else:  # gathered here already (held, or kept): take part with this rank's slice
                     with self.timers.time("all_gather"):
-                        g.serve_gather(batch)
+                        g.serve_gather(self.ctx, batch)
         except BaseException:
             if batch is not None:  # its groups are unwound with the pass; their waits must not stop the unwinding
                 batch.work.abandon()
@@ -221,9 +199,10 @@ class ParamFetcher:
 
     def _batch(self, union: Sequence[FlatParamGroup]) -> GatherBatch | None:
         """One collective for the union's gathers ([Note: one collective per round]); None where one would do."""
-        if len(union) < 2 or union[0].comm.world == 1 or not self.config.coalesces(union[0].comm.backend):
+        comm = self.ctx.comm
+        if len(union) < 2 or comm.world == 1 or not self.config.coalesces(comm.backend):
             return None
-        return GatherBatch(union[0].comm, streams_for(union[0].device))
+        return GatherBatch(self.ctx.comm, self.ctx.streams)
 
     def join_served(self) -> None:
         """Wait for the batches that served other ranks' gathers, and drop their scratch buffers."""
@@ -243,15 +222,15 @@ class ParamFetcher:
                 self._count(g, -1)
         self._ahead.clear()
 
-    def _start(self, g: FlatParamGroup, batch: GatherBatch | None = None) -> None:
+    def _start_one(self, g: FlatParamGroup, batch: GatherBatch | None = None) -> None:
         """Start a gather; the time it blocks (its shard's NVMe read, its pending background update) is
         gather time too."""
         with self.timers.time("all_gather"):
-            g.start_gather(batch)
+            g.start_gather(self.ctx, batch)
 
     def _count(self, g: FlatParamGroup, sign: int) -> None:
-        if not g.owns_full:
-            return  # one rank gathering in place: the "full" buffer is the shard itself
+        if not g.owns_full or g.persistent:
+            return  # one rank gathering in place (the "full" buffer is the shard itself), or gathered for the run
         self.gathered_bytes += sign * g.nbytes_full
         if sign < 0:
             self.host.freed("gathered", g.nbytes_full, g.device)

@@ -10,7 +10,7 @@ their gradients have arrived.
 Per parameter: post-accumulate-grad hook -> the gradient goes into the group's flat gradient; when the group
 is complete it is reduce-scattered (with several ranks: once every rank agreed, see [Note: rounds] in
 zinf/schedule/rounds.py) and the group released. The end of backward flushes what is left.
-See [Note: flat layout] and [Note: releasing memory] in zinf/param/flat_group.py.
+See [Note: flat layout] and [Note: releasing memory] in zinf/param/layout.py.
 
 [Note: balanced hooks]
 A forward can end without its post-hook in the ordinary sense: torch's checkpoint stops a
@@ -22,28 +22,15 @@ recomputation) gather what they need but never touch the forward trace, so the r
 the prefetch that follows it, stays that of the real forward; their gathers are recorded in the
 backward trace, where they happen, so backward prefetch covers the recomputation too.
 
-[Note: units]
-A module listed in ``unit_modules`` (or adopted by ``divergence="auto"``) is gathered as one unit: its
-pre-hook (and its backward) gathers every group of its subtree at once, so whichever submodules run
-inside it (mixture-of-experts routing), every rank issues the same gathers. Modules inside a unit are
-left out of the traces: the order inside a unit may change from step to step without invalidating
-prefetch. Units chosen when the engine is built (``unit_modules``, and the model's blocks with
-``unit_policy="blocks"``: [Note: blocks as units] in zinf/schedule/units.py) carry the only hooks of their
-subtree: the modules inside have none, so a block costs one pre-hook, one post-hook and one backward
-announcement, not one per module. A parameter a module inside uses from outside the unit is gathered with
-the unit (``on_external`` sees the unit as the running module). With ``divergence="auto"``, when ranks
-disagreed on gathers during a forward pass, the ranks compare which modules each called; for each module
-called on some ranks only, its nearest ancestor that every rank called (the same number of times) becomes
-a unit, logged, from the next pass on. The root never becomes a unit (that would gather the whole model):
-such divergence stays served round by round, which is exact too.
+The pass the hooks are in (forward, eval forward, backward) is one :class:`~zinf.schedule.pass_state.PassState`
+([Note: pass phases] in zinf/schedule/pass_state.py). Which modules are gathered as one unit, and how units are adopted
+when ranks diverge: [Note: units] in zinf/schedule/units.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -51,19 +38,19 @@ from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
-from zinf.runtime.comm import Comm
+from zinf.runtime.context import RunContext
 from zinf.schedule.fetcher import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
-from zinf.param.registry import group_of, groups_of
-from zinf.report import StepTimers
+from zinf.param.registry import group_of
 from zinf.schedule.buffers import BufferSync
 from zinf.schedule.external import ParamLookups
 from zinf.schedule.keep import BackwardKeep
+from zinf.schedule.module_backward import after_module_backward, announce_backward
+from zinf.schedule.pass_state import (Call, ModuleState, ModuleTrace, PassState, TraceState, autograd_running,
+                                      engine_code)
 from zinf.schedule.rounds import Post, Rounds
-from zinf.schedule.tensors import tensors_in
-from zinf.schedule.trace import ModuleTrace, TraceState
-from zinf.schedule.units import choose_units, is_called
+from zinf.schedule.units import UnitAdoption, choose_units, make_unit
 from zinf.schedule.reduce import GradReducer
 
 __all__ = ["ModuleHooks"]
@@ -73,76 +60,8 @@ log = logging.getLogger(__name__)
 _TRACE_DIVERGED = 1  # flag bit in the round that ends a pass
 
 
-@dataclass
-class _ModuleState:
-    name: str
-    index: int  # position in model.named_modules(): the same on every rank
-    groups: list[FlatParamGroup]
-    external: list[FlatParamGroup] = field(default_factory=list)
-    unit: list[FlatParamGroup] | None = None  # every group of the subtree, when the module is a unit
-    inside_unit: bool = False
-
-    def needed(self) -> list[FlatParamGroup]:
-        own = self.unit if self.unit is not None else self.groups
-        return own + [g for g in self.external if g not in own]
-
-
-@dataclass
-class _Call:
-    """One running forward call: the module and the groups it holds (its own and external ones)."""
-
-    module: nn.Module
-    acquired: list[FlatParamGroup]
-    position: int | None = None  # in the forward trace, when replaying a training forward in step
-
-
-def _engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a hook body as the engine's own work: the external-parameter mode ignores what it touches."""
-
-    @functools.wraps(method)
-    def wrapper(self: "ModuleHooks", *args: Any) -> Any:
-        self.busy += 1
-        try:
-            return method(self, *args)
-        finally:
-            self.busy -= 1
-
-    return wrapper
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpointed block being recomputed)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward tells the hooks that the module's backward is done (the
-    gradients of its inputs exist): see [Note: frozen groups in backward]."""
-
-    @staticmethod
-    def forward(ctx: Any, hooks: "ModuleHooks", module: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hooks, ctx.module = hooks, module
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        ctx.hooks._post_backward(ctx.module)
-        return (None, None, *grads)
-
-
-def _after_backward(hooks: "ModuleHooks", module: nn.Module, args: tuple) -> tuple | None:
-    """``args`` with the tensors that need a gradient passed through :class:`_PostBackward` (None: none do)."""
-    picked = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not picked:
-        return None
-    out = list(args)
-    for i, t in zip(picked, _PostBackward.apply(hooks, module, *(args[i] for i in picked))):
-        out[i] = t
-    return tuple(out)
-
-
 class ModuleHooks:
-    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, timers: StepTimers,
+    def __init__(self, model: nn.Module, config: ZeroConfig, ctx: RunContext,
                  fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds, *,
                  on_backward_start: Sequence[Callable[[], None]] = (),
                  on_backward_end: Sequence[Callable[[], None]] = (),
@@ -152,40 +71,33 @@ class ModuleHooks:
         pool can read a block's groups at once (see [Note: blocks as units] in zinf/schedule/units.py)."""
         self.model = model
         self.config = config
-        self.comm = comm
-        self.timers = timers
+        self.comm = ctx.comm
+        self.timers = ctx.timers
         self.fetcher = fetcher
         self.reducer = reducer
         self.rounds = rounds
         self.groups = rounds.groups
         owned = module_groups(model)
-        self.states: dict[nn.Module, _ModuleState] = {}
-        self.parent: dict[nn.Module, nn.Module] = {}
-        for index, (name, module) in enumerate(model.named_modules()):
-            self.states[module] = _ModuleState(name, index, owned.get(module, []))
-            for child in module.children():
-                self.parent.setdefault(child, module)
+        self.states = {module: ModuleState(name, index, owned.get(module, []))
+                       for index, (name, module) in enumerate(model.named_modules())}
         self.traces = {"forward": ModuleTrace("forward"), "backward": ModuleTrace("backward"),
                        "eval": ModuleTrace("eval forward")}
-        self.pass_trace: ModuleTrace | None = None  # the trace of the forward pass running now
+        self.pass_state = PassState()  # see [Note: pass phases] in zinf/schedule/pass_state.py
         self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
-                                 lambda m: self.states[m].needed())
+                                 lambda m: self.states[m].needed(), fetcher.release)
+        fetcher.use_keep(self.keep)
         self._forward_order: tuple[list[nn.Module], list[FlatParamGroup]] | None = None
-        self._pass_post = Post.END_FORWARD
-        self._calls = [0] * len(self.states)  # forward calls per module in this pass (see [Note: units])
-        self._refused_units: set[str] = set()
-        self.stack: list[_Call] = []
-        self.in_backward = False
-        self.busy = 0  # > 0 while a hook body runs; see _engine_code
+        self.adoption = UnitAdoption(model, self.states, self.comm)  # see [Note: units] in zinf/schedule/units.py
+        self.stack: list[Call] = []
         self.on_backward_start: tuple[Callable[[], None], ...] = tuple(on_backward_start)
         self.on_backward_end: tuple[Callable[[], None], ...] = tuple(on_backward_end)
-        self.buffers = BufferSync(model, comm, timers, config.broadcast_buffers)
+        self.buffers = BufferSync(model, ctx, config.broadcast_buffers)
         for module in choose_units(model, config, {m: s.name for m, s in self.states.items()}, unit_stages):
-            self._make_unit(module)
+            make_unit(self.states, module)
         self._handles: list[Any] = []
         for module, state in self.states.items():
             if state.inside_unit:
-                continue  # the unit's hooks gather, hold and release for its whole subtree: see [Note: units]
+                continue  # the unit's hooks gather, hold and release for its whole subtree ([Note: units])
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
             self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
         self._handles.append(model.register_forward_hook(self._forward_end))  # after the root's post-hook
@@ -198,6 +110,11 @@ class ModuleHooks:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    @property
+    def busy(self) -> int:
+        """How many hook bodies of the engine run now (``engine_code``): the external-parameter watch ignores them."""
+        return self.pass_state.busy
 
     def remove(self) -> None:
         for h in self._handles:
@@ -229,18 +146,18 @@ class ModuleHooks:
         return [s.name for s in self.states.values() if s.unit is not None]
 
     # -- forward ------------------------------------------------------------------------------------
-    @_engine_code
+    @engine_code
     def _forward_pre(self, module: nn.Module, args: Any) -> tuple | None:
         state = self.states[module]
-        recomputing = _in_backward()
+        recomputing = autograd_running()
         if module is self.model and not recomputing:
             self._begin_pass()
-        call = _Call(module, [])
+        call = Call(module, [])
         self.stack.append(call)  # first: the post-hook pops it even if gathering raises
         # a recomputation (checkpoint) runs inside backward: its gathers are part of the backward order
-        trace = None if state.inside_unit else self.traces["backward"] if recomputing else self.pass_trace
+        trace = None if state.inside_unit else self.traces["backward"] if recomputing else self.pass_state.trace
         if trace is not None and not recomputing:
-            self._calls[state.index] += 1
+            state.called()
         position = trace.visit(module) if trace is not None else None
         if trace is self.traces["forward"]:
             call.position = position
@@ -250,10 +167,10 @@ class ModuleHooks:
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
         if not recomputing and torch.is_grad_enabled() and any(not g.trainable for g in needed):
-            return _after_backward(self, module, args)
+            return after_module_backward(self._after_module_backward, module, args)
         return None
 
-    @_engine_code
+    @engine_code
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         """Runs however the forward ended (see [Note: balanced hooks]); ``output`` is None if it raised."""
         while self.stack:
@@ -261,13 +178,13 @@ class ModuleHooks:
             if call.module is module and call.position is not None and output is not None:
                 kept = self.keep.at(call.position, call.acquired)  # see [Note: kept for backward]
                 if kept:
-                    self.fetcher.keep(kept)
+                    self.keep.hold_for_backward(kept)
                     call.acquired = [g for g in call.acquired if all(g is not k for k in kept)]
             self.fetcher.release(call.acquired)
             if call.module is module:
                 break
         if output is not None and torch.is_grad_enabled():
-            self._announce_backward(module, output)
+            announce_backward(self._backward_pre, module, output)
 
     @contextlib.contextmanager
     def recompute_scope(self, module: nn.Module) -> Iterator[None]:
@@ -279,31 +196,35 @@ class ModuleHooks:
         finally:
             self._forward_post(module, (), None)
 
-    @_engine_code
+    @engine_code
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root's forward returned: every rank agrees that the pass is over (serving the others' gathers
         until then), then the trace is finished and units may be adopted."""
-        trace = self.pass_trace
-        if trace is None or _in_backward():
+        if not self.pass_state.in_forward or autograd_running():
             return
-        self.pass_trace = None
+        post = self.pass_state.end_post
+        trace = self.pass_state.end_forward()
         self.buffers.after_forward()
         flags = _TRACE_DIVERGED if trace.diverged else 0
-        flags = self._sync(self._pass_post, flags)
+        flags = self._sync(post, flags)
         self.fetcher.sweep()
         trace.finish_pass(bool(flags & _TRACE_DIVERGED))
-        if self.rounds.active and self.config.divergence == "auto":
-            self._adopt_units()
-        self._calls = [0] * len(self._calls)
+        if self.rounds.active and self.config.divergence == "auto" and self.rounds.take_divergent():
+            if self.adoption.adopt():  # collective: every rank is here, as the divergence was agreed on
+                for t in self.traces.values():
+                    t.restart()
+        self.adoption.new_pass()
 
     def _begin_pass(self) -> None:
-        if self.stack or self.pass_trace is not None:  # a pass that raised without the engine seeing it
+        if self.pass_state.in_backward:  # a backward that raised without the engine seeing it
+            self.abandon_backward()
+        if self.stack or self.pass_state.in_forward:  # a pass that raised without the engine seeing it
             self.unwind()
-        self.fetcher.drop_kept()  # a forward before this one kept groups for a backward that never came
+        self.keep.drop()  # a forward before this one kept groups for a backward that never came
         grad = torch.is_grad_enabled()
         if grad:
             for g in self.groups:
-                changed = g.requires_grad_changed()
+                changed = g.grad_in.requires_grad_changed(g.params)
                 if changed is not None:
                     raise UnsupportedModelError(
                         f"zinf: requires_grad of '{changed}' changed after the engine was built; the engine keeps "
@@ -311,107 +232,44 @@ class ModuleHooks:
                         "was built, and a module whose parameters were all frozen keeps no fp32 master weights (only "
                         "its shards at their storage width). Freeze or unfreeze parameters before building the engine "
                         "(rebuild it to change them).")
-        self.pass_trace = self.traces["forward" if grad else "eval"]
-        self._pass_post = Post.END_FORWARD if grad else Post.END_EVAL
+        self.pass_state.begin_forward(self.traces["forward" if grad else "eval"], grad)
         self.buffers.before_forward()  # before the pass's first gather: see [Note: buffers like DDP]
 
     def unwind(self) -> None:
         """A forward pass raised: release what its calls hold and forget the pass (see [Note: balanced hooks])."""
         while self.stack:
             self.fetcher.release(self.stack.pop().acquired)
-        self.fetcher.drop_kept()
-        if self.pass_trace is not None:
-            self.pass_trace.abort_pass()
-            self.pass_trace = None
-        self._calls = [0] * len(self._calls)
+        self.keep.drop()
+        trace = self.pass_state.abandon_forward()
+        if trace is not None:
+            trace.abort_pass()
+        self.adoption.new_pass()
         self.fetcher.sweep()
 
     def abort_pass(self) -> None:
         """The forward or backward raised on this rank: tell the other ranks (so that none waits for this one)."""
         if self.rounds.active and not self.rounds.failed:
-            self.fetcher.settle()  # the others apply it too before they read this rank's abort
+            self.fetcher.apply_pending_round()  # the others apply it too before they read this rank's abort
             self.rounds.abort()
 
-    @_engine_code
+    @engine_code
     def on_external(self, group: FlatParamGroup) -> None:
         """A parameter outside the running module's groups is used: gather it for this call (see external.py)."""
         if not self.stack:
             return  # outside a forward pass: left to GatheredParameters
         call = self.stack[-1]
         state = self.states[call.module]
-        if group not in state.external:
-            state.external.append(group)
+        if state.add_external(group):
             log.debug("zinf: %s uses %s from outside; gathering it with the module from now on", state.name, group.name)
         self.fetcher.acquire([group], state.name)
         call.acquired.append(group)
 
-    # -- units (see [Note: units]) ------------------------------------------------------------------
-    def _make_unit(self, module: nn.Module) -> None:
-        state = self.states[module]
-        state.unit = groups_of(module.parameters())
-        for sub in module.modules():
-            if sub is not module:
-                self.states[sub].inside_unit = True
-                self.states[sub].unit = None  # a unit adopted around an earlier one covers it
-
-    def _adopt_units(self) -> None:
-        if not self.rounds.take_divergent():  # ranks agreed on every gather of the pass
-            return
-        counts = torch.tensor(self._calls, dtype=torch.int64)  # host: see [Note: host-side agreement]
-        low, high = counts.clone(), counts.clone()
-        self.comm.host_all_reduce(low, op="min")
-        self.comm.host_all_reduce(high, op="max")
-        varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
-        adopted: dict[nn.Module, list[str]] = {}
-        for start in varies:
-            if not self.states[start].groups and self.states[start].unit is None:
-                continue  # neither holds parameters nor gathers a subtree
-            module: nn.Module | None = start
-            while module is not None and (module in varies or not is_called(module)
-                                          or int(high[self.states[module].index]) == 0):
-                module = self.parent.get(module)
-            if module is None or module is self.model:
-                name = self.states[start].name
-                if name not in self._refused_units:
-                    self._refused_units.add(name)
-                    log.info("zinf: %s runs on some ranks only and the nearest module every rank calls is the root, "
-                             "which is not gathered as one unit: its gathers stay agreed round by round (exact, one "
-                             "small exchange each)", name)
-                continue
-            state = self.states[module]
-            if state.unit is None and not state.inside_unit:
-                adopted.setdefault(module, []).append(self.states[start].name)
-        for module in sorted(adopted, key=lambda m: self.states[m].index):
-            if self.states[module].inside_unit:  # an ancestor adopted in this same pass covers it
-                continue
-            self._make_unit(module)
-            log.info("zinf: %s (%s) runs different submodules on different ranks (%s); gathering and reducing it "
-                     "as one unit from now on (set unit_modules to choose units yourself)",
-                     self.states[module].name, type(module).__name__, ", ".join(sorted(adopted[module])[:4]))
-        if adopted:
-            for t in self.traces.values():
-                t.restart()
-
     # -- backward -----------------------------------------------------------------------------------
-    def _announce_backward(self, module: nn.Module, output: Any) -> None:
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if not tensors:
-            return
-        fired = [False]
-
-        def hook(grad: torch.Tensor) -> None:
-            if not fired[0]:
-                fired[0] = True
-                self._backward_pre(module)
-
-        for t in tensors:
-            t.register_hook(hook)
-
-    @_engine_code
+    @engine_code
     def _backward_pre(self, module: nn.Module) -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            self.fetcher.kept_to_backward()
+        if not self.pass_state.in_backward:
+            self.pass_state.begin_backward()
+            self.keep.to_backward()
             for fn in self.on_backward_start:
                 fn()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -419,7 +277,7 @@ class ModuleHooks:
         trace = None if state.inside_unit else self.traces["backward"]
         position = trace.visit(module) if trace is not None else None
         needed = state.needed()
-        self.fetcher.reached(needed)
+        self.keep.reached(needed)
         todo = [g for g in needed if not g.backward_held]
         self.fetcher.acquire(todo, state.name)
         for g in todo:
@@ -427,18 +285,18 @@ class ModuleHooks:
         if position is not None:
             self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
 
-    @_engine_code
-    def _post_backward(self, module: nn.Module) -> None:
+    @engine_code
+    def _after_module_backward(self, module: nn.Module) -> None:
         """[Note: frozen groups in backward] ``module``'s backward has produced the gradients of its inputs: its
         frozen groups (no gradient will ever arrive to end their hold, see [Note: frozen groups] in
-        zinf/param/flat_group.py) are not needed any more. Without this a frozen base under LoRA adapters stayed
+        zinf/param/master.py) are not needed any more. Without this a frozen base under LoRA adapters stayed
         gathered until the end of the backward: the whole base at once. A module whose inputs need no gradient
         (the first layer under a frozen embedding) keeps its frozen groups to the end of the backward."""
         for g in self.states[module].needed():
             if not g.trainable:
                 self._drop_backward_hold(g)
 
-    @_engine_code
+    @engine_code
     def _on_grad(self, param: nn.Parameter) -> None:
         group = group_of(param)
         assert group is not None and param.grad is not None
@@ -460,20 +318,20 @@ class ModuleHooks:
 
     def abandon_backward(self) -> None:
         """After a backward that raised: drop its partial gradients and holds so the next one starts clean."""
-        if not self.in_backward:
+        if not self.pass_state.in_backward:
             return
         self.rounds.forget_backward()
         for g in self.groups:
-            if g.has_pending_grads:
+            if g.grad_in.pending:
                 self.reducer.forget(g)
             self._drop_backward_hold(g)
         self.fetcher.sweep()
-        self.in_backward = False
+        self.pass_state.end_backward()
 
-    @_engine_code
+    @engine_code
     def _finalize_backward(self) -> None:
         for g in self.groups:
-            if g.has_pending_grads:  # parameters that got no gradient this pass count as zero
+            if g.grad_in.pending:  # parameters that got no gradient this pass count as zero
                 self._grads_complete(g)
         trace = self.traces["backward"]
         flags = self._sync(Post.END_BACKWARD, _TRACE_DIVERGED if trace.diverged else 0)
@@ -484,29 +342,29 @@ class ModuleHooks:
             self._drop_backward_hold(g)
         self.fetcher.sweep()
         trace.finish_pass(bool(flags & _TRACE_DIVERGED))
-        self.in_backward = False
+        self.pass_state.end_backward()
         for fn in self.on_backward_end:
             fn()
 
     def _agree_on_used(self) -> None:
-        """[Note: stepped parameters] in zinf/param/flat_group.py: a parameter is stepped when any rank
+        """[Note: stepped parameters] in zinf/param/grad_flat.py: a parameter is stepped when any rank
         produced a gradient for it since the last step (DDP's meaning), so every rank steps the same ones."""
         trainable = [g for g in self.groups if g.trainable]
         if not trainable:
             return
-        used = torch.cat([g.grad_used for g in trainable]).to(torch.int32)  # host: [Note: host-side agreement]
+        used = torch.cat([g.grad_in.used for g in trainable]).to(torch.int32)  # host: [Note: host-side agreement]
         self.comm.host_all_reduce(used, op="max")
         offset = 0
         for g in trainable:
-            n = g.grad_used.numel()
-            g.grad_used.copy_(used[offset : offset + n].bool())
+            n = g.grad_in.used.numel()
+            g.grad_in.used.copy_(used[offset : offset + n].bool())
             offset += n
 
     def _sync(self, post: Post, flags: int) -> int:
         """Take part in rounds until every rank has reached ``post``; returns every rank's flags OR-ed."""
         if not self.rounds.active:
             return flags
-        self.fetcher.settle()
+        self.fetcher.apply_pending_round()
         while True:
             result = self.rounds.post(post, flags=flags)
             self.fetcher.gather_union(result.gathers)

@@ -5,7 +5,7 @@ ZeRO-3 gathers every parameter twice a step: for its module's forward, and again
 starts where the forward ended, so the groups it gathers first are the ones the forward used last and has just
 given back: the output layer, the final norm, the last blocks. Resharding them only to gather them again a few
 milliseconds later costs a round and an all-gather on the backward's critical path (the backward's first module
-has nothing ahead of it to hide behind). So, once both traces are known (REPLAYING: zinf/schedule/trace.py), the
+has nothing ahead of it to hide behind). So, once both traces are known (REPLAYING: zinf/schedule/pass_state.py), the
 groups the backward gathers first, in the backward's order, as many as fit ``prefetch_bytes`` (and half of
 ``max_gathered_bytes`` when it is set), are not resharded at their *last* use in the forward: the forward's hold
 becomes the backward's (``FlatParamGroup.hold_for_backward``), the backward's pre-hook finds them gathered, and
@@ -30,7 +30,7 @@ nothing more from there on. Where the ranks differ anyway, nothing pairs wrongly
 gathered takes part in another rank's gather of it with its own slice ([Note: rounds] in
 zinf/schedule/rounds.py). What was kept and not taken by a backward (a forward without one, a second forward
 first, a forward that raised) is given back before the next pass, the next step, and a load of weights into the
-engine (``ParamFetcher.drop_kept``); and first of all when a gather needs the room under ``max_gathered_bytes``
+engine (``BackwardKeep.drop``); and first of all when a gather needs the room under ``max_gathered_bytes``
 (so with that cap, "never" keeps only what fits under it).
 """
 
@@ -40,25 +40,68 @@ from typing import Callable, Sequence
 
 from torch import nn
 
-from zinf.config import OverlapConfig
+from zinf.config_sections import OverlapConfig
 from zinf.param.flat_group import FlatParamGroup
-from zinf.schedule.trace import ModuleTrace, TraceState
+from zinf.schedule.pass_state import ModuleTrace, TraceState
 
 __all__ = ["BackwardKeep"]
 
 
 class BackwardKeep:
-    """For each group kept for the backward, the forward trace position of its last use (computed once per pair
-    of recorded traces)."""
+    """Which groups to keep for the backward (for each, the forward trace position of its last use, computed once
+    per pair of recorded traces), and the groups kept now: by a forward for a backward that has not taken them yet,
+    and those the running backward took over and has not reached yet. ``release`` gives back a group whose last
+    hold ended (``ParamFetcher.release``)."""
 
     def __init__(self, config: OverlapConfig, forward: ModuleTrace, backward: ModuleTrace,
-                 needed: Callable[[nn.Module], Sequence[FlatParamGroup]]) -> None:
+                 needed: Callable[[nn.Module], Sequence[FlatParamGroup]],
+                 release: Callable[[Sequence[FlatParamGroup]], None]) -> None:
         self.config = config
         self.forward = forward
         self.backward = backward
         self.needed = needed
+        self.release = release
         self._for: tuple[list[nn.Module], list[nn.Module]] | None = None
         self._last: dict[int, int] = {}
+        self._kept: list[FlatParamGroup] = []  # kept gathered by a forward for its backward, not taken by one yet
+        self._kept_taken: list[FlatParamGroup] = []  # what the running backward took over, until a module uses it
+
+    @property
+    def kept(self) -> list[FlatParamGroup]:
+        """The groups a forward kept for a backward that has not taken them yet."""
+        return list(self._kept)
+
+    def hold_for_backward(self, groups: Sequence[FlatParamGroup]) -> None:
+        """A forward call's hold on ``groups`` becomes their backward's: they stay gathered, and the release that
+        ends their backward ends it."""
+        for g in groups:
+            g.hold_for_backward()
+        self._kept.extend(groups)
+
+    def to_backward(self) -> None:
+        """A backward started: what the forward kept is the backward's now (released as its gradients complete)."""
+        self._kept_taken, self._kept = self._kept, []
+
+    def drop(self, but: Sequence[FlatParamGroup] = ()) -> None:
+        """Give back what a forward kept for a backward that has not taken it (except ``but``)."""
+        kept = [g for g in self._kept if all(g is not b for b in but)]
+        self._kept = [g for g in self._kept if any(g is b for b in but)]
+        for g in kept:
+            if g.drop_backward_hold():
+                self.release([g])
+
+    def reached(self, groups: Sequence[FlatParamGroup]) -> None:
+        """The backward reached a module that uses ``groups``: kept ones among them are in use, no longer ahead."""
+        if self._kept_taken:
+            self._kept_taken = [g for g in self._kept_taken if all(g is not r for r in groups)]
+
+    def kept_bytes(self) -> int:
+        """Bytes kept for a backward that has not reached them yet: they fill the prefetch window as gathers ahead
+        do, so that the parameters gathered at once stay within what the window allows."""
+        if self.config.reshard_after_forward == "never":
+            return 0  # everything is kept by request: counting it would turn the forward's prefetch off
+        self._kept_taken = [g for g in self._kept_taken if g.backward_held]
+        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
 
     def at(self, position: int, groups: Sequence[FlatParamGroup]) -> list[FlatParamGroup]:
         """Of ``groups`` (held by the forward call at trace ``position``), the ones to keep gathered now."""

@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from zinf.host_memory import HostMemory
-from zinf.runtime.comm import Comm
-from zinf.runtime.staging import mark_device
-from zinf.runtime.streams import BufferFence, InFlight, Streams, region, streams_for
-from zinf.report import StepTimers
+from zinf.device_memory import mark_device
+from zinf.runtime import collectives
+from zinf.runtime.context import RunContext
+from zinf.runtime.streams import BufferFence, InFlight
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -36,32 +35,33 @@ _MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
-    def __init__(self, comm: Comm, bucket_bytes: int, timers: StepTimers,
-                 on_complete: Callable[["FlatParamGroup"], None] | None = None, host: HostMemory | None = None) -> None:
-        self.comm = comm
-        self.host = host if host is not None else HostMemory()  # told of every flat gradient allocated and freed
+    def __init__(self, ctx: RunContext, bucket_bytes: int,
+                 on_complete: Callable[["FlatParamGroup"], None] | None = None) -> None:
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.host = ctx.host  # told of every flat gradient allocated and freed
         self._counted: dict[FlatParamGroup, int] = {}  # groups whose flat gradient ``host`` counts, its bytes
         self.on_complete = on_complete  # told when a group's gradient shard is complete (an early optimizer step)
         self.bucket_bytes = bucket_bytes
-        self.timers = timers
+        self.timers = ctx.timers
         self._bucket: list[tuple[FlatParamGroup, torch.Tensor]] = []
         self._bucket_bytes = 0
         # (the reduce-scatter, holding its input and output until compute waited for it,
         #  [(group, its slice of the output)])
         self._in_flight: list[tuple[InFlight, list[tuple[FlatParamGroup, torch.Tensor]]]] = []
-        self._copies_out: list[tuple[Streams, BufferFence]] = []  # gradient slices on their way to host memory
+        self._copies_out: list[BufferFence] = []  # gradient slices on their way to host memory
 
     def accumulate(self, group: FlatParamGroup, param: torch.nn.Parameter, grad: torch.Tensor,
                    reduce_dtype: torch.dtype) -> bool:
-        """Add one parameter's gradient into ``group``'s flat gradient (``FlatParamGroup.add_grad``); True once
+        """Add one parameter's gradient into ``group``'s flat gradient (``FlatGrad.add``); True once
         every one has arrived. The flat gradient's bytes count as the engine's from its first gradient on."""
-        complete = group.add_grad(param, grad, reduce_dtype)
-        self._count(group, group.grad_buffer_bytes)
+        complete = group.grad_in.add(group.index_of(param), grad, reduce_dtype, group.grad)
+        self._count(group, group.grad_in.nbytes)
         return complete
 
     def forget(self, group: FlatParamGroup) -> None:
         """``group``'s partial gradients are dropped (a backward that raised)."""
-        group.take_grad_full()
+        group.grad_in.take(torch.float32, group.grad.off_device)
         self._uncount(group)
 
     def _count(self, group: FlatParamGroup, nbytes: int) -> None:
@@ -76,8 +76,8 @@ class GradReducer:
     def reduce(self, group: FlatParamGroup, reduce_dtype: torch.dtype = torch.float32) -> None:
         """Reduce-scatter ``group``'s flat gradient. With several ranks, only in the order every rank agreed
         on (see [Note: rounds] in zinf/schedule/rounds.py)."""
-        full = group.take_grad_full(reduce_dtype)
-        if full is None:  # one rank: accumulated in place (FlatParamGroup.add_grad)
+        full = group.grad_in.take(reduce_dtype, group.grad.off_device)
+        if full is None:  # one rank: accumulated in place (FlatGrad.add)
             self._complete(group)
             return
         nbytes = full.numel() * full.element_size()
@@ -114,12 +114,9 @@ class GradReducer:
             keep = (full,)
         mark_device(out, keep[0])
         label = items[0][0].name if len(items) == 1 else f"{len(items)} groups"
-        streams = streams_for(out.device)
-        with self.timers.time("reduce_scatter"), region("reduce_scatter", label):
-            streams.reduce_scatter.wait_stream(streams.current())  # the gradients, and `out` allocated on compute
-            with streams.use(streams.reduce_scatter):
-                work = self.comm.reduce_scatter_sum(out, keep[0].view(-1), async_op=True)
-        self._in_flight.append((InFlight(streams, streams.reduce_scatter, work, keep + (out,)), slices))
+        with self.timers.time("reduce_scatter"):
+            work = collectives.reduce_scatter(self.ctx, out, keep[0], label)
+        self._in_flight.append((work, slices))
         while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._drain_one()
 
@@ -129,9 +126,9 @@ class GradReducer:
             done = work.join()  # compute waits for the reduce-scatter; its input gradient may then be freed
         self._let_go()
         for group, part in slices:
-            copy = group.grad.add_reduced(part, self.comm.world, done)
+            copy = group.grad.add_reduced(part, self.comm.world, done, self.ctx.streams)
             if copy is not None:
-                self._copies_out.append((work.streams, copy))
+                self._copies_out.append(copy)
             self._complete(group)
         del work, done  # the full gradients it held are freed now
         for group, _ in slices:
@@ -146,6 +143,6 @@ class GradReducer:
         """The compute stream waits for the copies off the device issued so far, then the device tensors they read
         are let go (rule 2 of [Note: streams])."""
         while self._copies_out:
-            streams, copy = self._copies_out.pop(0)
-            copy.make_wait(streams.current())
+            copy = self._copies_out.pop(0)
+            copy.make_wait(self.ctx.streams.current())
             copy.release()

@@ -40,9 +40,8 @@ from typing import Any, Sequence
 import torch
 
 from zinf.errors import CollectiveMismatchError, ZinfError
-from zinf.runtime.comm import Comm
+from zinf.runtime.context import RunContext
 from zinf.param.flat_group import FlatParamGroup
-from zinf.report import StepTimers
 from zinf.schedule.reduce import GradReducer
 
 __all__ = ["Post", "Rounds", "RoundResult"]
@@ -75,12 +74,12 @@ class RoundResult:
 
 
 class Rounds:
-    def __init__(self, comm: Comm, groups: Sequence[FlatParamGroup], reducer: GradReducer, timers: StepTimers,
+    def __init__(self, ctx: RunContext, groups: Sequence[FlatParamGroup], reducer: GradReducer,
                  reduce_dtype: torch.dtype, strict: bool) -> None:
-        self.comm = comm
+        self.comm = ctx.comm
         self.groups = list(groups)
         self.reducer = reducer
-        self.timers = timers
+        self.timers = ctx.timers
         self.reduce_dtype = reduce_dtype
         self.strict = strict
         self._id = {id(g): i for i, g in enumerate(self.groups)}
@@ -97,7 +96,7 @@ class Rounds:
 
     def ready(self, group: FlatParamGroup) -> None:
         """This rank's gradients of ``group`` are complete for now: announce it in the next round."""
-        if group.report_ready():
+        if group.grad_in.report_ready():
             self._ready_local.append(self._id[id(group)])
 
     def forget_backward(self) -> None:
@@ -113,7 +112,7 @@ class Rounds:
     def post(self, post: Post, wanted: Sequence[FlatParamGroup] = (), flags: int = 0, label: str = "") -> RoundResult:
         """Run rounds until this rank has posted all of ``wanted`` (and its pending gradient announcements);
         apply what every rank asked for. For an END_* post, ``synced`` says whether every rank posted it."""
-        assert self._pending is None, "zinf: a deferred round must be settled before the next one"
+        assert self._pending is None, "zinf: a deferred round must be applied before the next one"
         gather_ids = [self._id[id(g)] for g in wanted]
         result = RoundResult()
         seen: set[int] = set()
@@ -126,9 +125,9 @@ class Rounds:
                 return result
 
     def post_deferred(self, wanted: Sequence[FlatParamGroup], label: str) -> bool:
-        """Post a WORK round (prefetch) without waiting for it: ``settle`` applies it before anything else is
+        """Post a WORK round (prefetch) without waiting for it: ``apply_pending`` applies it before anything else is
         issued. False if it does not fit one message (then use ``post_work``)."""
-        assert self._pending is None, "zinf: a deferred round must be settled before the next one"
+        assert self._pending is None, "zinf: a deferred round must be applied before the next one"
         if len(wanted) > _SLOTS:
             return False
         ids = [self._id[id(g)] for g in wanted]
@@ -141,7 +140,7 @@ class Rounds:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def settle(self) -> tuple[list[FlatParamGroup], list[FlatParamGroup]]:
+    def apply_pending(self) -> tuple[list[FlatParamGroup], list[FlatParamGroup]]:
         """Wait for the deferred round and apply it: (the gathers every rank starts now, this rank's own)."""
         assert self._pending is not None
         out, work, label, wanted = self._pending

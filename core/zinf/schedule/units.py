@@ -25,6 +25,21 @@ for one gather: a Llama-7B decoder layer is larger than its embedding, so it sta
 block inside or around a configured unit is left to the configuration. Gathering a block at once keeps one
 block's full parameters in memory instead of one module's, as FSDP2 does: ``unit_policy="modules"`` is the
 setting for the smallest footprint.
+
+[Note: units]
+A module listed in ``unit_modules`` (or adopted by ``divergence="auto"``) is gathered as one unit: its
+pre-hook (and its backward) gathers every group of its subtree at once, so whichever submodules run
+inside it (mixture-of-experts routing), every rank issues the same gathers. Modules inside a unit are
+left out of the traces: the order inside a unit may change from step to step without invalidating
+prefetch. Units chosen when the engine is built (``unit_modules``, and the model's blocks with
+``unit_policy="blocks"``: [Note: blocks as units]) carry the only hooks of their subtree
+(zinf/schedule/hooks.py): the modules inside have none, so a block costs one pre-hook, one post-hook and one
+backward announcement, not one per module. A parameter a module inside uses from outside the unit is gathered
+with the unit (``ModuleHooks.on_external`` sees the unit as the running module). With ``divergence="auto"``,
+when ranks disagreed on gathers during a forward pass, the ranks compare which modules each called
+(:class:`UnitAdoption`); for each module called on some ranks only, its nearest ancestor that every rank called
+(the same number of times) becomes a unit, logged, from the next pass on. The root never becomes a unit (that
+would gather the whole model): such divergence stays served round by round, which is exact too.
 """
 
 from __future__ import annotations
@@ -33,15 +48,18 @@ import fnmatch
 import logging
 from typing import Callable
 
+import torch
 from torch import nn
 
 from zinf.config import ZeroConfig
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.registry import groups_of
+from zinf.runtime.comm import Comm
+from zinf.schedule.pass_state import ModuleState
 from zinf.tiling import TiledLinear
 from zinf.units import format_bytes
 
-__all__ = ["choose_units", "is_called"]
+__all__ = ["choose_units", "is_called", "make_unit", "UnitAdoption"]
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +142,70 @@ def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, st
         log.info("zinf: %d block(s) (%s: %s) %s", len(blocks), "/".join(kinds), shown, why)
     order = {id(m): i for i, m in enumerate(names)}
     return sorted(chosen, key=lambda m: order[id(m)])
+
+
+def make_unit(states: dict[nn.Module, ModuleState], module: nn.Module) -> None:
+    """Gather ``module`` as one unit from now on (see [Note: units])."""
+    states[module].become_unit(groups_of(module.parameters()))
+    for sub in module.modules():
+        if sub is not module:
+            states[sub].enclose()
+
+
+class UnitAdoption:
+    """With ``divergence="auto"``: the forward calls of each module in the running pass, and the units adopted from
+    them once the ranks diverged (see [Note: units])."""
+
+    def __init__(self, model: nn.Module, states: dict[nn.Module, ModuleState], comm: Comm) -> None:
+        self.model = model
+        self.states = states
+        self.comm = comm
+        self.parent: dict[nn.Module, nn.Module] = {}
+        for module in states:
+            for child in module.children():
+                self.parent.setdefault(child, module)
+        self._refused: set[str] = set()  # modules logged as left to rounds (their nearest common caller is the root)
+
+    def new_pass(self) -> None:
+        for state in self.states.values():
+            state.new_pass()
+
+    def adopt(self) -> bool:
+        """The ranks' gathers diverged in this forward pass: make units of what they called differently (collective:
+        every rank calls it at the same point). True if any unit was adopted."""
+        # on the host: see [Note: host-side agreement] in zinf/runtime/comm.py
+        calls = [0] * len(self.states)  # forward calls per module in this pass, by module index
+        for state in self.states.values():
+            calls[state.index] = state.calls
+        counts = torch.tensor(calls, dtype=torch.int64)
+        low, high = counts.clone(), counts.clone()
+        self.comm.host_all_reduce(low, op="min")
+        self.comm.host_all_reduce(high, op="max")
+        varies = {m for m, s in self.states.items() if int(low[s.index]) != int(high[s.index])}
+        adopted: dict[nn.Module, list[str]] = {}
+        for start in varies:
+            if not self.states[start].groups and self.states[start].unit is None:
+                continue  # neither holds parameters nor gathers a subtree
+            module: nn.Module | None = start
+            while module is not None and (module in varies or not is_called(module)
+                                          or int(high[self.states[module].index]) == 0):
+                module = self.parent.get(module)
+            if module is None or module is self.model:
+                name = self.states[start].name
+                if name not in self._refused:
+                    self._refused.add(name)
+                    log.info("zinf: %s runs on some ranks only and the nearest module every rank calls is the root, "
+                             "which is not gathered as one unit: its gathers stay agreed round by round (exact, one "
+                             "small exchange each)", name)
+                continue
+            state = self.states[module]
+            if state.unit is None and not state.inside_unit:
+                adopted.setdefault(module, []).append(self.states[start].name)
+        for module in sorted(adopted, key=lambda m: self.states[m].index):
+            if self.states[module].inside_unit:  # an ancestor adopted in this same pass covers it
+                continue
+            make_unit(self.states, module)
+            log.info("zinf: %s (%s) runs different submodules on different ranks (%s); gathering and reducing it "
+                     "as one unit from now on (set unit_modules to choose units yourself)",
+                     self.states[module].name, type(module).__name__, ", ".join(sorted(adopted[module])[:4]))
+        return bool(adopted)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from zinf.config import LossScaleConfig
+from zinf.config_sections import LossScaleConfig
 from zinf.runtime.comm import Comm
 from zinf.param.flat_group import FlatParamGroup
 

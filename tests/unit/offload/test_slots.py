@@ -1,4 +1,4 @@
-"""The NVMe parameter store's slot state machine (see [Note: NVMe parameter slots] in zinf/offload/param_store.py):
+"""The NVMe parameter store's slot state machine (see [Note: NVMe parameter slots] in zinf/offload/nvme_param_store.py):
 each verb moves a slot between the states the note names and refuses the moves it does not allow, and the store
 drives slots through them with the eviction order of the note. The fence of a buffer's copy to the device is
 waited for before the buffer goes back to the pool or is staged again; here a stand-in event records when (on
@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-import zinf.offload.param_store as param_store
-from zinf.runtime.streams import BufferFence
-from zinf.offload.param_store import NvmeShardStore, SlotState, _Slot
+import zinf.offload.nvme_param_store as nvme_param_store
+from zinf.runtime.streams import BufferFence, Streams
+from zinf.offload.nvme_param_store import NvmeShardStore
+from zinf.offload.nvme_slots import Slot, SlotState
 from zinf.offload.pool_room import PoolRoom
 from zinf.offload.swap import Record
 
@@ -49,7 +50,7 @@ def _buf() -> torch.Tensor:
 
 def test_read_gather_keep_consume() -> None:
     log: list[tuple[str, Any]] = []
-    slot = _Slot.reading(_buf(), handle=7)
+    slot = Slot.reading(_buf(), handle=7)
     assert (slot.state, slot.read, slot.write, slot.used, slot.idle) == (S.READING, 7, None, 0, True)
     slot.read_done()
     assert (slot.state, slot.read) == (S.FILLED, None)
@@ -68,7 +69,7 @@ def test_read_gather_keep_consume() -> None:
 
 def test_stage_commit_write() -> None:
     log: list[tuple[str, Any]] = []
-    slot = _Slot.staging(_buf())
+    slot = Slot.staging(_buf())
     assert (slot.state, slot.staged, slot.idle) == (S.STAGED, True, False)
     slot.commit()
     assert slot.state is S.FILLED
@@ -122,13 +123,13 @@ def test_moves_that_are_not_allowed(state: SlotState) -> None:
             assert slot.state is state, f"a refused {verb} must leave the slot as it was"
 
 
-def _to(state: SlotState, log: list[tuple[str, Any]]) -> _Slot:
+def _to(state: SlotState, log: list[tuple[str, Any]]) -> Slot:
     """A slot in ``state``, reached through the verbs only."""
     if state is S.READING:
-        return _Slot.reading(_buf(), 1)
+        return Slot.reading(_buf(), 1)
     if state is S.STAGED:
-        return _Slot.staging(_buf())
-    slot = _Slot.reading(_buf(), 1)
+        return Slot.staging(_buf())
+    slot = Slot.reading(_buf(), 1)
     slot.read_done()
     if state is S.FILLED:
         return slot
@@ -148,7 +149,7 @@ def test_an_unrecorded_copy_fence_is_caught_on_cpu() -> None:
 
 
 def test_the_old_flags_are_gone() -> None:
-    slot = _Slot.staging(_buf())
+    slot = Slot.staging(_buf())
     with pytest.raises(AttributeError):
         slot.consumed = True  # type: ignore[attr-defined]  # the six flags are gone: __slots__ only
 
@@ -228,14 +229,14 @@ class _Group:
 def store(monkeypatch: pytest.MonkeyPatch) -> tuple[NvmeShardStore, list[_Group], list[tuple[str, Any]]]:
     log: list[tuple[str, Any]] = []
 
-    def copy_in(group: Any, host: torch.Tensor) -> tuple[torch.Tensor, BufferFence]:
+    def copy_in(streams: Any, group: Any, host: torch.Tensor) -> tuple[torch.Tensor, BufferFence]:
         log.append(("copy", group.name))
         return host, _fence(log, group.name)
 
-    monkeypatch.setattr(param_store, "_copy_in", copy_in)
+    monkeypatch.setattr(nvme_param_store, "copy_in", copy_in)
     groups = [_Group(f"layers.{i}") for i in range(4)]
     room = PoolRoom(_Pool(log))  # type: ignore[arg-type]
-    s = NvmeShardStore(groups, _Swap(log), room, reserve_bytes=0)  # type: ignore[arg-type]
+    s = NvmeShardStore(groups, _Swap(log), room, reserve_bytes=0, streams=Streams(torch.device("cpu")))  # type: ignore[arg-type]
     return s, groups, log
 
 

@@ -1,4 +1,7 @@
-"""One collective for the gathers of one round.
+"""The data collectives and their stream choreography: a group's all-gather, a round's batch of them, serving another
+rank's gather, the fp32 master gather and the gradients' reduce-scatter. Callers decide when; this file decides how
+(which stream, what waits for what, what is kept alive until compute has waited; see [Note: streams] in
+zinf/runtime/streams.py). Every all-gather and reduce-scatter of tensors in zinf is issued here.
 
 [Note: one collective per round]
 With several ranks, every gather is started from a round's union (see [Note: rounds] in
@@ -31,9 +34,59 @@ from typing import Any
 import torch
 
 from zinf.runtime.comm import Comm
+from zinf.runtime.context import RunContext
 from zinf.runtime.streams import InFlight, SharedWork, Streams
+from zinf.runtime.logs import region
 
-__all__ = ["BatchWork", "GatherBatch"]
+__all__ = ["BatchWork", "GatherBatch", "all_gather", "all_gather_now", "reduce_scatter", "serve_all_gather"]
+
+
+def all_gather(ctx: RunContext, out: torch.Tensor, shard: torch.Tensor, name: str,
+               batch: "GatherBatch | None" = None) -> InFlight:
+    """Gather every rank's ``shard`` into ``out`` (rank-major), issued on the all_gather stream once it has waited for
+    compute (``out`` was allocated there; rule 1 of [Note: streams]); with a ``batch``, as a part of the round's one
+    collective. Returns the work to join before ``out`` is read, holding both tensors until then. ``out is shard``
+    (one rank reading a narrow shard as it is) moves nothing but orders the same."""
+    if batch is not None and out is not shard:
+        return batch.start(out, shard, (shard, out))
+    streams = ctx.streams
+    with region("all_gather", name):
+        return streams.issue(streams.all_gather,
+                             lambda: None if out is shard else ctx.comm.all_gather_into(out, shard, async_op=True),
+                             (shard, out))
+
+
+def serve_all_gather(ctx: RunContext, scratch: torch.Tensor, mine: torch.Tensor, name: str,
+                     batch: "GatherBatch | None" = None) -> None:
+    """Take part in another rank's gather with this rank's slice ``mine``; ``scratch`` (allocated on compute) receives
+    what this rank does not need. With a ``batch`` the round's collective carries it (the batch holds both until it
+    is joined); alone, the gather runs now and compute waits for it before the scratch is dropped."""
+    streams = ctx.streams
+    with region("all_gather", name):
+        if batch is not None:
+            batch.serve(scratch, mine)
+            return
+        def launch() -> None:  # the host waits for it; compute then waits before the scratch is dropped
+            ctx.comm.all_gather_into(scratch, mine, async_op=False)
+
+        streams.issue(streams.all_gather, launch, (scratch,)).join()
+
+
+def all_gather_now(comm: Comm, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``local`` into ``out`` (rank-major), the host waiting: the fp32 master gathers of checkpoints,
+    exports and regrouping, which run outside any pass, and the planner's measurement of the collective."""
+    comm.all_gather_into(out, local.to(out.device), async_op=False)
+    return out
+
+
+def reduce_scatter(ctx: RunContext, out: torch.Tensor, full: torch.Tensor, name: str) -> InFlight:
+    """This rank's slice of the sum over ranks of ``full`` into ``out``, issued on the reduce_scatter stream once it
+    has waited for compute (the gradients in ``full`` and ``out`` were made there). The returned work holds both until
+    compute has waited for it."""
+    streams = ctx.streams
+    with region("reduce_scatter", name):
+        return streams.issue(streams.reduce_scatter,
+                             lambda: ctx.comm.reduce_scatter_sum(out, full.view(-1), async_op=True), (full, out))
 
 
 class BatchWork(SharedWork):
@@ -94,9 +147,12 @@ class GatherBatch:
         if not self._outs:
             self.work.issued(None)
             return None
-        self.streams.all_gather.wait_stream(self.streams.current())  # every buffer was allocated on compute
-        with self.streams.use(self.streams.all_gather):
-            self.work.issued(self.comm.all_gather_coalesced(self._outs, self._shards))
-        self._outs, self._shards = [], []
-        served, self._served = tuple(self._served), []
-        return InFlight(self.streams, self.streams.all_gather, self.work, served) if served else None
+        outs, shards, served = self._outs, self._shards, tuple(self._served)
+        self._outs, self._shards, self._served = [], [], []
+
+        def launch() -> BatchWork:  # every buffer was allocated on compute, which the stream waits for first
+            self.work.issued(self.comm.all_gather_coalesced(outs, shards))
+            return self.work
+
+        held = self.streams.issue(self.streams.all_gather, launch, served)
+        return held if served else None

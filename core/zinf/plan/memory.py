@@ -1,0 +1,106 @@
+"""Bytes of one placement's model states per tier, of the pinned pool its offload needs, and of its swap files.
+
+Everything is per rank. ``Ps`` is this rank's shard numel summed over the groups (each group padded to a
+multiple of the world size), ``pb`` the compute dtype's bytes (4 for fp32, 2 for bf16/fp16). A frozen group (no
+parameter requires a gradient) costs its shard alone, at ``pb``: no master, gradient or optimizer state, no
+optimizer sub-group or record, never rewritten or reduce-scattered (see [Note: frozen groups] in
+zinf/param/master.py); the rest below counts the trainable groups' shards.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from zinf.config import PRECISIONS
+from zinf.config_sections import TIERS
+from zinf.offload.pool_room import block_bytes
+from zinf.offload.subgroups import ALIGN_NUMEL
+from zinf.offload.swap import TRAILER_BYTES, align_up
+from zinf.plan.model import ModelSpec
+from zinf.plan.placements import PlanPlacement
+
+__all__ = ["record_span", "trained_shards", "pool_need", "choose_pool", "state_bytes", "disk_bytes"]
+
+
+def record_span(nbytes: int) -> int:
+    return align_up(nbytes + TRAILER_BYTES)
+
+
+def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
+    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)  # as plan_subgroups
+    out = []
+    for n in shards:
+        out += [min(size, n - lo) for lo in range(0, n, size)]
+    return out
+
+
+def trained_shards(spec: ModelSpec, shards: Sequence[int]) -> list[int]:
+    """The shards of the groups that train (frozen groups have no optimizer state, gradient or update)."""
+    return [n for n, g in zip(shards, spec.groups) if g.trainable]
+
+
+def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
+    """What Placement._check_pool requires of offload.pinned_pool_bytes."""
+    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    trained = trained_shards(spec, shards)
+    pipeline = largest = 0
+    if pl.optimizer == "nvme" and trained:
+        per = 4 if pl.grads == "nvme" else 3
+        pipeline = 3 * per * block_bytes(max(record_span(n * 4) for n in _subgroup_numels(trained, sub_group_numel)))
+    if pl.params == "nvme":
+        largest = block_bytes(max(record_span(n * pb) for n in shards))
+    return pipeline + 4 * largest
+
+
+def choose_pool(need: int, param_span_bytes: int) -> int:
+    """The pool the planner recommends: what the checks need, half again for read-ahead, and room to keep the
+    parameter shards cached (up to 1 GiB), in 64 MiB steps, at least the engine's 256 MiB."""
+    want = int(need * 1.5) + min(param_span_bytes, 1 << 30)
+    return max(256 << 20, align_up(want, 64 << 20))
+
+
+def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, machine_device: str,
+                pool_bytes: int) -> dict[str, dict[str, int]]:
+    """Bytes per tier and kind as ``engine.resident_bytes()`` reports them at their peak (gradient shards on
+    NVMe counted while they are there)."""
+    shards = spec.shard_numels(world)
+    ps, pb = sum(shards), PRECISIONS[precision].itemsize
+    trainable = sum(trained_shards(spec, shards))
+    frozen = ps - trainable  # their shards alone
+    out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+
+    def add(tier: str, kind: str, n: int) -> None:
+        if n:
+            out[tier][kind] = out[tier].get(kind, 0) + n
+
+    # fp32 with a device optimizer: a trainable group's shard is its master
+    shared = pb == 4 and pl.optimizer == "device"
+    if pl.params == "nvme":
+        add("nvme", "param_shards", sum(record_span(n * pb) for n in shards))
+    elif shared and (pl.params == "device" or machine_device == "cpu"):
+        # the trainable shards are the masters' own tensors (the CPU store's too, without CUDA): counted below
+        add(pl.params, "param_shards", frozen * pb)
+    else:
+        add(pl.params, "param_shards", ps * pb)
+    if pl.optimizer == "device":
+        add("device", "param_shards" if shared and pl.params == "device" else "master", trainable * 4)
+        add("device", "optimizer_state", trainable * 8)
+        add("device", "grad_shards", trainable * 4)
+    else:
+        # fp32 shards in host memory are the CPU-Adam's masters ([Note: one fp32 master on the host])
+        host_master = pb == 4 and pl.optimizer == "cpu" and (pl.params == "cpu" or (pl.params == "device"
+                                                                                    and machine_device == "cpu"))
+        add(pl.optimizer, "optimizer_state", trainable * (8 if host_master else 12))
+        add(pl.grads, "grad_shards", trainable * 4)
+    if "nvme" in (pl.params, pl.optimizer):
+        add("cpu", "pinned_pool", pool_bytes)
+    return out
+
+
+def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
+    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    total = sum(record_span(n * pb) for n in shards) if pl.params == "nvme" else 0
+    if pl.optimizer == "nvme":
+        per = 4 if pl.grads == "nvme" else 3
+        total += per * sum(record_span(n * 4) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel))
+    return total
