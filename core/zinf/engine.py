@@ -231,7 +231,7 @@ class ZeroInfinityEngine:
         """Wait for background work (an offloaded optimizer step, parameter shard writes) to finish;
         raises what it raised. Needed only before touching offload files from outside."""
         if self.optimizer is not None:
-            self.optimizer.settle()
+            self.optimizer.quiesce()
         self.placement.flush()
 
     def zero_grad(self) -> None:

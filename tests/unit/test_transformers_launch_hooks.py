@@ -53,8 +53,10 @@ import zinf
 from zinf.integrations import trainer as hooks
 
 assert "transformers.trainer" not in sys.modules
+zinf.integrations.activate()  # as zinf launch does before the script runs
 from transformers import Seq2SeqTrainer, Trainer
 
+assert hooks._originals, "importing transformers' Trainer after activate() wraps it"
 assert hooks.install()  # a second install (a launcher's, say) wraps nothing again
 for name in hooks._WRAPPED:
     assert getattr(Trainer, name).__module__ == "zinf.integrations.trainer", name
@@ -66,7 +68,7 @@ print("wrapped", len(hooks._WRAPPED))
 
 @pytest.mark.slow
 def test_trainer_methods_are_wrapped_once_when_transformers_trainer_is_imported() -> None:
-    """zinf imported first (as ``zinf launch`` does): importing transformers' Trainer wraps
+    """zinf's integrations activated first (as ``zinf launch`` does): importing transformers' Trainer wraps
     its save and load steps once, for its subclasses too, the originals kept (zinf/integrations/trainer.py)."""
     proc = processes.run([sys.executable, "-c", _TRAINER_SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -95,7 +95,7 @@ class InPlaceRecord:
     cache: a model read twice a step would otherwise fill the host's memory with cache and its reclaim) needs
     block-aligned file offsets and buffer addresses. So each extent is read as the blocks that cover it, to a
     block-aligned place of the buffer at or above where its bytes belong (``_Read.at``), and moved down into place
-    when the reads are done (``settle``), in shard order: every move goes down, and never over bytes not moved yet.
+    when the reads are done (``compact``), in shard order: every move goes down, and never over bytes not moved yet.
     The buffer (``span``) is the shard plus at most two blocks an extent.
     """
 
@@ -155,11 +155,11 @@ class InPlaceRecord:
     # -- reads -------------------------------------------------------------------------------------
     def submit(self, aio: Any, buf: torch.Tensor) -> list[int]:
         """Start reading into ``buf`` (uint8, block-aligned, ``span`` bytes): one request per extent. The shard is
-        in place once every request is waited for and ``settle`` has run."""
+        in place once every request is waited for and ``compact`` has run."""
         assert buf.numel() >= self.span and buf.data_ptr() % _ALIGN == 0, (buf.numel(), self.span, buf.data_ptr())
         return [aio.submit_read(buf[r.at : r.at + r.nbytes], r.path, r.offset) for r in self.reads]
 
-    def settle(self, buf: torch.Tensor) -> None:
+    def compact(self, buf: torch.Tensor) -> None:
         """After the reads: each extent's bytes moved down to where the shard has them, the gaps zeroed."""
         base = buf.data_ptr()
         for r, e in zip(self.reads, self.extents):
@@ -171,7 +171,7 @@ class InPlaceRecord:
 
     def finish(self, aio: Any, handles: list[int], buf: torch.Tensor) -> None:
         """Wait for the requests ``submit`` started (every one, even after one failed: the buffer goes back) and
-        settle the shard in ``buf``; a failed request is reported as the checkpoint's change."""
+        compact the shard in ``buf``; a failed request is reported as the checkpoint's change."""
         failed: BaseException | None = None
         for h in handles:
             try:
@@ -180,11 +180,11 @@ class InPlaceRecord:
                 failed = failed or exc
         if failed is not None:
             raise self.changed(getattr(failed, "path", self.path), why_read_failed(failed)) from failed
-        self.settle(buf)
+        self.compact(buf)
 
     def read_with(self, aio: Any, buf: torch.Tensor) -> None:
         """Read the shard into ``buf`` (uint8, block-aligned, ``span`` bytes) now, every extent in flight at once,
-        and settle it (not checked: ``check`` does that)."""
+        and compact it (not checked: ``check`` does that)."""
         self.finish(aio, self.submit(aio, buf), buf)
 
     def check(self, buf: torch.Tensor) -> None:

@@ -208,7 +208,7 @@ class NvmeShardStore:
                 return self._data(group, slot.buf)
             if slot is not None:
                 assert slot.idle, f"{group.name}: its shard is updated while a gather uses it"
-                self._settle(key, slot)
+                self._finish_io(key, slot)
                 self._slots[key] = self._slots.pop(key)  # most recently filled: last
                 slot.stage()  # waits for its last copy to the device
                 return self._data(group, slot.buf)
@@ -242,7 +242,7 @@ class NvmeShardStore:
         slot.read_done()
         self.swap.verify(rec, slot.buf)
 
-    def _settle(self, key: int, slot: Slot) -> None:
+    def _finish_io(self, key: int, slot: Slot) -> None:
         """Finish the I/O in flight on ``slot``."""
         if slot.read is not None:
             self._finish_read(key, slot)
@@ -254,7 +254,7 @@ class NvmeShardStore:
     def _drop(self, key: int) -> None:
         slot = self._slots.pop(key)
         assert slot.idle
-        self._settle(key, slot)
+        self._finish_io(key, slot)
         self.pool.release(slot.release())  # after its last copy to the device has read it
 
     def _reap(self) -> None:

@@ -82,7 +82,7 @@ class Slot:
         self.state, self.used = (SlotState.KEPT if keep else SlotState.CONSUMED), clock
 
     def stage(self) -> None:
-        """The optimizer writes the updated shard into the buffer (an idle slot whose I/O the store settled)
+        """The optimizer writes the updated shard into the buffer (an idle slot whose I/O the store finished)
         -> STAGED, as newly filled. Waits for the last device copy to have read the buffer."""
         assert self.idle and self.read is None and self.write is None, f"stage from {self.state}"
         self._wait_copied()
@@ -104,7 +104,7 @@ class Slot:
         self.write = None
 
     def release(self) -> torch.Tensor:
-        """The buffer, to go back to the pool: the slot is idle and its I/O settled. Waits for the last
+        """The buffer, to go back to the pool: the slot is idle and its I/O finished. Waits for the last
         device copy to have read it (the pool hands it to the next read at once)."""
         assert self.idle and self.read is None and self.write is None, f"release from {self.state}"
         self._wait_copied()

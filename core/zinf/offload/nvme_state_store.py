@@ -271,7 +271,7 @@ class NvmeStateStore(StateStore):
         """Free pool room this store holds without need: trailing writes first, then read-ahead."""
         return self._retire_oldest() or self._drop_preread()
 
-    def settle(self) -> None:
+    def quiesce(self) -> None:
         """Give back the states read ahead: afterwards the files alone hold the optimizer's state."""
         self._idle.wait()
         while self._drop_preread():

@@ -131,5 +131,5 @@ class CpuStateStore(StateStore):
                 if mine.data_ptr() != given.data_ptr():  # a shared master handed over as itself
                     mine.copy_(given)
 
-    def settle(self) -> None:
+    def quiesce(self) -> None:
         return None

@@ -305,7 +305,7 @@ class SwapSpace:
             raise OffloadFileError(f"zinf offload: I/O on {rec.path} failed at offset {rec.offset}: {exc}") from exc
 
     def _wait_in_place(self, handle: int, rec: InPlaceRecord) -> None:
-        """Wait for every extent of a frozen shard's read and settle the shard in its buffer."""
+        """Wait for every extent of a frozen shard's read and compact the shard in its buffer."""
         _, nbytes = self._kind.pop(handle, ("nvme_read", 0))
         self.bytes_read += nbytes
         handles, buf = self._in_place.pop(handle)

@@ -229,11 +229,11 @@ class OffloadedAdam(OffloadedAdamState):
         if self.stash is not None:
             self.stash.flush()
 
-    def settle(self) -> None:
+    def quiesce(self) -> None:
         self.wait()
         if self.early is not None:
             self.early.join()
-        self.states.settle()
+        self.states.quiesce()
 
     def _background(self) -> None:
         self.states.on_background_thread()

@@ -48,12 +48,12 @@ class ShardOptimizer(Protocol):
         """The gradients are dropped without a step (a skipped step, ``zero_grad``): undo what was begun from them."""
         ...
 
-    def settle(self) -> None:
+    def quiesce(self) -> None:
         """Wait for the step in flight and give back what was read ahead: the state's home alone holds it."""
         ...
 
     def close(self) -> None:
-        """Settle, then let go of any worker thread (the engine is closed)."""
+        """Quiesce, then let go of any worker thread (the engine is closed)."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

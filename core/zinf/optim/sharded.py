@@ -130,7 +130,7 @@ class ShardedOptimizer:
     def drop_gradients(self) -> None:
         return None
 
-    def settle(self) -> None:
+    def quiesce(self) -> None:
         return None
 
     def close(self) -> None:

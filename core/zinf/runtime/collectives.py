@@ -130,11 +130,11 @@ class GatherBatch:
     def __len__(self) -> int:
         return len(self._outs)
 
-    def start(self, out: torch.Tensor, shard: torch.Tensor, keep: tuple[torch.Tensor, ...]) -> InFlight:
+    def start(self, out: torch.Tensor, shard: torch.Tensor, alive: tuple[torch.Tensor, ...]) -> InFlight:
         """Gather ``shard`` from every rank into ``out`` with the batch; the InFlight to join before reading it."""
         self._outs.append(out)
         self._shards.append(shard)
-        return InFlight(self.streams, self.streams.all_gather, self.work, keep)
+        return InFlight(self.streams, self.streams.all_gather, self.work, alive)
 
     def serve(self, scratch: torch.Tensor, mine: torch.Tensor) -> None:
         """Take part in another rank's gather with this rank's slice; ``scratch`` receives what is not needed."""

@@ -47,7 +47,7 @@ same two rules as FSDP2:
    when compute later drops them, any reuse of the block is ordered after the side stream's work.
 2. Keep alive until waited for. A tensor allocated on compute and read by a side stream (the
    full gradient read by the reduce-scatter, a device shard read by the all-gather) is passed to
-   :meth:`BufferFence.record` as ``keep``; the fence holds it until ``wait()``, ``release()`` or the
+   :meth:`BufferFence.record` as ``alive``; the fence holds it until ``wait()``, ``release()`` or the
    fence's own end, which the owner arranges to come after compute's ``make_wait``. Freeing is
    then deterministic (a Python reference drops) and costs no allocator bookkeeping.
 
@@ -142,7 +142,7 @@ class BufferFence:
     then either block the host (:meth:`wait`) or make a stream wait (:meth:`make_wait`) before the
     buffer is reused or read. See [Note: streams] for which fence gates what.
 
-    ``keep`` tensors given to :meth:`record` stay referenced until :meth:`wait`, :meth:`release` or the
+    ``alive`` tensors given to :meth:`record` stay referenced until :meth:`wait`, :meth:`release` or the
     fence's end (rule 2 of the note); with a :class:`NullEvent` (CPU) nothing is held.
     """
 
@@ -154,11 +154,11 @@ class BufferFence:
         self._held: list[torch.Tensor] = []
         self._recorded = False
 
-    def record(self, stream: Stream, *keep: torch.Tensor) -> "BufferFence":
-        """Mark the point reached by the work issued so far on ``stream``; hold ``keep`` until waited for."""
+    def record(self, stream: Stream, *alive: torch.Tensor) -> "BufferFence":
+        """Mark the point reached by the work issued so far on ``stream``; hold ``alive`` until waited for."""
         self._event.record(stream)
         if self._holds:
-            self._held.extend(keep)
+            self._held.extend(alive)
         self._recorded = True
         return self
 
@@ -219,18 +219,18 @@ class Streams:
         """A new, unrecorded fence for this device."""
         return BufferFence(torch.cuda.Event() if self.is_cuda else None)
 
-    def record(self, stream: Stream, *keep: torch.Tensor) -> BufferFence:
-        """A new fence recorded on ``stream`` now, holding ``keep`` (see :meth:`BufferFence.record`)."""
-        return self.fence().record(stream, *keep)
+    def record(self, stream: Stream, *alive: torch.Tensor) -> BufferFence:
+        """A new fence recorded on ``stream`` now, holding ``alive`` (see :meth:`BufferFence.record`)."""
+        return self.fence().record(stream, *alive)
 
-    def issue(self, stream: Stream, launch: Callable[[], Any], keep: tuple[torch.Tensor, ...] = ()) -> "InFlight":
+    def issue(self, stream: Stream, launch: Callable[[], Any], alive: tuple[torch.Tensor, ...] = ()) -> "InFlight":
         """Run ``launch`` (it issues a collective or a copy and returns its handle, or None) on ``stream`` once that
         stream has waited for compute (rule 1: what it reads or writes was allocated there); the returned
-        :class:`InFlight` holds ``keep`` until compute joins it (rule 2)."""
+        :class:`InFlight` holds ``alive`` until compute joins it (rule 2)."""
         stream.wait_stream(self.current())
         with self.use(stream):
             work = launch()
-        return InFlight(self, stream, work, keep)
+        return InFlight(self, stream, work, alive)
 
     def named(self) -> dict[str, Stream]:
         return {"copy_in": self.copy_in, "all_gather": self.all_gather,
@@ -266,33 +266,33 @@ class InFlight:
     """Work issued on a side stream (a collective, or a copy) until the compute stream has waited for it.
 
     ``work`` is the collective's handle, or None when nothing is left to wait for on the host's side (one
-    rank, a synchronous call). ``keep`` are the tensors the side stream reads or writes that compute
+    rank, a synchronous call). ``alive`` are the tensors the side stream reads or writes that compute
     allocated (the source shard, the output buffer): held until :meth:`join` (rule 2 of [Note: streams]).
     :meth:`join` calls ``work.wait()`` on the side stream (with NCCL a stream wait; with gloo the host waits,
-    as it always did on CPU), records a fence there, makes compute wait for it and then drops ``keep``.
+    as it always did on CPU), records a fence there, makes compute wait for it and then drops ``alive``.
     """
 
-    __slots__ = ("streams", "stream", "shared", "_work", "_keep")
+    __slots__ = ("streams", "stream", "shared", "_work", "_alive")
 
-    def __init__(self, streams: Streams, stream: Stream, work: Any, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(self, streams: Streams, stream: Stream, work: Any, alive: tuple[torch.Tensor, ...] = ()) -> None:
         self.streams = streams
         self.stream = stream
         self.shared = work if isinstance(work, SharedWork) else None  # joined once for every InFlight on it
         self._work = work
-        self._keep = keep
+        self._alive = alive
 
     def join(self) -> BufferFence:
         """Compute waits for the work (the host only where the backend blocks); returns the recorded fence,
         which other streams may still wait for (``make_wait``)."""
         shared = self._work if isinstance(self._work, SharedWork) else None
         if shared is not None and shared.joined is not None:  # compute waited for the shared collective already
-            self._work, self._keep = None, ()
+            self._work, self._alive = None, ()
             return shared.joined
         with self.streams.use(self.stream):
             if self._work is not None:
                 self._work.wait()
-            fence = self.streams.record(self.stream, *self._keep)
-        self._work, self._keep = None, ()
+            fence = self.streams.record(self.stream, *self._alive)
+        self._work, self._alive = None, ()
         fence.make_wait(self.streams.current())
         fence.release()  # compute now comes after the side stream's work: its blocks may be reused
         if shared is not None:

@@ -101,7 +101,7 @@ class GradReducer:
         if len(items) == 1:
             group, full = items[0]
             out = torch.empty(group.shard_numel, dtype=full.dtype, device=full.device)
-            slices, keep = [(group, out)], (full,)
+            slices, source = [(group, out)], full
         else:
             total = sum(g.shard_numel for g, _ in items)
             full = torch.empty(world, total, dtype=items[0][1].dtype, device=items[0][1].device)
@@ -111,11 +111,11 @@ class GradReducer:
                 full[:, offset : offset + group.shard_numel].copy_(gfull.view(world, group.shard_numel))
                 slices.append((group, out[offset : offset + group.shard_numel]))
                 offset += group.shard_numel
-            keep = (full,)
-        mark_device(out, keep[0])
+            source = full
+        mark_device(out, source)
         label = items[0][0].name if len(items) == 1 else f"{len(items)} groups"
         with self.timers.time("reduce_scatter"):
-            work = collectives.reduce_scatter(self.ctx, out, keep[0], label)
+            work = collectives.reduce_scatter(self.ctx, out, source, label)
         self._in_flight.append((work, slices))
         while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._drain_one()
