@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DynamoBackend
 from torch import nn
 
 import zinf
@@ -128,6 +129,7 @@ class Accelerator(accelerate.Accelerator):
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[ZinfModel, ZinfOptimizer | None]:
         engine = zinf.ZeroInfinityEngine(module, optimizer, self.zinf_config, device=self.device)
         refuse_partitioned_state_dict(engine)
+        self._compile_as_configured(engine)
         model = ZinfModel(engine)
         self._zinf_models.append(model)
         self._models.append(model)
@@ -140,9 +142,21 @@ class Accelerator(accelerate.Accelerator):
     def _build_pending(self, pending: PendingModel, optimizer: torch.optim.Optimizer | None) -> ZinfModel:
         engine = zinf.ZeroInfinityEngine(pending.module, optimizer, self.zinf_config, device=self.device)
         refuse_partitioned_state_dict(engine)
+        self._compile_as_configured(engine)
         log.info("zinf: engine built for a model prepared on its own (%s)", "with its optimizer" if optimizer
                  else "no optimizer: inference only")
         return ZinfModel(engine)
+
+    def _compile_as_configured(self, engine: zinf.ZeroInfinityEngine) -> None:
+        """Accelerate's dynamo plugin (a launch config's ``dynamo_config``, ``TrainingArguments(torch_compile=True)``,
+        ``Accelerator(dynamo_plugin=...)``): the model is compiled as ``prepare`` would compile it, in place (its
+        repeated blocks alone with ``use_regional_compilation``), zinf's hooks outside the graphs."""
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO:
+            return
+        engine.compile(regional=bool(plugin.use_regional_compilation), **plugin.to_kwargs())
+        log.info("zinf: torch.compile(%s) of the model prepared (%s)", plugin.to_kwargs(),
+                 "its repeated blocks" if plugin.use_regional_compilation else "whole")
 
     def _optimizer_for_pending(self, optimizer: torch.optim.Optimizer) -> ZinfOptimizer:
         for m in self._zinf_models:

@@ -117,10 +117,6 @@ def check_launch_config(data: Mapping[str, Any], path: str) -> tuple[dict[str, A
     if accelerate_part.get("compute_environment", "LOCAL_MACHINE") != "LOCAL_MACHINE":
         raise ConfigError(f"zinf launch: compute_environment={accelerate_part['compute_environment']!r} in {path}; "
                           "zinf launch starts local processes: use compute_environment: LOCAL_MACHINE.")
-    dynamo = accelerate_part.get("dynamo_config") or {}
-    if str(dynamo.get("dynamo_backend", "NO")).upper() != "NO":
-        raise ConfigError(f"zinf launch: dynamo_config.dynamo_backend={dynamo['dynamo_backend']!r} in {path}: "
-                          "torch.compile of the whole model is not supported with zinf's gather hooks; set it to NO.")
     with_mixed_precision(config, accelerate_part.get("mixed_precision", "no"))
     nproc = int(accelerate_part.get("num_processes", 1) or 1)
     if (str(accelerate_part.get("distributed_type")) == "MULTI_CPU" and nproc > 1

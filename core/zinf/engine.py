@@ -33,6 +33,7 @@ from zinf.runtime.same_host import SameHostTransport
 from zinf.schedule.fetcher import ParamFetcher
 from zinf.runtime.logs import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
+from zinf.compiling import compile_model
 from zinf.placement import Placement, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
@@ -145,8 +146,11 @@ class ZeroInfinityEngine:
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
         mode = self._external_watch(torch.is_grad_enabled())
+        # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
+        stance = (contextlib.nullcontext() if self.hooks.replays(torch.is_grad_enabled())
+                  else torch.compiler.set_stance("force_eager"))
         self.placement.before_forward(torch.is_grad_enabled())
-        with self._entry("forward"), self.timers.time("forward"), mode:
+        with self._entry("forward"), self.timers.time("forward"), mode, stance:
             try:
                 return self.module(*args, **kwargs)
             except BaseException:
@@ -368,6 +372,10 @@ class ZeroInfinityEngine:
         parts += [self.optimizer.bytes_by_tier()] if self.optimizer else []
         parts += [self.comm.same_host.bytes_by_tier()] if self.comm.same_host is not None else []
         return merge_bytes(parts)
+
+    def compile(self, regional: bool = False, **options: Any) -> None:
+        """``torch.compile`` the model in place, whole or each repeated block (``zinf.compiling.compile_model``)."""
+        compile_model(self.module, regional, **options)
 
     def all_gathered(self) -> bool:
         """Whether every parameter is whole on this rank now (e.g. inside ``gathered_parameters()``)."""

@@ -16,6 +16,8 @@ import processes
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # two fresh interpreters importing torch and transformers: about 11 s
+
 _COMMON = """
 import builtins, sys
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Protocol
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -51,7 +52,8 @@ class ExternalParamMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # ``types`` does not list nn.Parameter (its torch function is the disabled default), so every
         # call's arguments are scanned; the engine's own ``p.data = ...`` in hook bodies is not a use
-        if not self.hooks.busy:
+        # inside a compiled region the watch is not traced: see [Note: compiled modules] in zinf/schedule/hooks.py
+        if not self.hooks.busy and not torch.compiler.is_compiling():
             self._scan(args)
             if kwargs:
                 self._scan(kwargs.values())
@@ -81,7 +83,7 @@ class _WatchedParameters(dict):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if self._lookups.armed and value is not None:
+        if self._lookups.armed and value is not None and not torch.compiler.is_compiling():
             self._lookups.seen(value)
         return value
 

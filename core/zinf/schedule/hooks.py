@@ -22,6 +22,19 @@ recomputation) gather what they need but never touch the forward trace, so the r
 the prefetch that follows it, stays that of the real forward; their gathers are recorded in the
 backward trace, where they happen, so backward prefetch covers the recomputation too.
 
+[Note: compiled modules]
+A block compiled with ``torch.compile`` (``block.compile()``, ``torch.compile(block)``, the whole model) keeps its
+hooks out of its graphs: every hook body is ``torch.compiler.disable``d (``engine_code``), so dynamo breaks the
+graph around it and runs it eagerly, and the graph reads the parameters the pre-hook gathered. A gathered parameter
+is a view of its group's full buffer with the same shape and strides at every gather (only the buffer's storage is
+freed and allocated again), so dynamo's guards, which check shape, stride and dtype, hold from one step to the next.
+A pass that records the module order (the first, and any after the order changed) runs eagerly
+(``torch.compiler.set_stance("force_eager")``, ``ZeroInfinityEngine.forward``): that is the pass in which the
+external-parameter watch finds the parameters a module uses from another one, which later passes gather with it.
+Inside a compiled graph the watch is not traced, so a use of another module's parameter that the recording pass
+did not make reads its released placeholder (NaN, see [Note: releasing memory]); compiled code therefore compiles
+from the second step on and recompiles only when a later pass records again.
+
 The pass the hooks are in (forward, eval forward, backward) is one :class:`~zinf.schedule.pass_state.PassState`
 ([Note: pass phases] in zinf/schedule/pass_state.py). Which modules are gathered as one unit, and how units are adopted
 when ranks diverge: [Note: units] in zinf/schedule/units.py.

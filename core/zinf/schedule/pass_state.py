@@ -123,7 +123,8 @@ class PassState:
 
 def engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a hook body as the engine's own work (its owner's ``pass_state`` counts it in ``busy``): the
-    external-parameter watch ignores what it touches."""
+    external-parameter watch ignores what it touches, and ``torch.compile`` never traces it (see [Note: compiled
+    modules] in zinf/schedule/hooks.py)."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any) -> Any:
@@ -134,7 +135,7 @@ def engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             state.leave()
 
-    return wrapper
+    return torch.compiler.disable(wrapper)
 
 
 def autograd_running() -> bool:

@@ -59,7 +59,7 @@ from zinf.schedule.pass_state import ModuleState
 from zinf.tiling import TiledLinear
 from zinf.units import format_bytes
 
-__all__ = ["choose_units", "is_called", "make_unit", "UnitAdoption"]
+__all__ = ["choose_units", "is_called", "make_unit", "repeated_blocks", "UnitAdoption"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def is_called(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model`` (see [Note: blocks as units]), outermost first, in module order."""
     classes = _block_classes(model)
     found = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
@@ -118,7 +118,7 @@ def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, st
     limit = config.overlap.max_gathered_bytes
     apart: dict[str, list[nn.Module]] = {}  # why blocks are gathered module by module: one log line each
 
-    for block in _blocks(model):
+    for block in repeated_blocks(model):
         if id(block) in covered or any(id(m) in configured for m in block.modules()):
             continue
         if any(isinstance(m, TiledLinear) for m in block.modules()):
