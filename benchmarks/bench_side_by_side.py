@@ -65,7 +65,7 @@ def main() -> None:
         order = system_names if n % 2 == 0 else system_names[::-1]
         for model in args.models.split(","):
             for system in order:
-                row = cli.run(args, meta, system, model, 1 if system == "plain" else args.ranks)
+                row = cli.run(args, meta, system, model, 1 if cli.base_system(system) == "plain" else args.ranks)
                 row["pass"] = n + 1
                 rows.append(row)
                 print(f"pass {n + 1} {model:<14} {row['label']:<44} {cli.step_text(row)}", flush=True)

@@ -46,6 +46,9 @@ def main(spec: dict) -> None:
     phase("construction")
     t0 = time.perf_counter()
     run = systems.setup(name, model_spec, ctx)
+    if spec.get("compile"):  # each block compiled in place, after the system wrapped or sharded it (torchtitan's way)
+        for block in models.blocks(run.model, model_spec):
+            block.compile()
     build_s = time.perf_counter() - t0
     times, losses, breakdowns = [], [], []
     for i in range(spec["steps"]):

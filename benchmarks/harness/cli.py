@@ -54,12 +54,26 @@ def zinf_pythons(args: argparse.Namespace) -> dict[str, str]:
 def system_list(args: argparse.Namespace) -> list[str]:
     names = [s for s in args.systems.split(",") if s]
     builds = zinf_pythons(args)
-    unknown = [s for s in names if s.partition("@")[0] not in systems.SYSTEMS
-               or ("@" in s and (systems.SYSTEMS[s.partition("@")[0]].kind != "zinf" or s.partition("@")[2] not in builds))]
+
+    def known(name: str) -> bool:
+        rest, _, build = name.partition("@")
+        system, _, variant = rest.partition("+")
+        info = systems.SYSTEMS.get(system)
+        if info is None or variant not in ("", "compile") or (variant and info.kind == "deepspeed"):
+            return False
+        return not build or (info.kind == "zinf" and build in builds)
+
+    unknown = [s for s in names if not known(s)]
     if unknown:
-        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(systems.SYSTEMS)} (a zinf system may "
-                         f"name another build: SYSTEM@NAME, with --zinf-python NAME=PYTHON)")
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(systems.SYSTEMS)}; SYSTEM+compile "
+                         f"compiles each block (not DeepSpeed); a zinf system may name another build: SYSTEM@NAME, with "
+                         f"--zinf-python NAME=PYTHON")
     return names
+
+
+def base_system(name: str) -> str:
+    """``zinf-mem`` of ``zinf-mem+compile@base``."""
+    return name.partition("@")[0].partition("+")[0]
 
 
 def limits(args: argparse.Namespace) -> Limits:

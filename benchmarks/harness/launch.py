@@ -33,14 +33,17 @@ def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps:
                zinf_pythons: dict[str, str] | None = None) -> dict:
     """``backend``: the process group's (default NCCL on CUDA, gloo on the CPU); ``build_on_cpu``: see
     systems.Context. ``system`` may name another build of zinf (``zinf-mem@base``): run by the interpreter
-    ``zinf_pythons`` gives for it."""
+    ``zinf_pythons`` gives for it; ``SYSTEM+compile`` compiles each block with ``torch.compile`` (inductor)."""
     spec = models.parse(model)
     system, _, build = system.partition("@")
+    system, _, compiled = system.partition("+")
     info = systems.SYSTEMS[system]
     counts = models.counts(spec)
     row: dict = {"model": spec.name, "family": spec.family, "n_layer": spec.n_layer, "n_embd": spec.n_embd,
-                 "numel": counts.numel, "system": f"{system}@{build}" if build else system,
-                 "label": f"{info.label} ({build})" if build else info.label, "ranks": ranks,
+                 "numel": counts.numel,
+                 "system": system + (f"+{compiled}" if compiled else "") + (f"@{build}" if build else ""),
+                 "label": info.label + (", compiled" if compiled else "") + (f" ({build})" if build else ""),
+                 "ranks": ranks,
                  "global_batch": global_batch, "block": spec.block, "steps": steps, "warmup": warmup,
                  "flops_per_token": counts.flops_per_token, "device": device, "tag": tag, "precision": precision}
     if global_batch % ranks:
@@ -52,14 +55,14 @@ def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps:
             row.update(status="skipped", error=f"no DeepSpeed interpreter at {ds_python} (make one: {DS_VENV_HINT})")
             return row
         python = ds_python
-    name = f"{system}{'-' + build if build else ''}-{spec.name.replace(':', '_')}-r{ranks}{tag}"
+    name = f"{system}{'-compiled' if compiled else ''}{'-' + build if build else ''}-{spec.name.replace(':', '_')}-r{ranks}{tag}"
     nvme_dir = os.path.join(work_dir, "nvme", name)
     shutil.rmtree(nvme_dir, ignore_errors=True)
     os.makedirs(nvme_dir, exist_ok=True)
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
     child_spec = {"system": system, "model": model, "global_batch": global_batch, "steps": steps,
                   "nvme_dir": nvme_dir, "device": device, "precision": precision, "backend": backend,
-                  "build_on_cpu": build_on_cpu}
+                  "build_on_cpu": build_on_cpu, "compile": bool(compiled)}
     port = free_port()
     envs = []
     for r in range(ranks):

@@ -70,7 +70,8 @@ def _status(r: dict) -> str:
 
 def ratio_table(rows: list[dict]) -> str:
     """One line per run; ratios are step-time ratios (this system's step / the baseline's step on the same model:
-    below 1.00x this system is faster). DDP and FSDP2 baselines are taken at the same rank count."""
+    below 1.00x this system is faster). DDP and FSDP2 baselines are taken at the same rank count; a compiled run
+    (``SYSTEM+compile``) is compared with the compiled baselines."""
     lines = ["| model | params | system | ranks | step s | tokens/s | GFLOP/s | % of peak | peak RSS / rank GiB "
              "| device GiB | NVMe GiB | vs plain | vs DDP | vs FSDP2 | status |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -79,7 +80,8 @@ def ratio_table(rows: list[dict]) -> str:
         ok = r["status"] == "ok"
         ratios = []
         for base, _ in RATIO_BASELINES:
-            b = by.get((r["model"], base, 1 if base == "plain" else r["ranks"]))
+            variant = r["system"].partition("@")[0].partition("+")[2]
+            b = by.get((r["model"], base + (f"+{variant}" if variant else ""), 1 if base == "plain" else r["ranks"]))
             ratios.append(f"{r['step_s'] / b['step_s']:.2f}x" if ok and b and b["status"] == "ok" else "-")
         status = _status(r)
         lines.append("| " + " | ".join([

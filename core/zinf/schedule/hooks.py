@@ -24,8 +24,9 @@ backward trace, where they happen, so backward prefetch covers the recomputation
 
 [Note: compiled modules]
 A block compiled with ``torch.compile`` (``block.compile()``, ``torch.compile(block)``, the whole model) keeps its
-hooks out of its graphs: every hook body is ``torch.compiler.disable``d (``engine_code``), so dynamo breaks the
-graph around it and runs it eagerly, and the graph reads the parameters the pre-hook gathered. A gathered parameter
+hooks out of its graphs: the forward hooks are registered ``torch.compiler.disable``d, so dynamo breaks the graph
+around them and runs them eagerly (the tensor hooks they register run in the backward, outside any graph), and the
+graph reads the parameters the pre-hook gathered. A gathered parameter
 is a view of its group's full buffer with the same shape and strides at every gather (only the buffer's storage is
 freed and allocated again), so dynamo's guards, which check shape, stride and dtype, hold from one step to the next.
 A pass that records the module order (the first, and any after the order changed) runs eagerly
@@ -108,12 +109,14 @@ class ModuleHooks:
         for module in choose_units(model, config, {m: s.name for m, s in self.states.items()}, unit_stages):
             make_unit(self.states, module)
         self._handles: list[Any] = []
+        # never traced by torch.compile: see [Note: compiled modules]
+        pre, post, end = (torch.compiler.disable(h) for h in (self._forward_pre, self._forward_post, self._forward_end))
         for module, state in self.states.items():
             if state.inside_unit:
                 continue  # the unit's hooks gather, hold and release for its whole subtree ([Note: units])
-            self._handles.append(module.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
-        self._handles.append(model.register_forward_hook(self._forward_end))  # after the root's post-hook
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post, always_call=True))
+        self._handles.append(model.register_forward_hook(end))  # after the root's post-hook
         # parameter lookups, watched in forwards that replay their order: see [Note: external parameters, paid once]
         self.lookups = ParamLookups(self, model)
         if config.detect_external_params:

@@ -123,8 +123,7 @@ class PassState:
 
 def engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a hook body as the engine's own work (its owner's ``pass_state`` counts it in ``busy``): the
-    external-parameter watch ignores what it touches, and ``torch.compile`` never traces it (see [Note: compiled
-    modules] in zinf/schedule/hooks.py)."""
+    external-parameter watch ignores what it touches."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any) -> Any:
@@ -135,7 +134,7 @@ def engine_code(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             state.leave()
 
-    return torch.compiler.disable(wrapper)
+    return wrapper
 
 
 def autograd_running() -> bool:
