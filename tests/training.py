@@ -137,6 +137,18 @@ def zinf_worker(rank: int, world: int, recipe: Recipe) -> dict[str, Any]:
     return result
 
 
+def lm_step_global(engine: zinf.ZeroInfinityEngine, ids: torch.Tensor, rank: int, world: int) -> float:
+    """One step of a causal LM (transformers' ``input_ids=`` / ``labels=``) on this rank's slice of the global batch
+    ``ids``; returns the global loss (the mean over ranks)."""
+    mine = ids.chunk(world)[rank]
+    loss = engine(input_ids=mine, labels=mine).loss
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
 def train_global(engine: zinf.ZeroInfinityEngine, data: list, rank: int, world: int) -> list[float]:
     """One step per global batch of ``data``, each rank on its slice; returns the global losses (the mean over ranks)."""
     out = []

@@ -145,11 +145,12 @@ class ZeroInfinityEngine:
             raise PartlyLoadedError(self.load_failed)
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
             args, kwargs = map_tensors(self._cast_input, (args, kwargs))
-        mode = self._external_watch(torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        replays = self.hooks.replays(grad)
+        mode = self._external_watch(replays)
         # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
-        stance = (contextlib.nullcontext() if self.hooks.replays(torch.is_grad_enabled())
-                  else torch.compiler.set_stance("force_eager"))
-        self.placement.before_forward(torch.is_grad_enabled())
+        stance = contextlib.nullcontext() if replays else torch.compiler.set_stance("force_eager")
+        self.placement.before_forward(grad)
         with self._entry("forward"), self.timers.time("forward"), mode, stance:
             try:
                 return self.module(*args, **kwargs)
@@ -165,12 +166,12 @@ class ZeroInfinityEngine:
         with stops_deferred(), phase(what), self.watchdog.watch(what):
             yield
 
-    def _external_watch(self, grad: bool) -> Any:
+    def _external_watch(self, replays: bool) -> Any:
         """The external-parameter watch of the next forward: every operation while its module order is recorded,
-        parameter lookups once it replays (see [Note: external parameters, paid once] in zinf/schedule/external.py)."""
+        parameter lookups once it ``replays`` (see [Note: external parameters, paid once] in zinf/schedule/external.py)."""
         if self._external_mode is None:
             return contextlib.nullcontext()
-        return self.hooks.lookups.watching() if self.hooks.replays(grad) else self._external_mode
+        return self.hooks.lookups.watching() if replays else self._external_mode
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
 from models import llama_config, token_batches
+from training import lm_step_global
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # inductor compiles for tens of seconds
 
@@ -82,13 +82,7 @@ def _train(rank: int, world: int, kind: str, what: str, config: dict | None, nvm
             opt.zero_grad()
             losses.append(loss.item())
         else:
-            mine = ids.chunk(world)[rank]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(lm_step_global(engine, ids, rank, world))
         graphs.append(_graphs())
     if engine is not None:
         engine.close()

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
 from models import save_llama, token_batches
+from training import lm_step_global
 
 pytestmark = pytest.mark.distributed
 
@@ -75,15 +75,7 @@ def _train(rank: int, world: int, path: str, params_tier: str, nvme: str) -> dic
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
     state = engine.full_state_dict()
     model.train()
-    losses = []
-    for x in _batches():
-        mine = x.chunk(world)[rank]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = [lm_step_global(engine, x, rank, world) for x in _batches()]
     engine.close()
     return {"state": state, "losses": losses}
 

@@ -43,6 +43,7 @@ def merge_bytes(parts: Sequence[Bytes]) -> Bytes:
     out: Bytes = {}
     for part in parts:
         for tier, kinds in part.items():
+            merged = out.setdefault(tier, {})
             for kind, nbytes in kinds.items():
-                out.setdefault(tier, {})[kind] = out.get(tier, {}).get(kind, 0) + nbytes
+                merged[kind] = merged.get(kind, 0) + nbytes
     return out
