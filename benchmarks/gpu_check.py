@@ -13,9 +13,9 @@ Writes ``OUT/<date>-<gpu>/summary.md`` (the machine, the goals met or missed, ea
 4. ``zinf info --nvme`` on the work directory's disk: the bandwidth the NVMe step is judged against;
 5. two ranks on one device with gloo and the device's tensors, fp32, against plain PyTorch's losses;
 2. benchmarks/bench_host_overhead.py when the tree has it, and a torch.profiler trace of zinf steps summarised;
-3. the side by side (harness/systems.py) on ``gpt:xl:L18`` (0.97B) in bf16: plain PyTorch, FSDP2, FSDP2
-   CPUOffloadPolicy, zinf in memory, optimizer on CPU, parameters and optimizer on CPU, on NVMe; tokens/s and MFU
-   against the bf16 matmul peak measured first, device and host peak memory.
+3. the side by side (harness/systems.py) on ``gpt:xl:L18`` (0.97B) in bf16: plain PyTorch, FSDP2, zinf in memory,
+   zinf and FSDP2 with every block compiled, FSDP2 CPUOffloadPolicy, optimizer on CPU, parameters and optimizer on
+   CPU, on NVMe; tokens/s and MFU against the bf16 matmul peak measured first, device and host peak memory.
 
 The goals (harness/gpu_report.py) are judged on those figures. Nothing is installed; the device machine's torch is
 used as it is. ``--smoke`` runs the same parts with tiny models, several tasks at a time (``--jobs``).

@@ -34,6 +34,7 @@ from zinf.schedule.fetcher import ParamFetcher
 from zinf.runtime.logs import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.compiling import compile_model
+from zinf.forward_pass import ForwardPass
 from zinf.placement import Placement, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
@@ -120,7 +121,9 @@ class ZeroInfinityEngine:
             on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
             unit_stages=self.placement.stages_like_one_group)
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
-        self._external_mode = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
+        external = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
+        self.forward_pass = ForwardPass(model, self.hooks, self.timers, external, self._prepare_inputs,
+                                        self.placement.before_forward, self._entry)
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
                               if self.config.activation_checkpointing.modules else None)
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
@@ -141,23 +144,14 @@ class ZeroInfinityEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_pass(*args, **kwargs)
+
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.load_failed is not None:
             raise PartlyLoadedError(self.load_failed)
         if self.config.cast_forward_inputs and self.config.compute_dtype != torch.float32:
-            args, kwargs = map_tensors(self._cast_input, (args, kwargs))
-        grad = torch.is_grad_enabled()
-        replays = self.hooks.replays(grad)
-        mode = self._external_watch(replays)
-        # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
-        stance = contextlib.nullcontext() if replays else torch.compiler.set_stance("force_eager")
-        self.placement.before_forward(grad)
-        with self._entry("forward"), self.timers.time("forward"), mode, stance:
-            try:
-                return self.module(*args, **kwargs)
-            except BaseException:
-                self.hooks.unwind()  # see [Note: balanced hooks] in zinf/schedule/hooks.py
-                self.hooks.abort_pass()
-                raise
+            return map_tensors(self._cast_input, (args, kwargs))
+        return args, kwargs
 
     @contextlib.contextmanager
     def _entry(self, what: str) -> Iterator[None]:
@@ -165,13 +159,6 @@ class ZeroInfinityEngine:
         line or an uncaught exception naming it (zinf/shutdown.py), a collective timeout naming the silent ranks."""
         with stops_deferred(), phase(what), self.watchdog.watch(what):
             yield
-
-    def _external_watch(self, replays: bool) -> Any:
-        """The external-parameter watch of the next forward: every operation while its module order is recorded,
-        parameter lookups once it ``replays`` (see [Note: external parameters, paid once] in zinf/schedule/external.py)."""
-        if self._external_mode is None:
-            return contextlib.nullcontext()
-        return self.hooks.lookups.watching() if replays else self._external_mode
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:

@@ -18,6 +18,15 @@ holds any directly) are gathered around it by ``ModuleHooks.recompute_scope``; i
 gather theirs as in forward. Those gathers are recorded in the backward trace in the order backward
 runs them (see [Note: balanced hooks] in zinf/schedule/hooks.py), so from the second step on they are
 prefetched like every other backward gather.
+
+[Note: recomputation in compiled blocks]
+A checkpointed block that ``torch.compile`` traces (the block compiled, or a model compiled around it) takes torch's
+own ``checkpoint`` of its forward with the live inputs instead: dynamo turns it into a checkpointed region of the
+graph, whose backward recomputes the block from the inputs the graph saved. The recomputation runs inside the
+block's compiled backward, after the block's backward hook gathered its groups (as for any compiled block), so it
+needs no ``recompute_scope``. Holding the inputs in host memory (``offload: true``) is not something a graph can
+do, so that setting is refused at the first compiled call; the inputs such a graph saves are not in
+``held_bytes``.
 """
 
 from __future__ import annotations
@@ -114,6 +123,14 @@ class HeldInputs:
         return tree_unflatten(leaves, self.spec)
 
 
+@torch.compiler.disable  # raised eagerly, not traced: an error the user reads, not one of dynamo's
+def _refuse_held_in_host(name: str) -> None:
+    raise UnsupportedModelError(
+        f"zinf: {name} is checkpointed with activation_checkpointing.offload: true and compiled by torch.compile; a "
+        "compiled graph keeps the inputs it saves, so they cannot be held in host memory. Set "
+        "activation_checkpointing.offload: false, or leave the checkpointed blocks uncompiled.")
+
+
 def tier_of_device(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "device"
 
@@ -167,6 +184,13 @@ class ActivationCheckpointing:
             return out
 
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+            # traced by dynamo: see [Note: recomputation in compiled blocks]
+            if torch.compiler.is_compiling():
+                if not torch.is_grad_enabled():
+                    return forward(*args, **kwargs)
+                if self.config.offload:
+                    _refuse_held_in_host(self.blocks[module])
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             if not torch.is_grad_enabled() or _in_backward():  # evaluation, or inside an enclosing recomputation
                 return forward(*args, **kwargs)
             held = HeldInputs(args, kwargs, self.config.offload, self._stream(args, kwargs))

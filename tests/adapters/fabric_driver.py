@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--save-at", type=int, default=0, help="fabric.save after this many steps into <out>/ckpt")
     p.add_argument("--resume", default=None, help="fabric.load this checkpoint, then train up to --steps")
+    p.add_argument("--compile", action="store_true", help="hand fabric.setup a torch.compile'd model")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -46,6 +47,8 @@ def main() -> None:
     with fabric.init_module():
         model = build(args.kind)
     optimizer = make_optimizer(model, "adamw")
+    if args.compile:
+        model = torch.compile(model)
     model, optimizer = fabric.setup(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if args.resume:
@@ -71,7 +74,12 @@ def main() -> None:
         state["step"] = step + 1
         if args.save_at and state["step"] == args.save_at:
             fabric.save(out / "ckpt", state)
-    (out / f"rank{rank}.json").write_text(json.dumps({"train": losses, "step": state["step"]}))
+    record = {"train": losses, "step": state["step"]}
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        record["graphs"] = int(counters["stats"]["unique_graphs"])
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

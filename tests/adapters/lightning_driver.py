@@ -31,8 +31,9 @@ GLOBAL_BATCH = 8
 
 class LitModel(pl.LightningModule):
     def __init__(self, kind: str, build_in: str, manual: bool = False, clip: float = 0.0, accum: int = 1,
-                 pretrained: str | None = None) -> None:
+                 pretrained: str | None = None, compile: bool = False) -> None:
         super().__init__()
+        self.compile_model = compile  # configure_model: self.model = torch.compile(self.model), as users write it
         self.kind, self.build_in = kind, build_in
         self.automatic_optimization = not manual
         self.clip, self.accum = clip, accum
@@ -44,6 +45,11 @@ class LitModel(pl.LightningModule):
             self.model = build(kind)
 
     def configure_model(self) -> None:
+        self._build()
+        if self.compile_model and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model)
+
+    def _build(self) -> None:
         if self.model is not None:
             return
         if self.pretrained:
@@ -147,6 +153,7 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="also run validation each epoch, test and predict")
     p.add_argument("--zinf-config", default=None, help="engine settings (JSON) for ZeroInfinityStrategy(config=...)")
     p.add_argument("--pretrained", default=None, help="configure_model: from_pretrained(this directory) (--kind llama)")
+    p.add_argument("--compile", action="store_true", help="configure_model compiles the model it trains")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (hang diagnosis)
@@ -173,10 +180,11 @@ def main() -> None:
     )
     if args.build_in == "init_module":
         with trainer.init_module():
-            model = LitModel(args.kind, "init", manual=args.manual, clip=args.clip, accum=args.accum)
+            model = LitModel(args.kind, "init", manual=args.manual, clip=args.clip, accum=args.accum,
+                             compile=args.compile)
     else:
         model = LitModel(args.kind, args.build_in, manual=args.manual, clip=args.clip, accum=args.accum,
-                         pretrained=args.pretrained)
+                         pretrained=args.pretrained, compile=args.compile)
     train = loader(args.kind, args.epoch_steps, per_rank)
     val = loader(args.kind, 2, GLOBAL_BATCH // args.devices, seed=99)
     trainer.fit(model, train, val if args.eval else None, ckpt_path=args.resume)
@@ -186,6 +194,10 @@ def main() -> None:
         extra["test_loss"] = trainer.test(model, val, verbose=False)[0]["test_loss"]
         extra["predict"] = [float(x) for x in trainer.predict(model, val)]
     extra.update(model.probe)
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        extra["graphs"] = int(counters["stats"]["unique_graphs"])
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:  # what the engine settings turned on
         extra["checkpointed_blocks"] = len(engine.checkpointing.blocks) if engine.checkpointing is not None else 0

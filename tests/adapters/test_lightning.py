@@ -127,3 +127,18 @@ def test_checkpointing_and_tiling_set_in_the_strategy_config_match_ddp(runs: Run
     ours = lightning(runs, "zero_infinity", "--kind", "gpt", "--steps", "20", "--zinf-config", json.dumps(settings))
     assert worst(ours, ref) <= EXACT
     assert all(r["checkpointed_blocks"] == 2 and r["tiled_layers"] == 4 for r in ours)  # fc and out of 2 blocks
+
+
+def test_compiled_model_matches_compiled_ddp(runs: Runs) -> None:
+    """``self.model = torch.compile(self.model)`` in ``configure_model`` (Lightning) and
+    ``fabric.setup(torch.compile(model))`` (Fabric, which compiles the module the strategy returns): both compile
+    under zinf and give the losses of the same compiled script under DDP."""
+    args = ("--kind", "gpt", "--steps", "6", "--compile")
+    ours = lightning(runs, "zero_infinity", *args)
+    ref = lightning(runs, "ddp", *args)
+    assert worst(ours, ref) < EXACT
+    fabric_ours = records(runs("fabric_driver.py", "--strategy", "zero_infinity", *args))
+    fabric_ref = records(runs("fabric_driver.py", "--strategy", "ddp", *args))
+    assert worst(fabric_ours, fabric_ref) < EXACT
+    for record in ours + fabric_ours:
+        assert record["graphs"] > 0, record

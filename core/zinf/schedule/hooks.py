@@ -36,6 +36,14 @@ Inside a compiled graph the watch is not traced, so a use of another module's pa
 did not make reads its released placeholder (NaN, see [Note: releasing memory]); compiled code therefore compiles
 from the second step on and recompiles only when a later pass records again.
 
+[Note: compiled callers]
+A caller may itself be compiled around the engine: Fabric compiles the module its strategy returns, a user may
+compile a wrapper that calls ``engine(...)``. ``ZeroInfinityEngine.forward`` therefore does its own work in
+``torch.compiler.disable``d calls (entering the pass with its contexts, leaving it, unwinding it after an exception),
+so dynamo breaks the graph there and traces only the model call between them, as in a compiled model. A pass that
+records the module order calls the model through a disabled call as well: the recording stance above applies only
+to compiled code entered after it, not to a caller's frame already being compiled.
+
 The pass the hooks are in (forward, eval forward, backward) is one :class:`~zinf.schedule.pass_state.PassState`
 ([Note: pass phases] in zinf/schedule/pass_state.py). Which modules are gathered as one unit, and how units are adopted
 when ranks diverge: [Note: units] in zinf/schedule/units.py.

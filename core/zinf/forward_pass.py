@@ -1,0 +1,76 @@
+"""``engine(...)``: the model called between the engine's own work before and after it, work that no compiled caller
+traces ([Note: compiled callers] in zinf/schedule/hooks.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from zinf.report import StepTimers
+from zinf.schedule.external import ExternalParamMode
+from zinf.schedule.hooks import ModuleHooks
+
+__all__ = ["ForwardPass"]
+
+
+class ForwardPass:
+    """One forward of the engine's model. ``prepare`` checks and casts the inputs; ``entry`` is the engine's frame for
+    an entry point (signals held, the phase named, collectives watched); ``before`` readies the placement."""
+
+    def __init__(self, module: nn.Module, hooks: ModuleHooks, timers: StepTimers,
+                 external_mode: ExternalParamMode | None, prepare: Callable[[tuple, dict], tuple[tuple, dict]],
+                 before: Callable[[bool], None], entry: Callable[[str], ContextManager[None]]) -> None:
+        self.module, self.hooks, self.timers = module, hooks, timers
+        self.external_mode, self.prepare, self.before, self.entry = external_mode, prepare, before, entry
+        # never traced, whoever calls the engine (set here: torch.compiler imports dynamo, `import zinf` does not)
+        self._enter = torch.compiler.disable(self._enter_pass)
+        self._leave = torch.compiler.disable(self._leave_pass)
+        self._abort = torch.compiler.disable(self._abort_pass)
+        self._call_eagerly = torch.compiler.disable(self._call)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        scope, args, kwargs, replays = self._enter(args, kwargs)
+        try:
+            out = self.module(*args, **kwargs) if replays else self._call_eagerly(*args, **kwargs)
+        except BaseException as exc:
+            self._abort(scope, exc)
+            raise
+        self._leave(scope)
+        return out
+
+    def _enter_pass(self, args: tuple, kwargs: dict) -> tuple[contextlib.ExitStack, tuple, dict, bool]:
+        args, kwargs = self.prepare(args, kwargs)
+        grad = torch.is_grad_enabled()
+        replays = self.hooks.replays(grad)
+        # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
+        stance = contextlib.nullcontext() if replays else torch.compiler.set_stance("force_eager")
+        watch = self._external_watch(replays)
+        self.before(grad)
+        with contextlib.ExitStack() as scope:
+            for context in (self.entry("forward"), self.timers.time("forward"), watch, stance):
+                scope.enter_context(context)
+            return scope.pop_all(), args, kwargs, replays
+
+    def _external_watch(self, replays: bool) -> Any:
+        """The external-parameter watch of the next forward: every operation while its module order is recorded,
+        parameter lookups once it ``replays`` ([Note: external parameters, paid once] in zinf/schedule/external.py)."""
+        if self.external_mode is None:
+            return contextlib.nullcontext()
+        return self.hooks.lookups.watching() if replays else self.external_mode
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @staticmethod
+    def _leave_pass(scope: contextlib.ExitStack) -> None:
+        scope.close()
+
+    def _abort_pass(self, scope: contextlib.ExitStack, exc: BaseException) -> None:
+        try:
+            self.hooks.unwind()  # see [Note: balanced hooks] in zinf/schedule/hooks.py
+            self.hooks.abort_pass()
+        finally:
+            scope.__exit__(type(exc), exc, exc.__traceback__)
