@@ -179,7 +179,7 @@ def _tests_combine(check: Check, done: dict[str, dict]) -> dict:
 
 
 # -- 4. zinf info --nvme --------------------------------------------------------------------------------
-_NVME = re.compile(r"^nvme (.+): write ([0-9.]+) GB/s, read ([0-9.]+) GB/s \((.*)\)$")
+_NVME = re.compile(r"^nvme (.+): write ([0-9.]+) GB/s, read ([0-9.]+) GB/s, both at once ([0-9.]+) GB/s \((.*)\)$")
 
 
 def _nvme_task(check: Check, limit_s: float) -> dict:
@@ -195,13 +195,15 @@ def _nvme_combine(check: Check, done: dict[str, dict]) -> dict:
     out = {"info": lines, "rc": res["rc"]}
     for line in lines:
         if m := _NVME.match(line.strip()):
-            out.update(path=m.group(1), write_gbs=float(m.group(2)), read_gbs=float(m.group(3)), mode=m.group(4))
+            out.update(path=m.group(1), write_gbs=float(m.group(2)), read_gbs=float(m.group(3)),
+                       mixed_gbs=float(m.group(4)), mode=m.group(5))
     if res["timed_out"]:
         return {**out, "status": "timed out", "note": "zinf info did not finish"}
     if "read_gbs" not in out:
         return {**out, "status": "failed", "note": _tail(res["output"], 2)}
     return {**out, "status": "passed",
-            "note": f"write {out['write_gbs']:.2f} GB/s, read {out['read_gbs']:.2f} GB/s ({out['mode']})"}
+            "note": f"write {out['write_gbs']:.2f} GB/s, read {out['read_gbs']:.2f} GB/s, both at once "
+                    f"{out['mixed_gbs']:.2f} GB/s ({out['mode']})"}
 
 
 # -- 5. two ranks on one device -------------------------------------------------------------------------

@@ -50,12 +50,16 @@ def breakdown(row: dict) -> str:
 
 def nvme_bound(results: dict) -> dict | None:
     """The NVMe step against its disk bound: the bytes its median StepReport moved (nvme_read_bytes,
-    nvme_written_bytes) at the bandwidth ``zinf info --nvme`` measured, reads and writes one after the other."""
+    nvme_written_bytes) at the bandwidth ``zinf info --nvme`` measured, as the step report's floor takes them
+    (zinf/offload/disk_speed.py: at once where the mixed speed was measured)."""
+    from zinf.offload.disk_speed import DiskSpeed
+
     row, disk = _ok_rows(results).get("zinf-nvme"), results["parts"].get("nvme", {})
     if row is None or "read_gbs" not in disk:
         return None
     read_b, written_b = row.get("zinf_nvme_read_bytes", 0.0), row.get("zinf_nvme_written_bytes", 0.0)
-    bound_s = read_b / (disk["read_gbs"] * 1e9) + written_b / (disk["write_gbs"] * 1e9)
+    speed = DiskSpeed(disk["read_gbs"] * 1e9, disk["write_gbs"] * 1e9, disk.get("mixed_gbs", 0.0) * 1e9)
+    bound_s = speed.floor_s(read_b, written_b)
     return {"read_bytes": read_b, "written_bytes": written_b, "bound_s": bound_s, "step_s": row["step_s"],
             "ratio": row["step_s"] / bound_s if bound_s > 0 else None, "io_hidden_share": row.get("zinf_io_hidden_share")}
 

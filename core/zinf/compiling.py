@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from zinf.errors import UnsupportedModelError
 from zinf.schedule.units import repeated_blocks
 
 __all__ = ["compile_model"]
@@ -19,6 +20,11 @@ def compile_model(model: nn.Module, regional: bool = False, **options: Any) -> l
     ``_no_split_modules`` classes, else the layers of its largest ``ModuleList``), the rest staying eager; returns the
     modules compiled. ``options`` are ``torch.compile``'s (``backend``, ``mode``, ``fullgraph``, ``dynamic``,
     ``options``)."""
+    if options.get("fullgraph") and not regional:
+        raise UnsupportedModelError(
+            "zinf: fullgraph=True of the whole model: zinf gathers and releases parameters in hooks around the "
+            "modules inside it, outside any graph. Compile the repeated blocks instead (regional=True, or "
+            "dynamo_use_regional_compilation in an Accelerate config), or drop fullgraph.")
     targets = [model]
     if regional:
         blocks = repeated_blocks(model)

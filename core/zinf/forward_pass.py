@@ -12,8 +12,12 @@ from torch import nn
 from zinf.report import StepTimers
 from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
+from zinf.schedule.not_traced import eager_stance, not_traced
 
 __all__ = ["ForwardPass"]
+
+_FULLGRAPH = ("the engine's own work runs outside any graph; with fullgraph=True compile the model's repeated blocks "
+              "(engine.compile(regional=True, fullgraph=True)), not a module that calls the engine")
 
 
 class ForwardPass:
@@ -26,10 +30,8 @@ class ForwardPass:
         self.module, self.hooks, self.timers = module, hooks, timers
         self.external_mode, self.prepare, self.before, self.entry = external_mode, prepare, before, entry
         # never traced, whoever calls the engine (set here: torch.compiler imports dynamo, `import zinf` does not)
-        self._enter = torch.compiler.disable(self._enter_pass)
-        self._leave = torch.compiler.disable(self._leave_pass)
-        self._abort = torch.compiler.disable(self._abort_pass)
-        self._call_eagerly = torch.compiler.disable(self._call)
+        self._enter, self._leave, self._abort, self._call_eagerly = (
+            not_traced(fn, _FULLGRAPH) for fn in (self._enter_pass, self._leave_pass, self._abort_pass, self._call))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scope, args, kwargs, replays = self._enter(args, kwargs)
@@ -46,7 +48,7 @@ class ForwardPass:
         grad = torch.is_grad_enabled()
         replays = self.hooks.replays(grad)
         # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
-        stance = contextlib.nullcontext() if replays else torch.compiler.set_stance("force_eager")
+        stance = contextlib.nullcontext() if replays else eager_stance()
         watch = self._external_watch(replays)
         self.before(grad)
         with contextlib.ExitStack() as scope:

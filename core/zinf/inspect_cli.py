@@ -60,22 +60,24 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
     status = 0
     for path in nvme_paths or []:
         try:
-            write_gbs, read_gbs, direct = measure_path(path, size_bytes)
+            write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, size_bytes)
         except (OSError, ImportError, ValueError) as exc:
             out.write(f"nvme {path}: not measured: {exc}\n")
             status = 1
             continue
         mode = "O_DIRECT" if direct else "buffered: the file system refused O_DIRECT, so reads may come from the page cache"
-        out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s "
-                  f"({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
-        save_speed(path, write_gbs, read_gbs, direct)  # an engine's step report compares its NVMe bytes with it
+        out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s, both at once {mixed_gbs:.2f} "
+                  f"GB/s ({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
+        # an engine's step report compares its NVMe bytes with it
+        save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs)
     return status
 
 
-def measure_path(path: str, size_bytes: int) -> tuple[float, float, bool]:
+def measure_path(path: str, size_bytes: int) -> tuple[float, float, float, bool]:
     """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
-    offload engine's settings; returns (write GB/s, read GB/s, whether O_DIRECT was in effect). The file is
-    removed afterwards."""
+    offload engine's settings, then its first half read while as many bytes are written to a second file; returns
+    (write GB/s, read GB/s, reads and writes at once GB/s, whether O_DIRECT was in effect). The files are removed
+    afterwards."""
     from zinf import native
     from zinf.config_sections import OffloadConfig
 
@@ -95,25 +97,37 @@ def measure_path(path: str, size_bytes: int) -> tuple[float, float, bool]:
     buf = pool.acquire(size_bytes)
     buf.random_(0, 256)
     target = directory / f"zinf-info-{os.getpid()}.tmp"
+    second = directory / f"zinf-info-{os.getpid()}-2.tmp"
     try:
         with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
                             num_threads=cfg.aio_threads, direct=True) as aio:
             start = time.perf_counter()
             aio.wait(aio.submit_write(buf, target))
-            fd = os.open(target, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # what is written is on the drive, not in a cache
-            finally:
-                os.close(fd)
+            _fsync(target)
             write_s = time.perf_counter() - start
             direct = aio.direct
             start = time.perf_counter()
             aio.wait(aio.submit_read(buf, target))
             read_s = time.perf_counter() - start
+            half = max(4096, size_bytes // 2 // 4096 * 4096)
+            start = time.perf_counter()
+            for handle in (aio.submit_read(buf[:half], target), aio.submit_write(buf[-half:], second)):
+                aio.wait(handle)
+            _fsync(second)
+            mixed_s = time.perf_counter() - start
     finally:
         target.unlink(missing_ok=True)
+        second.unlink(missing_ok=True)
         pool.release(buf)
-    return size_bytes / write_s / _GB, size_bytes / read_s / _GB, direct
+    return size_bytes / write_s / _GB, size_bytes / read_s / _GB, 2 * half / mixed_s / _GB, direct
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # what is written is on the drive, not in a cache
+    finally:
+        os.close(fd)
 
 
 # -- zinf report ----------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from zinf.config_sections import CheckpointingConfig
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.streams import BufferFence
+from zinf.schedule.not_traced import not_traced
 
 if TYPE_CHECKING:
     from zinf.schedule.hooks import ModuleHooks
@@ -123,7 +124,6 @@ class HeldInputs:
         return tree_unflatten(leaves, self.spec)
 
 
-@torch.compiler.disable  # raised eagerly, not traced: an error the user reads, not one of dynamo's
 def _refuse_held_in_host(name: str) -> None:
     raise UnsupportedModelError(
         f"zinf: {name} is checkpointed with activation_checkpointing.offload: true and compiled by torch.compile; a "
@@ -145,6 +145,8 @@ class ActivationCheckpointing:
         self.peak_held_bytes: dict[str, int] = {}
         self._side_stream: Any = None
         self.blocks: dict[nn.Module, str] = {}
+        # raised eagerly, not traced: an error the user reads, not one of dynamo's
+        self._refuse_held_in_host = not_traced(_refuse_held_in_host, "zinf refuses this setting for compiled blocks")
         for name, module in model.named_modules():
             if module is model and config.modules and any(type(module).__name__ == p or fnmatch.fnmatchcase(name, p)
                                                           for p in config.modules):
@@ -189,7 +191,7 @@ class ActivationCheckpointing:
                 if not torch.is_grad_enabled():
                     return forward(*args, **kwargs)
                 if self.config.offload:
-                    _refuse_held_in_host(self.blocks[module])
+                    self._refuse_held_in_host(self.blocks[module])
                 return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             if not torch.is_grad_enabled() or _in_backward():  # evaluation, or inside an enclosing recomputation
                 return forward(*args, **kwargs)

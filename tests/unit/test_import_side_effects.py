@@ -84,6 +84,7 @@ hooks0 = hooks()
 zinf = import_zinf()
 assert hooks() == hooks0, (hooks0, hooks())
 assert not [m for m in sys.modules if m.split(".")[0] == "transformers"], "import zinf imported transformers"
+assert "torch._dynamo" not in sys.modules, "import zinf imported torch._dynamo (a torch.compiler call at import)"
 
 import transformers.modeling_utils
 from transformers import PreTrainedModel

@@ -9,6 +9,12 @@ oldest trailing writes are finished until the pool keeps ``param_reserve_bytes``
 reads, room the parameter store needs to stage shards for the forward and backward. Any thread that
 needs a pool buffer may finish the oldest trailing write to get one (an evictor of the pool room).
 
+[Note: the sweep's reads]
+While a sub-group is stepped, the reads of the next one are in flight, and of the one after it where the pool has
+room beside ``param_reserve_bytes`` (finishing trailing writes to make it); sub-groups whose reads add up to less
+than ``READ_AHEAD_BYTES`` are read further ahead. So the disk reads while the CPU-Adam steps, whatever the size of a
+sub-group, and a sub-group's records are verified before anything is computed from them or written back.
+
 [Note: state read-ahead]
 A step's master and moments do not depend on the gradient, so once a step's writes are done the
 store starts reading the first sub-groups' states for the next step, into the pool room that the
@@ -40,7 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NvmeStateStore", "READ_AHEAD_BYTES"]
 
-READ_AHEAD_BYTES = 64 << 20  # optimizer-state reads in flight ahead of the step, at most
+READ_AHEAD_BYTES = 64 << 20  # small sub-groups: more are read ahead while their reads add up to less than this
+READ_AHEAD_SUBGROUPS = 3  # the sub-group being stepped and the two after it, where the pool has room
 
 _Reads = tuple[SubGroup, dict[str, torch.Tensor], dict[str, int]]  # a sub-group's buffers and their reads in flight
 
@@ -138,12 +145,13 @@ class NvmeStateStore(StateStore):
         upcoming = iter(self.subgroups[len(reading):])
         following = next(upcoming, None)
         for sg in self.subgroups:
-            # reads run ahead of the step by up to READ_AHEAD_BYTES (always the sub-group stepped next),
-            # and only into room the trailing writes and the parameter store leave
+            # see [Note: the sweep's reads]: the sub-group stepped now, the next one (two where the pool allows,
+            # more while all of them read less than READ_AHEAD_BYTES), in room trailing writes and parameters leave
             while following is not None:
                 if not reading:  # the sub-group stepped next: wait for room if need be
                     reading.append((following, *self._submit_reads(following, self._read_names(following))))
-                elif self._reading_bytes(reading) < READ_AHEAD_BYTES and self._room_for(following):
+                elif (len(reading) < READ_AHEAD_SUBGROUPS or self._reading_bytes(reading) < READ_AHEAD_BYTES) \
+                        and self._room_for(following):
                     reads = self._try_submit_reads(following, self._read_names(following))
                     if reads is None:
                         break

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from zinf.config import PRECISIONS
 from zinf.offload.pool_room import block_bytes
-from zinf.offload.nvme_state_store import READ_AHEAD_BYTES
+from zinf.offload.nvme_state_store import READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS
 from zinf.plan.machine import Machine
 from zinf.plan.memory import choose_pool, disk_bytes, pool_need, record_span, state_bytes, trained_shards
 from zinf.plan.model import ModelSpec, PlanError
@@ -147,6 +147,13 @@ def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
     return kept
 
 
+def state_reads_in_flight(largest_subgroup: int) -> int:
+    """The optimizer's state reads in flight during its sweep ([Note: the sweep's reads] in
+    zinf/offload/nvme_state_store.py), at most: three of the largest sub-groups' fp32 master and moments, or
+    READ_AHEAD_BYTES if more."""
+    return max(READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS * 3 * block_bytes(record_span(largest_subgroup * 4)))
+
+
 def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement, precision: str,
              nvme_paths: Sequence[str] = (), cal: Calibration = Calibration(), storage: str | None = None) -> Estimate:
     """Bytes and step time of one placement: compute in ``precision``, parameter shards kept, read and all-gathered
@@ -180,7 +187,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         # what it cannot keep is read in the forward and again in the backward
         # the pool less the parameter store's reserve (3 x the largest shard) and the optimizer's reads in flight
         cache = max(0, pool - 3 * block_bytes(max(record_span(n * sb) for n in shards))
-                    - (READ_AHEAD_BYTES if pl.optimizer == "nvme" else 0))
+                    - (state_reads_in_flight(min(wl.sub_group_numel, max(shards))) if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":

@@ -61,6 +61,7 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf.runtime.context import RunContext
+from zinf.schedule.not_traced import HOOKS_OUTSIDE_GRAPHS, not_traced
 from zinf.schedule.fetcher import ParamFetcher
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.partition import module_groups
@@ -118,7 +119,7 @@ class ModuleHooks:
             make_unit(self.states, module)
         self._handles: list[Any] = []
         # never traced by torch.compile: see [Note: compiled modules]
-        pre, post, end = (torch.compiler.disable(h) for h in (self._forward_pre, self._forward_post, self._forward_end))
+        pre, post, end = (not_traced(h, HOOKS_OUTSIDE_GRAPHS) for h in (self._forward_pre, self._forward_post, self._forward_end))
         for module, state in self.states.items():
             if state.inside_unit:
                 continue  # the unit's hooks gather, hold and release for its whole subtree ([Note: units])

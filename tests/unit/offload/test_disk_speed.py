@@ -39,8 +39,14 @@ def test_the_floor_is_the_bytes_at_the_measured_speed(tmp_path: Path) -> None:
     report = _steps(tmp_path)
     read, written = report.counts["nvme_read_bytes"], report.counts["nvme_written_bytes"]
     assert read > 0 and written > 0
-    assert report.seconds["nvme_floor"] == pytest.approx(read / 2e9 + written / 0.5e9)
+    assert report.seconds["nvme_floor"] == pytest.approx(read / 2e9 + written / 0.5e9)  # no mixed speed: in turn
     assert "nvme_floor" in report.summary()
+    for mixed in (1.0, 4.0):  # reads and writes at once, slower or faster together than apart
+        save_speed(str(tmp_path), write_gbs=0.5, read_gbs=2.0, direct=True, mixed_gbs=mixed)
+        report = _steps(tmp_path)
+        read, written = report.counts["nvme_read_bytes"], report.counts["nvme_written_bytes"]
+        expected = max(read / 2e9, written / 0.5e9, (read + written) / (mixed * 1e9))
+        assert report.seconds["nvme_floor"] == pytest.approx(expected)
 
 
 def test_zinf_info_keeps_what_it_measured(tmp_path: Path) -> None:
@@ -48,4 +54,4 @@ def test_zinf_info_keeps_what_it_measured(tmp_path: Path) -> None:
         pytest.skip("the directory could not be measured here")
     speed = load_speed([str(tmp_path)])
     assert (tmp_path / SPEED_FILE).exists()
-    assert speed is None or (speed.read_bytes_per_s > 0 and speed.write_bytes_per_s > 0)  # None: no O_DIRECT here
+    assert speed is None or min(speed.read_bytes_per_s, speed.write_bytes_per_s, speed.mixed_bytes_per_s) > 0  # None: no O_DIRECT
