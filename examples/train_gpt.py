@@ -34,7 +34,9 @@ import torch.distributed as dist
 import zinf
 from zinf.cli import report_errors
 from zinf.config import PRECISIONS
-from zinf.report import io_hidden_share
+from zinf.inspect_cli import measure_path
+from zinf.offload.disk_speed import save_speed
+from zinf.report import disk_utilisation, io_hidden_share
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -144,8 +146,8 @@ def train(cfg: JobConfig) -> int:
         os.makedirs(out_dir, exist_ok=True)
         write_outputs(out_dir, mean_losses.tolist(), losses, step_seconds, io_shares, tokens_per_step, language)
         say(rank, summary(mean_losses.tolist(), language, steps, tokens_per_step, train_s, save_s, per_rank,
-                          io_hidden_share(totals_s, totals_n), out_dir, ckpt_dir, zcfg.offload.nvme_paths, nvme_dir,
-                          engine.device))
+                          io_hidden_share(totals_s, totals_n), disk_utilisation(totals_s), out_dir, ckpt_dir,
+                          zcfg.offload.nvme_paths, nvme_dir, engine.device))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -166,8 +168,18 @@ def place_offload(zdict: dict, model_cfg: GPTConfig, world: int) -> str | None:
         nvme_dir = tempfile.mkdtemp(prefix="zinf_nvme_", dir=os.environ.get("ZINF_NVME_DIR"))  # one per rank
         atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)  # after the engine's own clean-up (LIFO)
         offload["nvme_paths"] = [nvme_dir]
+        measure_disk(nvme_dir)
         return nvme_dir
     return None
+
+
+def measure_disk(path: str) -> None:
+    """What ``zinf info --nvme PATH`` does, on 64 MiB: the step reports then say how busy the disk was (nvme_floor)."""
+    try:
+        write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, 64 << 20)
+    except (OSError, ValueError):
+        return  # no measurement: the summary says nothing of the disk
+    save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs)
 
 
 def memory_per_rank_bytes() -> int:
@@ -243,7 +255,8 @@ def write_outputs(out_dir: str, mean_losses: list[float], rank0_losses: list[flo
 
 def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_per_step: int, train_s: float,
             save_s: float, per_rank: list[tuple[dict[str, dict[str, int]], int]], hidden: float | None,
-            out_dir: str, ckpt_dir: str, nvme_paths: list[str], temporary: str | None, device: torch.device) -> str:
+            busy: float | None, out_dir: str, ckpt_dir: str, nvme_paths: list[str], temporary: str | None,
+            device: torch.device) -> str:
     tail = losses[-min(10, len(losses)):]
     start, end = losses[0], sum(tail) / len(tail)
     learned = (f"{language.chance - end:.2f} below chance" if end < min(start, language.chance)
@@ -271,7 +284,8 @@ def summary(losses: list[float], language: MarkovLanguage, steps: int, tokens_pe
     on_nvme = sum(by_tier.get("nvme", {}).values())
     if on_nvme:
         where = f"temporary {temporary}, removed at exit" if temporary else ", ".join(nvme_paths)
-        share = f"; {hidden:.0%} of the I/O wait hidden behind compute" if hidden is not None else ""
+        share = f"; {hidden:.0%} of the I/O hidden behind compute" if hidden is not None else ""
+        share += f", the disk busy {busy:.0%} of the time" if busy is not None else ""
         lines.append(f"NVMe   {mib(on_nvme)} lived on NVMe (rank 0's swap files in {where}); "
                      f"{sum(io for _, io in per_rank) / 2**30:.2f} GiB read and written{share}")
     lines += [f"curve  {os.path.join(out_dir, 'loss.png')} (per-step losses: {os.path.join(out_dir, 'losses.csv')})",

@@ -135,6 +135,7 @@ _LINE = re.compile(r"zinf: step (\d+)( \|.*)$")
 _TIME = re.compile(r"^([a-z_]+) ([0-9.]+) ms$")
 _BYTES = re.compile(r"^([a-z]+) ([0-9.]+) MiB$")
 _HIDDEN = re.compile(r"^io_hidden ([0-9.]+)%$")
+_DISK = re.compile(r"^disk_busy ([0-9.]+)%$")
 
 
 @dataclass
@@ -146,6 +147,7 @@ class ParsedStep:
     mib: dict[str, float] = field(default_factory=dict)
     io_hidden_share: float | None = None
     skipped: bool = False
+    disk_utilisation: float | None = None
 
     @property
     def step_ms(self) -> float:
@@ -162,6 +164,7 @@ def parse_summary(line: str) -> ParsedStep | None:
     ms: dict[str, float] = {}
     mib: dict[str, float] = {}
     hidden: float | None = None
+    disk: float | None = None
     skipped = False
     for part in match.group(2).split("|")[1:]:
         part = part.strip()
@@ -171,9 +174,11 @@ def parse_summary(line: str) -> ParsedStep | None:
             mib[m.group(1)] = float(m.group(2))
         elif m := _HIDDEN.match(part):
             hidden = float(m.group(1)) / 100
+        elif m := _DISK.match(part):
+            disk = float(m.group(1)) / 100
         elif part.startswith("skipped"):
             skipped = True
-    return ParsedStep(int(match.group(1)), ms, mib, hidden, skipped)
+    return ParsedStep(int(match.group(1)), ms, mib, hidden, skipped, disk)
 
 
 def parse_log(path: str) -> list[ParsedStep]:
@@ -217,6 +222,10 @@ def report(path: str, out: TextIO, err: TextIO) -> int:
     out.write(f"\nresident at step {steps[-1].step}: "
               + (", ".join(f"{tier} {mib:.1f} MiB" for tier, mib in sorted(steps[-1].mib.items())) or "none") + "\n")
     out.write(_hidden_line(steps) + "\n")
+    busy = [s.disk_utilisation for s in steps if s.disk_utilisation is not None]
+    if busy:
+        out.write(f"disk busy: {statistics.fmean(busy) * 100:.0f}% of the step on average (the step's NVMe bytes at "
+                  f"the speed zinf info --nvme measured; highest step {max(busy) * 100:.0f}%)\n")
     return 0
 
 
@@ -236,5 +245,5 @@ def _hidden_line(steps: list[ParsedStep]) -> str:
     else:
         share = statistics.fmean(s.io_hidden_share for s in with_io)  # type: ignore[misc]
     low = min(s.io_hidden_share for s in with_io)  # type: ignore[type-var]
-    return (f"NVMe I/O hidden share: {share * 100:.0f}% of the I/O wait time was off the training thread "
+    return (f"NVMe I/O hidden share: {share * 100:.0f}% of the NVMe I/O ran while the training thread went on "
             f"(lowest step {low * 100:.0f}%, {len(with_io)} steps with NVMe I/O)")

@@ -13,7 +13,7 @@ import torch
 
 from zinf.device_memory import is_device_memory
 
-__all__ = ["StepTimers", "StepReport", "io_hidden_share", "tier_of"]
+__all__ = ["StepTimers", "StepReport", "io_hidden_share", "disk_utilisation", "io_overlap", "tier_of"]
 
 
 def tier_of(t: torch.Tensor) -> str:
@@ -22,11 +22,15 @@ def tier_of(t: torch.Tensor) -> str:
 
 class StepTimers:
     """Wall-clock seconds per category, accumulated until ``take()``. On CUDA the waits are host-side
-    waits, which is where time is lost when communication is not hidden."""
+    waits, which is where time is lost when communication is not hidden. The waits for NVMe I/O and for the
+    background optimizer step are also kept as intervals, from which ``take()`` adds the step's I/O overlap
+    (see [Note: I/O hidden share])."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._since = time.perf_counter()
 
     @contextmanager
     def time(self, category: str) -> Iterator[None]:
@@ -34,18 +38,67 @@ class StepTimers:
         try:
             yield
         finally:
-            self.seconds[category] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.seconds[category] += end - start
             self.counts[category] += 1
+            if category in INTERVAL_CATEGORIES:
+                self.intervals[category].append((start, end))  # one append: safe from any thread
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds
         self.counts[category] += 1
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The step's seconds and counts since the last ``take``; with NVMe waits, also ``io_busy`` (the time any
+        thread waited for NVMe I/O), ``io_stalled`` (the part of it the training thread stood still for) and
+        ``step_wall`` (the wall time since the last ``take``)."""
+        now = time.perf_counter()
         seconds, counts = dict(self.seconds), dict(self.counts)
+        intervals = {k: list(v) for k, v in self.intervals.items()}
         self.seconds.clear()
         self.counts.clear()
+        self.intervals.clear()
+        seconds["step_wall"], self._since = now - self._since, now
+        seconds.update(io_overlap(intervals))
         return seconds, counts
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds two unions of intervals (each sorted and disjoint) share."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def io_overlap(intervals: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """``io_busy`` and ``io_stalled`` of [Note: I/O hidden share] from the waits' intervals; nothing without NVMe
+    waits."""
+    foreground = _union(intervals.get("nvme_read", []) + intervals.get("nvme_write", []))
+    background = _union(intervals.get("background_nvme_read", []) + intervals.get("background_nvme_write", []))
+    if not foreground and not background:
+        return {}
+    stalled = _union(foreground + [(max(a, c), min(b, d)) for a, b in _union(intervals.get("optimizer_wait", []))
+                                   for c, d in background if min(b, d) > max(a, c)])
+    return {"io_busy": _length(_union(foreground + background)), "io_stalled": _length(stalled)}
 
 
 # the categories summary() prints, in order; the optional ones only when the step timed them
@@ -54,33 +107,35 @@ SUMMARY_CATEGORIES = ("compute", "all_gather", "reduce_scatter", "optimizer", "b
                       "adam_early", "heap_trim", "nvme_floor")
 OPTIONAL_CATEGORIES = frozenset(SUMMARY_CATEGORIES[4:])
 NVME_CATEGORIES = ("nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
+INTERVAL_CATEGORIES = frozenset(NVME_CATEGORIES + ("optimizer_wait",))
 
 
 # [Note: I/O hidden share]
-# The report holds wait times, not I/O durations. A wait on the training thread (``nvme_read``,
-# ``nvme_write``) is I/O the step could not hide: the training thread stood still. A wait on the background
-# optimizer thread (``background_nvme_read`` / ``_write``) ran while training went on -- unless the training
-# thread in turn waited for that background step (``optimizer_wait``). Counting all of ``optimizer_wait`` as
-# stalled I/O (the conservative reading; part of it may be the step's CPU-Adam math), with
-#     foreground = nvme_read + nvme_write
-#     background = background_nvme_read + background_nvme_write
-#     stalled    = foreground + min(optimizer_wait, background)
-#     io_hidden_share = (background - min(optimizer_wait, background)) / (foreground + background)
-# It is None when the step did no NVMe I/O (no NVMe timings and no NVMe bytes), and 1.0 when it moved NVMe
-# bytes without any measurable wait. A prefetched read that finished before the training thread needed it
-# waits ~0 s and so weighs ~nothing on either side: the share says how much of the *waiting* for I/O was
-# off the training thread, not how much of the bytes were moved in the shadow of compute.
+# How much of the step's NVMe I/O ran while training went on, from the intervals of the waits (StepTimers):
+#     io_busy    = the time any thread waited for NVMe I/O (the training thread's nvme_read / nvme_write, the
+#                  background optimizer's background_nvme_read / _write), each instant counted once
+#     io_stalled = the time the training thread stood still for it: its own NVMe waits, and the part of its waits
+#                  for the background optimizer step (optimizer_wait) during which that step waited for I/O
+#     io         = max(io_busy, nvme_floor)  (nvme_floor: the step's bytes at the measured disk speed, where known:
+#                  I/O that finished before anyone waited for it still took the disk that long)
+#     io_hidden_share = 1 - io_stalled / io
+# It is None when the step did no NVMe I/O, and 1.0 when it moved NVMe bytes without any measurable wait. The
+# figures add up over steps (io_hidden_share of the sums is the share of a run). ``disk_utilisation`` is
+# nvme_floor / step_wall: how much of the step the disk needed at its measured speed.
 def io_hidden_share(seconds: dict[str, float], counts: dict[str, int]) -> float | None:
     """See [Note: I/O hidden share]."""
-    foreground = seconds.get("nvme_read", 0.0) + seconds.get("nvme_write", 0.0)
-    background = seconds.get("background_nvme_read", 0.0) + seconds.get("background_nvme_write", 0.0)
-    total = foreground + background
-    if total <= 0.0:
+    io = max(seconds.get("io_busy", 0.0), seconds.get("nvme_floor", 0.0))
+    if io <= 0.0:
         moved = counts.get("nvme_read_bytes", 0) + counts.get("nvme_written_bytes", 0)
         timed = any(key in seconds for key in NVME_CATEGORIES)
         return 1.0 if (moved or timed) else None
-    hidden = background - min(seconds.get("optimizer_wait", 0.0), background)
-    return hidden / total
+    return max(0.0, 1.0 - seconds.get("io_stalled", 0.0) / io)
+
+
+def disk_utilisation(seconds: dict[str, float]) -> float | None:
+    """See [Note: I/O hidden share]; None without a measured disk speed."""
+    floor, wall = seconds.get("nvme_floor"), seconds.get("step_wall", 0.0)
+    return None if floor is None or wall <= 0 else floor / wall
 
 
 @dataclass
@@ -117,9 +172,15 @@ class StepReport:
 
     @property
     def io_hidden_share(self) -> float | None:
-        """The share of this step's NVMe I/O wait time that did not stall the training thread, in [0, 1];
-        None when the step did no NVMe I/O. See [Note: I/O hidden share]."""
+        """The share of this step's NVMe I/O that did not stall the training thread, in [0, 1]; None when the step
+        did no NVMe I/O. See [Note: I/O hidden share]."""
         return io_hidden_share(self.seconds, self.counts)
+
+    @property
+    def disk_utilisation(self) -> float | None:
+        """The step's NVMe bytes at the measured disk speed over the step's wall time; None without a measured
+        speed. See [Note: I/O hidden share]."""
+        return disk_utilisation(self.seconds)
 
     def metrics(self) -> dict[str, float]:
         """A flat ``{"zinf/<name>": value}`` dict for experiment loggers (Lightning, Accelerate trackers):
@@ -146,6 +207,9 @@ class StepReport:
         share = self.io_hidden_share
         if share is not None:
             out["zinf/io_hidden_share"] = share
+        busy = self.disk_utilisation
+        if busy is not None:
+            out["zinf/disk_utilisation"] = busy
         out["zinf/skipped"] = 1.0 if self.skipped else 0.0
         return out
 
@@ -162,6 +226,9 @@ class StepReport:
         share = self.io_hidden_share
         if share is not None:
             parts.append(f"io_hidden {share * 100:.0f}%")
+        busy = self.disk_utilisation
+        if busy is not None:
+            parts.append(f"disk_busy {busy * 100:.0f}%")
         if self.skipped:
             parts.append("skipped (overflow)")
         return " | ".join(parts)

@@ -39,6 +39,9 @@ def test_main_job(tmp_path: Path) -> None:
     assert re.search(r"time\s+[\d.]+ s for 30 steps, [\d,]+ tokens/s", text), text
     on_nvme = re.search(r"NVMe\s+([\d.]+) MiB lived on NVMe", text)
     assert on_nvme and float(on_nvme.group(1)) > 0, text
+    # the job measured its temporary directory's disk: the I/O's overlap and the disk's busy share are both reported
+    overlap = re.search(r"(\d+)% of the I/O hidden behind compute, the disk busy (\d+)% of the time", text)
+    assert overlap and 0 <= int(overlap.group(1)) <= 100 and 0 < int(overlap.group(2)) <= 100, text
     assert f"curve  {out / 'loss.png'}" in text and f"ckpt   {out / 'checkpoint'}" in text, text
 
     png = (out / "loss.png").read_bytes()

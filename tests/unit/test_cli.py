@@ -49,7 +49,8 @@ def test_info_measures_nvme_paths_and_removes_its_file(tmp_path: Path, capsys) -
     assert main(["info", "--nvme", str(drive), str(tmp_path / "missing"), "--size-mib", "8"]) == 1
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith(f"nvme {drive}:"))
-    assert "write " in line and "read " in line and line.count("GB/s") == 2 and "8 MiB sequential" in line
+    assert "write " in line and "read " in line and "both at once " in line and line.count("GB/s") == 3
+    assert "8 MiB sequential" in line
     assert f"nvme {tmp_path / 'missing'}: not measured" in out and "not a directory" in out
     assert [p.name for p in drive.iterdir()] == ["zinf-disk-speed.json"]  # the test file is gone; the figures kept
 
@@ -63,14 +64,16 @@ def test_report_summarises_step_lines(tmp_path: Path, capsys) -> None:
     lines = ["epoch 0 starting\n"]
     for step in range(4):
         seconds = {"compute": 0.010 * (step + 1), "all_gather": 0.002, "reduce_scatter": 0.001, "optimizer": 0.004,
-                   "nvme_read": 0.001, "background_nvme_read": 0.003, "optimizer_wait": 0.001}
+                   "nvme_read": 0.001, "background_nvme_read": 0.003, "optimizer_wait": 0.001, "io_busy": 0.004,
+                   "io_stalled": 0.002, "nvme_floor": 0.005, "step_wall": 0.025}
         lines.append(_log_line(StepReport(step=step, seconds=seconds, counts={"nvme_read_bytes": 4096},
                                           bytes={"cpu": {"master": 2**20}, "nvme": {"optimizer_state": 3 * 2**20}},
                                           skipped=step == 2)))
     log.write_text("".join(lines))
     parsed = parse_summary(lines[1])
     assert parsed is not None and parsed.step == 0 and parsed.ms["compute"] == 10.0 and parsed.mib["nvme"] == 3.0
-    assert parsed.io_hidden_share == 0.5  # (3 - 1) ms hidden of (1 + 3) ms
+    assert parsed.io_hidden_share == 0.6  # 2 ms stalled of the floor's 5 ms
+    assert parsed.disk_utilisation == 0.2  # the floor's 5 ms of the step's 25 ms
     assert main(["report", str(log)]) == 0
     out = capsys.readouterr().out
     assert "4 step reports, steps 0 .. 3, 1 skipped" in out
@@ -78,7 +81,7 @@ def test_report_summarises_step_lines(tmp_path: Path, capsys) -> None:
     assert compute.split()[1:3] == ["25.0", "25.0"]  # mean and median of 10, 20, 30, 40 ms
     assert "background_nvme_read" in out and "optimizer_wait" in out and "nvme_write" not in out
     assert "resident at step 3: cpu 1.0 MiB, nvme 3.0 MiB" in out
-    assert "NVMe I/O hidden share: 50%" in out
+    assert "NVMe I/O hidden share: 60%" in out and "disk busy: 20% of the step" in out
 
 
 def test_report_of_a_real_run(tmp_path: Path, capsys) -> None:

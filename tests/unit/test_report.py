@@ -1,11 +1,12 @@
 import math
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import zinf
-from zinf.report import StepReport
+from zinf.report import StepReport, StepTimers, io_overlap
 
 
 def _report(**kwargs) -> StepReport:
@@ -30,24 +31,46 @@ def test_metrics_flat_and_prefixed() -> None:
     assert "zinf/grad_norm" not in m and "zinf/loss_scale" not in m and m["zinf/skipped"] == 1.0
 
 
-def test_io_hidden_share_formula() -> None:
-    seconds = {"compute": 1.0, "nvme_read": 0.1, "nvme_write": 0.1,
-               "background_nvme_read": 0.5, "background_nvme_write": 0.3, "optimizer_wait": 0.2}
+def test_io_hidden_share_from_the_waits_intervals() -> None:
+    """[Note: I/O hidden share]: the training thread waits 0.1 s for a read; the background optimizer waits for reads
+    and writes over [0.2, 1.0] s; the training thread waits for that step over [0.5, 0.9] s."""
+    intervals = {"nvme_read": [(0.0, 0.1)], "background_nvme_read": [(0.2, 0.7)],
+                 "background_nvme_write": [(0.6, 1.0)], "optimizer_wait": [(0.5, 0.9)]}
+    overlap = io_overlap(intervals)
+    assert math.isclose(overlap["io_busy"], 0.9) and math.isclose(overlap["io_stalled"], 0.1 + 0.4)
+    seconds = {"compute": 1.0, "nvme_read": 0.1, "background_nvme_read": 0.5, "background_nvme_write": 0.4,
+               "optimizer_wait": 0.4, "step_wall": 2.5, **overlap}
     r = _report(seconds=seconds, counts={"nvme_read_bytes": 10, "nvme_written_bytes": 20},
                 bytes={"cpu": {"master": 8}, "nvme": {"optimizer_state": 1000}})
-    # hidden = background 0.8 - optimizer_wait 0.2 = 0.6 of foreground 0.2 + background 0.8
-    assert math.isclose(r.io_hidden_share, 0.6)
+    assert math.isclose(r.io_hidden_share, 1 - 0.5 / 0.9) and r.disk_utilisation is None  # no measured speed
     m = r.metrics()
-    assert math.isclose(m["zinf/io_hidden_share"], 0.6)
+    assert math.isclose(m["zinf/io_hidden_share"], 1 - 0.5 / 0.9) and "zinf/disk_utilisation" not in m
     assert m["zinf/bytes_nvme"] == 1000.0 and m["zinf/nvme_read_bytes"] == 10.0 and m["zinf/nvme_written_bytes"] == 20.0
-    assert m["zinf/background_nvme_read"] == 0.5 and m["zinf/optimizer_wait"] == 0.2
-    assert "io_hidden 60%" in r.summary() and "background_nvme_write 300.0 ms" in r.summary()
-    # an optimizer wait longer than the background I/O cannot make the share negative
-    assert _report(seconds={"background_nvme_read": 0.1, "optimizer_wait": 5.0}).io_hidden_share == 0.0
+    assert m["zinf/background_nvme_read"] == 0.5 and m["zinf/optimizer_wait"] == 0.4
+    assert "io_hidden 44%" in r.summary() and "background_nvme_write 400.0 ms" in r.summary()
+    # the disk needed 2 s for the bytes: I/O that finished before anyone waited still took it
+    floored = _report(seconds={**seconds, "nvme_floor": 2.0}, counts=r.counts)
+    assert math.isclose(floored.io_hidden_share, 1 - 0.5 / 2.0) and math.isclose(floored.disk_utilisation, 2.0 / 2.5)
+    assert "io_hidden 75%" in floored.summary() and "disk_busy 80%" in floored.summary()
+    # waits for the optimizer while it computes, not waits for I/O, stall no I/O
+    assert io_overlap({"background_nvme_read": [(0.0, 0.1)], "optimizer_wait": [(0.2, 5.0)]})["io_stalled"] == 0.0
     # only training-thread waits: nothing hidden
-    assert _report(seconds={"nvme_read": 0.1}).io_hidden_share == 0.0
+    assert _report(seconds=io_overlap({"nvme_read": [(0.0, 0.1)]})).io_hidden_share == 0.0
     # bytes moved without a measurable wait: all hidden
     assert _report(counts={"nvme_read_bytes": 4096}).io_hidden_share == 1.0
+
+
+def test_step_timers_keep_the_waits_intervals() -> None:
+    timers = StepTimers()
+    with timers.time("background_nvme_read"):
+        time.sleep(0.01)
+    with timers.time("compute"):
+        pass
+    seconds, _ = timers.take()
+    assert seconds["io_busy"] == pytest.approx(seconds["background_nvme_read"]) and seconds["io_stalled"] == 0.0
+    assert seconds["step_wall"] >= seconds["background_nvme_read"]
+    seconds, _ = timers.take()
+    assert "io_busy" not in seconds  # nothing carried into the next step
 
 
 def test_engine_report_metrics() -> None:
