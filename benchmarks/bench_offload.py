@@ -3,8 +3,9 @@
     python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 12 --nvme /tmp/zinf-nvme]
 
 Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
-states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (sequential
-O_DIRECT read and write through zinf's AsyncIO). The target: NVMe step <= 1.15 x max(in-memory step,
+states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (``zinf info --nvme``'s
+sequential O_DIRECT write, read, and both at once; the I/O takes the longest of its reads, its writes and all of it
+at the mixed speed). The target: NVMe step <= 1.15 x max(in-memory step,
 I/O alone). "hidden" is the share of the I/O time that did not add to the step. Step times are medians
 over the steps after two of warm-up. Columns: "gather" is the training thread's time in gathers (with
 NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
@@ -27,29 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import zinf  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zinf import native  # noqa: E402
+from zinf.inspect_cli import measure_path  # noqa: E402
+from zinf.offload.disk_speed import DiskSpeed  # noqa: E402
 
 
 _COLUMNS = ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")
-
-
-def disk_bandwidth(path: str, nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Sequential write and read GB/s of one file through the native AsyncIO (O_DIRECT, 1 MiB blocks)."""
-    pool = native.PinnedBufferPool(nbytes)
-    buf = pool.acquire(nbytes)
-    buf.fill_(1)
-    f = os.path.join(path, "bandwidth.bin")
-    with native.AsyncIO(block_size=1 << 20, queue_depth=32, num_threads=2) as aio:
-        t = time.perf_counter()
-        aio.wait(aio.submit_write(buf, f, 0))
-        os.sync()
-        w = nbytes / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        aio.wait(aio.submit_read(buf, f, 0))
-        r = nbytes / (time.perf_counter() - t) / 1e9
-    os.unlink(f)
-    pool.release(buf)
-    pool.close()
-    return w, r
 
 
 def run(cfg: GPTConfig, args: argparse.Namespace, zcfg: dict | None, checksums: bool = True) -> dict:
@@ -111,8 +94,9 @@ def main() -> None:
     numel = sum(p.numel() for p in dict.fromkeys(GPT(cfg).parameters()))
     print(f"GPT {numel / 1e6:.1f}M parameters, batch {args.batch}x{cfg.block}, {torch.get_num_threads()} threads, "
           f"native {native.info().simd_level}/{native.info().io_backend}")
-    wbw, rbw = disk_bandwidth(args.nvme)
-    print(f"disk ({args.nvme}): write {wbw:.2f} GB/s, read {rbw:.2f} GB/s")
+    wbw, rbw, mbw, _ = measure_path(args.nvme, 1 << 30)  # what zinf info --nvme measures
+    disk = DiskSpeed(rbw * 1e9, wbw * 1e9, mbw * 1e9)
+    print(f"disk ({args.nvme}): write {wbw:.2f} GB/s, read {rbw:.2f} GB/s, both at once {mbw:.2f} GB/s")
     if args.adam_threads:
         native.set_num_threads(args.adam_threads)
     plain = run(cfg, args, None)
@@ -121,7 +105,7 @@ def main() -> None:
                             "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20, "grads": args.grads}}
     nvme = run(cfg, args, nvme_cfg)
     nocrc = run(cfg, args, nvme_cfg, checksums=False) if args.checksums == "both" else None
-    io_alone = nvme["read_bytes"] / (rbw * 1e9) + nvme["write_bytes"] / (wbw * 1e9)
+    io_alone = disk.floor_s(nvme["read_bytes"], nvme["write_bytes"])  # as the step report's nvme_floor
     bound = max(mem["step"], io_alone)
     hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
     print()
