@@ -98,7 +98,8 @@ def run_system(system: str, model: str, *, ranks: int, global_batch: int, steps:
     measured = res["times"][warmup:] or res["times"][-1:]
     step_s = statistics.median(measured)
     tokens_per_s = global_batch * spec.block / step_s
-    row.update(status="ok", error="", build_s=res["build_s"], times=res["times"], losses=res["losses"],
+    row.update(status="ok", error="", build_s=res["build_s"], times=res["times"], finish_s=res.get("finish_s"),
+               losses=res["losses"],
                step_s=step_s, tokens_per_s=tokens_per_s, flops_per_s=tokens_per_s * counts.flops_per_token,
                device_peak_gib=res["device_peak_bytes"] / GIB)
     peak = peak_flops * (ranks if device == "cuda" else 1)  # one GPU per rank; on CPU the ranks share the cores

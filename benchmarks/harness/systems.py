@@ -48,11 +48,13 @@ SYSTEMS: dict[str, System] = {
     "zinf-optcpu-early": System("zinf, optimizer on CPU, stepped during the backward", "zinf"),
     "zinf-cpu": System("zinf, params+optimizer on CPU", "zinf"),
     "zinf-nvme": System("zinf, params+optimizer on NVMe", "zinf", nvme=True),
+    "zinf-nvme-gradcpu": System("zinf, params+optimizer on NVMe, gradients on the host", "zinf", nvme=True),
 }
 
 ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"},
                 "zinf-optcpu-early": {"optimizer": "cpu", "step_during_backward": True}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
-                "zinf-nvme": {"params": "nvme", "optimizer": "nvme"}}
+                "zinf-nvme": {"params": "nvme", "optimizer": "nvme"},
+                "zinf-nvme-gradcpu": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}}
 
 
 @dataclass
