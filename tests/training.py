@@ -149,14 +149,17 @@ def lm_step_global(engine: zinf.ZeroInfinityEngine, ids: torch.Tensor, rank: int
     return total.item() / world
 
 
+def step_global(engine: zinf.ZeroInfinityEngine, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> float:
+    """One step of ``engine(x, y)`` on this rank's slice of the global batch; returns the global loss (the mean over
+    ranks)."""
+    loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
 def train_global(engine: zinf.ZeroInfinityEngine, data: list, rank: int, world: int) -> list[float]:
     """One step per global batch of ``data``, each rank on its slice; returns the global losses (the mean over ranks)."""
-    out = []
-    for x, y in data:
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out.append(total.item() / world)
-    return out
+    return [step_global(engine, x, y, rank, world) for x, y in data]

@@ -16,7 +16,7 @@ import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig, batches, build, llama_config, make_optimizer, token_batches
 from patterns import MoEGPT
-from training import lm_step_global
+from training import lm_step_global, step_global
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # inductor compiles for tens of seconds
 
@@ -257,12 +257,7 @@ def _train_pattern(rank: int, world: int, name: str, plain: bool) -> dict[str, A
             opt.zero_grad()
             losses.append(loss.item())
         else:
-            loss = run(x.chunk(world)[rank], y.chunk(world)[rank])
-            run.backward(loss)
-            run.step()
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(step_global(run, x, y, rank, world))
         graphs.append(_graphs())
     if not plain:
         run.close()

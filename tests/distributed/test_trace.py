@@ -8,6 +8,7 @@ import torch
 import zinf
 from dist_utils import run_distributed
 from models import Switch
+from training import step_global
 
 pytestmark = pytest.mark.distributed
 
@@ -44,12 +45,7 @@ def _worker(rank: int, world: int) -> dict:
     losses, prefetched = [], []
     for i, (x, y) in enumerate(_data()):
         model.reverse = i >= FLIP
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(step_global(engine, x, y, rank, world))
         prefetched.append(engine.report().counts["prefetched_gathers"])
     return {"losses": losses, "prefetched": prefetched,
             "rerecords": {k: t.num_rerecords for k, t in engine.hooks.traces.items()}}
