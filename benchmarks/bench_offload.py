@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import zinf  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zinf import native  # noqa: E402
-from zinf.inspect_cli import measure_path  # noqa: E402
-from zinf.offload.disk_speed import DiskSpeed  # noqa: E402
+from zinf.offload.disk_speed import DiskSpeed, measure_path  # noqa: E402
 
 
 _COLUMNS = ("compute", "all_gather", "optimizer", "nvme_read", "nvme_write", "background_nvme_read", "background_nvme_write")

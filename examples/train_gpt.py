@@ -34,8 +34,7 @@ import torch.distributed as dist
 import zinf
 from zinf.cli import report_errors
 from zinf.config import PRECISIONS
-from zinf.inspect_cli import measure_path
-from zinf.offload.disk_speed import save_speed
+from zinf.offload.disk_speed import measure_path, save_speed
 from zinf.report import disk_utilisation, io_hidden_share
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -77,18 +77,6 @@ def _length(spans: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in spans)
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Seconds two unions of intervals (each sorted and disjoint) share."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def io_overlap(intervals: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
     """``io_busy`` and ``io_stalled`` of [Note: I/O hidden share] from the waits' intervals; nothing without NVMe
     waits."""

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zinf
 from dist_utils import run_distributed
 from models import llama_config, token_batches
+from training import lm_step_global
 from zinf.offload.in_place import CheckpointChangedError
 
 pytestmark = pytest.mark.distributed
@@ -67,13 +67,7 @@ def _train(rank: int, world: int, path: str, nvme: str, in_place: bool) -> dict:
     model.train()
     losses = []
     for x in token_batches(STEPS, 4):
-        mine = x.chunk(world)[rank]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item())
+        losses.append(lm_step_global(engine, x, rank, world))
     state = engine.full_state_dict()
     engine.close()
     return {"losses": losses, "state": state, "nvme": nvme_bytes}

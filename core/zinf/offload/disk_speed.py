@@ -1,4 +1,5 @@
-"""The drives' speed as ``zinf info --nvme PATH`` measured it, kept beside the swap files, for the step report.
+"""The drives' speed as ``zinf info --nvme PATH`` measures it (:func:`measure_path`, also the planner's
+measurement), kept beside the swap files, for the step report.
 
 ``zinf info --nvme PATH`` writes ``PATH/zinf-disk-speed.json`` (sequential O_DIRECT write, read, and reads and
 writes at once, GB/s, through zinf's AsyncIO with the offload settings). An engine whose ``offload.nvme_paths`` all
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
-__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "save_speed"]
+__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "measure_path", "save_speed"]
 
 SPEED_FILE = "zinf-disk-speed.json"
+_GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,61 @@ def load_speed(paths: Sequence[str]) -> DiskSpeed | None:
         mixed += found.get("mixed_gbs", 0.0) * 1e9
         every_mixed = every_mixed and found.get("mixed_gbs", 0.0) > 0
     return DiskSpeed(read, write, mixed if every_mixed else 0.0) if paths else None
+
+
+def measure_path(path: str, size_bytes: int) -> tuple[float, float, float, bool]:
+    """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
+    offload engine's settings, then its first half read while as many bytes are written to a second file; returns
+    (write GB/s, read GB/s, reads and writes at once GB/s, whether O_DIRECT was in effect). The files are removed
+    afterwards."""
+    from zinf import native
+    from zinf.config_sections import OffloadConfig
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{path!r} is not a directory (give the directory offload.nvme_paths would name)")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"{path!r} is not writable by this process")
+    size_bytes = max(4096, size_bytes // 4096 * 4096)
+    free = shutil.disk_usage(directory).free
+    if free < size_bytes:
+        raise ValueError(f"{path!r} has {free / 2**20:.0f} MiB free, the test needs {size_bytes / 2**20:.0f} MiB "
+                         "(lower --size-mib)")
+    native.require()
+    cfg = OffloadConfig()
+    pool = native.PinnedBufferPool(size_bytes)
+    buf = pool.acquire(size_bytes)
+    buf.random_(0, 256)
+    target = directory / f"zinf-info-{os.getpid()}.tmp"
+    second = directory / f"zinf-info-{os.getpid()}-2.tmp"
+    try:
+        with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
+                            num_threads=cfg.aio_threads, direct=True) as aio:
+            start = time.perf_counter()
+            aio.wait(aio.submit_write(buf, target))
+            _fsync(target)
+            write_s = time.perf_counter() - start
+            direct = aio.direct
+            start = time.perf_counter()
+            aio.wait(aio.submit_read(buf, target))
+            read_s = time.perf_counter() - start
+            half = max(4096, size_bytes // 2 // 4096 * 4096)
+            start = time.perf_counter()
+            for handle in (aio.submit_read(buf[:half], target), aio.submit_write(buf[-half:], second)):
+                aio.wait(handle)
+            _fsync(second)
+            mixed_s = time.perf_counter() - start
+    finally:
+        target.unlink(missing_ok=True)
+        second.unlink(missing_ok=True)
+        pool.release(buf)
+        pool.close()
+    return size_bytes / write_s / _GB, size_bytes / read_s / _GB, 2 * half / mixed_s / _GB, direct
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # what is written is on the drive, not in a cache
+    finally:
+        os.close(fd)

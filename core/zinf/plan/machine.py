@@ -152,44 +152,13 @@ def _save_cache(data: dict) -> None:
 
 
 def measure_disk(path: str, nbytes: int = 256 << 20) -> tuple[float, float, float]:
-    """Read, write and mixed bytes/s at ``path`` through zinf's AsyncIO with the engine's settings: a sequential
-    write of ``nbytes`` (timed to ``fsync``), its read (O_DIRECT: not from the page cache), then half of it read
-    while another half is written (the offload engine reads and writes at once; some drives serve both faster
-    than either alone, some slower)."""
-    from zinf import native
+    """Read, write and mixed bytes/s at ``path``, measured as ``zinf info --nvme`` measures them
+    (:func:`zinf.offload.disk_speed.measure_path`: the offload engine reads and writes at once; some drives serve
+    both faster than either alone, some slower)."""
+    from zinf.offload.disk_speed import measure_path
 
-    native.require()
-    pool = native.PinnedBufferPool(nbytes)
-    buf = pool.acquire(nbytes)
-    buf.fill_(1)
-    f = os.path.join(path, f".zinf_plan_bw_{os.getpid()}.bin")
-    try:
-        with native.AsyncIO(block_size=1 << 20, queue_depth=32, num_threads=2, direct=True) as aio:
-            t = time.perf_counter()
-            aio.wait(aio.submit_write(buf, f, 0))
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-            write = nbytes / (time.perf_counter() - t)
-            t = time.perf_counter()
-            aio.wait(aio.submit_read(buf, f, 0))
-            read = nbytes / (time.perf_counter() - t)
-            half = nbytes // 2 // 4096 * 4096
-            t = time.perf_counter()
-            handles = [aio.submit_read(buf[:half], f, 0), aio.submit_write(buf[half : 2 * half], f + ".2", 0)]
-            for h in handles:
-                aio.wait(h)
-            fd = os.open(f + ".2", os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-            mixed = 2 * half / (time.perf_counter() - t)
-    finally:
-        for name in (f, f + ".2"):
-            if os.path.exists(name):
-                os.unlink(name)
-        pool.release(buf)
-        pool.close()
-    return read, write, mixed
+    write_gbs, read_gbs, mixed_gbs, _ = measure_path(path, nbytes)
+    return read_gbs * 1e9, write_gbs * 1e9, mixed_gbs * 1e9
 
 
 def measure_host_bw(nbytes: int = 256 << 20, reps: int = 5) -> float:
