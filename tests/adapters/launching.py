@@ -18,6 +18,7 @@ __all__ = ["ROOT", "EXAMPLES", "run_launcher", "failure_message", "accelerate_la
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "accelerate"
 TORCH_EXIT_ABORT = "terminate called without an active exception"
+EXIT_ABORT_RETRIES = 3
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:")
 
 
@@ -49,6 +50,13 @@ def failure_message(cmd: Sequence[str], proc: subprocess.CompletedProcess) -> st
             f"--- stdout (tail) ---\n{stdout[-2000:]}\n--- stderr (tail) ---\n{stderr[-4000:]}")
 
 
+def _ends_in_torch_exit_abort(proc: subprocess.CompletedProcess) -> bool:
+    """True when a launch failed only by torch's exit abort: its message, and no Python traceback before it."""
+    stderr = proc.stderr or ""
+    return proc.returncode != 0 and TORCH_EXIT_ABORT in stderr and \
+        "Traceback (most recent call last):\n  File" not in stderr.split(TORCH_EXIT_ABORT)[0]
+
+
 def run_launcher(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool = True, cwd: Path = ROOT,
                  timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a launcher command with one thread per process (the same CPU reduction order in every run), without a
@@ -56,10 +64,13 @@ def run_launcher(cmd: list[str], *, env: dict[str, str] | None = None, ok: bool 
     full_env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "ZINF_CONFIG", "MASTER_PORT")}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     proc = processes.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if ok and proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stderr and "Traceback (most recent call last):\n  File" \
-            not in proc.stderr.split(TORCH_EXIT_ABORT)[0]:
+    for _ in range(EXIT_ABORT_RETRIES):
+        if not (ok and _ends_in_torch_exit_abort(proc)):
+            break
         # torch 2.13's gloo can abort a process at interpreter exit after its work is done (docs/known_issues.md);
-        # the run itself succeeded (no traceback before the abort). Run it once more; any other failure fails.
+        # a plain DDP reference run has no zinf exit handler to prevent it, and on a loaded machine it can happen
+        # twice running. The run itself succeeded (no traceback before the abort): run it again. Any other
+        # failure fails; zinf's own exits are held to 0 aborts in tests/distributed/test_clean_exit.py.
         proc = processes.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if ok and proc.returncode != 0:
         raise AssertionError(failure_message(cmd, proc))
