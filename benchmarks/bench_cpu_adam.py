@@ -12,6 +12,8 @@ offloaded to CPU: norms from the gradient shard's statistics, taken when backwar
 clip applied inside the one Adam pass; the bf16/fp16 shard written by that pass; the gradient zeroed by it
 for the next backward), against torch's sequence on the same numbers. Bytes per parameter are printed beside it:
 the floor is 30 (read gradient, master, two moments; write master, two moments, the 2-byte shard).
+Table 4: compact moments (``optimizer_storage``): the engine's step with fp32 and with bf16 moments (22 bytes
+per parameter instead of 30), beside the memory bandwidth the streaming bound measures in the same run.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
     return rows, full
 
 
-def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, float, float]]:
+def bench_engine_step(n: int, reps: int, precision: str, storage: str = "fp32",
+                      zinf_only: bool = False) -> list[tuple[str, float, float]]:
     """(name, seconds per step, bytes per parameter moved) for zinf's engine.step() and torch's sequence."""
     import zinf
     from torch import nn
@@ -106,7 +109,7 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
     rows = 1024
     loss_scale = 1024.0 if precision == "fp16" else 1.0
     cfg = zinf.ZeroConfig.from_dict({
-        "precision": precision, "gradient_clipping": 1.0, "log_every_n_steps": 0,
+        "precision": precision, "gradient_clipping": 1.0, "log_every_n_steps": 0, "optimizer_storage": storage,
         "loss_scale": {"initial_scale": loss_scale, "growth_interval": 10**9},
         "offload": {"optimizer": "cpu", "overlap_optimizer": False, "sub_group_numel": 32 << 20}})
     torch.manual_seed(0)
@@ -134,6 +137,8 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
     engine.close()
     del engine, model
     gc.collect()
+    if zinf_only:
+        return [(f"zinf engine.step(), {storage} moments", best, 30 if storage == "fp32" else 22)]
 
     param = torch.nn.Parameter(torch.randn(n))
     g_work = torch.randn(n)
@@ -156,6 +161,22 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
     del opt, param, g_work
     gc.collect()
     return out
+
+
+def print_storage_table(n: int, reps: int) -> None:
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    bound = timeit(lambda: native.stream_bound(p, g, m, v), reps)
+    bandwidth = 28 * n / bound
+    del p, g, m, v
+    gc.collect()
+    rows = [bench_engine_step(n, reps, "bf16", storage, zinf_only=True)[0] for storage in ("fp32", "bf16")]
+    print(f"\n## Compact moments (optimizer_storage), bf16 parameters, {n / 1e6:.0f}M params (best of {reps})")
+    print("| step | s/step | G params/s | bytes/param moved | GB/s | share of the measured bandwidth | params/s vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, t, nbytes in rows:
+        print(f"| {name} | {t:.4f} | {n / t / 1e9:.3f} | {nbytes} | {nbytes * n / t / 1e9:.1f} | "
+              f"{nbytes * n / t / bandwidth * 100:.0f}% | {rows[0][1] / t:.2f}x |")
+    print(f"\nmemory bandwidth measured by the streaming bound (28 bytes/param, trivial math): {bandwidth / 1e9:.1f} GB/s")
 
 
 def main() -> None:
@@ -190,6 +211,7 @@ def main() -> None:
                   f"the next backward as it reads it); torch's sequence moves {table[-1][2]}. zinf engine.step() is "
                   f"{table[-1][1] / table[0][1]:.2f}x torch's sequence, {table[-1][1] / table[1][1]:.2f}x with the norm "
                   "taken in backward counted in.")
+        print_storage_table(n, args.reps)
         if args.engine_only:
             continue
         rows, full = bench_size(n, args.reps)

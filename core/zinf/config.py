@@ -30,6 +30,7 @@ __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "T
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
+_OPTIMIZER_STORAGES = ("fp32", "bf16")
 _DIVERGENCE = ("auto", "error")
 _UNIT_POLICIES = ("blocks", "modules")
 
@@ -45,6 +46,12 @@ class ZeroConfig(Checked):
         NVMe and all-gathered, widened to fp32 after the all-gather; the fp32 masters stay with the
         optimizer. For CPUs without bf16 units (fp32 compute is far faster there) and NVMe-bound runs.
         The masters are stepped in fp32 and rounded to this dtype after each step (mixed precision).
+    optimizer_storage: dtype of the offloaded CPU-Adam's moments (``offload.optimizer`` "cpu" or "nvme"): "fp32"
+        (default, exact against torch's Adam) or "bf16": half the moments' bytes in host memory, on NVMe and through
+        the CPU-Adam's pass (12 bytes per parameter instead of 16 with parameters and optimizer on the CPU). The
+        fp32 master stays; the moments are widened, stepped in fp32 and rounded back stochastically, which keeps
+        their expected values (see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h). A checkpoint keeps
+        the moments as stored; loading it into an engine of the other storage converts them.
     reduce_dtype: dtype of the gradient reduce-scatter: "fp32" (default, exact) or "param".
     gradient_clipping: clip the global gradient norm to this value (0 = off).
     detect_external_params: watch tensor operations during forward so that a parameter used outside
@@ -82,6 +89,7 @@ class ZeroConfig(Checked):
 
     precision: str = "fp32"
     param_storage: str = "precision"
+    optimizer_storage: str = "fp32"
     reduce_dtype: str = "fp32"
     gradient_clipping: float = 0.0
     detect_external_params: bool = True
@@ -115,6 +123,11 @@ class ZeroConfig(Checked):
         require(self.param_storage in ("precision", self.precision) or self.precision == "fp32", "param_storage",
                  self.param_storage, f"'precision' or '{self.precision}' with precision='{self.precision}' (a 16-bit "
                  "storage dtype is for fp32 compute; with 16-bit compute the shards are already 16-bit)")
+        require(self.optimizer_storage in _OPTIMIZER_STORAGES, "optimizer_storage", self.optimizer_storage,
+                 f"one of {list(_OPTIMIZER_STORAGES)}")
+        require(self.optimizer_storage == "fp32" or self.offload.optimizer != "device", "optimizer_storage",
+                 self.optimizer_storage, "'fp32' with offload.optimizer: device (compact moments are the offloaded "
+                 "CPU-Adam's: set offload.optimizer to 'cpu' or 'nvme')")
         require(self.reduce_dtype in _REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype, f"one of {list(_REDUCE_DTYPES)}")
         require(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping, "a number >= 0 (0 turns clipping off)")
         require(self.trim_heap_bytes >= 0, "trim_heap_bytes", self.trim_heap_bytes, "an integer >= 0 (0 turns it off)")
@@ -142,6 +155,11 @@ class ZeroConfig(Checked):
     def storage_dtype(self) -> torch.dtype:
         """The parameter shards' dtype at rest (``param_storage``)."""
         return self.compute_dtype if self.param_storage == "precision" else PRECISIONS[self.param_storage]
+
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        """The offloaded CPU-Adam's moments' dtype (``optimizer_storage``)."""
+        return PRECISIONS[self.optimizer_storage]
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:

@@ -103,7 +103,8 @@ class ZeroInfinityEngine:
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
         fp16 = self.config.precision == "fp16"
         self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
-                                   check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0)
+                                   check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0,
+                                   moment_dtype=self.config.moment_dtype)
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:

@@ -39,7 +39,7 @@ from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore
-from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
+from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups, state_dtypes
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer
@@ -81,8 +81,9 @@ class Placement:
 
     def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], ctx: RunContext,
                  optimizer: torch.optim.Optimizer | None, check_finite: bool = False,
-                 eager_grad_stats: bool = False) -> None:
+                 eager_grad_stats: bool = False, moment_dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.groups = cfg, list(groups)
+        self.dtypes = state_dtypes(moment_dtype)  # the optimizer records' dtypes (``optimizer_storage``)
         comm = ctx.comm
         # frozen shards that stay in checkpoint files (see [Note: frozen shards in place] in zinf/offload/in_place.py)
         reads_in_place = cfg.enabled and cfg.params == "nvme" and cfg.frozen_in_place
@@ -133,13 +134,13 @@ class Placement:
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
         if cfg.optimizer == "cpu":
-            self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged))
+            self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged), moment_dtype)
         elif cfg.optimizer == "nvme":
             assert self.swap is not None and room is not None
-            records = allocate_records(self.swap, self.subgroups, grads_on_nvme)
+            records = allocate_records(self.swap, self.subgroups, grads_on_nvme, self.dtypes)
             self.stash = NvmeGradStash(self.swap, room, self.subgroups, records) if grads_on_nvme else None
             self.states = NvmeStateStore(self.subgroups, self.fence, self.swap, room, records, self.stash,
-                                         param_reserve, backward_reserve)
+                                         param_reserve, backward_reserve, moment_dtype)
         if cfg.enabled:
             for g in self.groups:
                 device = torch.device("cpu") if offloaded_opt else g.device
@@ -216,8 +217,9 @@ class Placement:
         cfg = self.cfg
         pipeline = largest = 0
         if cfg.optimizer == "nvme" and self.subgroups:
-            per_subgroup = 4 if grads_on_nvme else 3  # master, exp_avg, exp_avg_sq (, grad)
-            pipeline = 3 * per_subgroup * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
+            names = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if grads_on_nvme else ())
+            numel = max(sg.numel for sg in self.subgroups)
+            pipeline = 3 * sum(block_bytes(_span(numel * self.dtypes[n].itemsize)) for n in names)
         if cfg.params == "nvme" and self.groups:
             largest = self._largest_staged
         need = pipeline + (4 * largest if largest else 0)
@@ -262,7 +264,7 @@ class Placement:
         if cfg.grads_tier == "cpu":
             host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":
-            host += trained_numel * 12  # fp32 master, exp_avg, exp_avg_sq
+            host += trained_numel * (4 + 2 * self.dtypes["exp_avg"].itemsize)  # fp32 master, exp_avg, exp_avg_sq
         if "nvme" in (cfg.params, cfg.optimizer):
             host += cfg.pinned_pool_bytes
         leaving: dict[int, int] = {}  # host storages that move to NVMe and are freed there

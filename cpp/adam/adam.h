@@ -14,8 +14,11 @@ struct AdamArgs {
   float* param = nullptr;
   const void* grad = nullptr;
   DType grad_dtype = DType::kFloat32;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;       // float32, or bfloat16 with state_dtype kBFloat16
+  void* exp_avg_sq = nullptr;
+  DType state_dtype = DType::kFloat32;
+  uint32_t seed = 0;            // bf16 moments: stochastic rounding bits are sr_bits(seed, index_base + i)
+  uint32_t index_base = 0;
   void* param_out = nullptr;
   DType out_dtype = DType::kNone;
   float* grad_zero = nullptr;   // the fp32 gradient itself when the pass also zeroes it (else null)
@@ -33,7 +36,7 @@ struct AdamArgs {
 
 // Kernels of one ISA: each processes elements [begin, end).
 struct Kernels {
-  void (*adam)(const AdamArgs&, size_t begin, size_t end);
+  void (*adam)(const AdamArgs&, size_t begin, size_t end);  // elements [begin, end) of every array
   double (*sumsq)(const void* data, DType dtype, size_t begin, size_t end);
   void (*stream)(float* p, const float* g, float* m, float* v, size_t begin, size_t end);
 };

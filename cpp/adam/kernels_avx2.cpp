@@ -38,7 +38,45 @@ inline void store_out(void* out, size_t i, __m256 p) {
   }
 }
 
-template <DType G, DType O>
+template <DType S>
+inline __m256 load_state(const void* s, size_t i) {
+  if constexpr (S == DType::kBFloat16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(s) + i);
+  }
+}
+
+// sr_bits of 8 consecutive indices (kernel_scalar_body.h)
+inline __m256i sr_bits(uint32_t seed, uint32_t index) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), lanes);
+  x = _mm256_xor_si256(_mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x9E3779B1u))),
+                       _mm256_set1_epi32(static_cast<int>(seed)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// f32_to_bf16_stochastic on 8 lanes, r16 the random bits in each lane's low half
+template <DType S>
+inline void store_state(void* s, size_t i, __m256 x, __m256i r16) {
+  if constexpr (S == DType::kBFloat16) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(s) + i), _mm256_castsi256_si128(packed));
+  } else {
+    (void)r16;
+    _mm256_storeu_ps(static_cast<float*>(s) + i, x);
+  }
+}
+
+template <DType G, DType O, DType S>
 struct Avx2Range {
   static void run(const AdamArgs& a, size_t b, size_t e) {
     const __m256 grad_mul = _mm256_set1_ps(a.grad_mul);
@@ -58,19 +96,21 @@ struct Avx2Range {
       __m256 g = _mm256_mul_ps(load_grad<G>(a.grad, i), grad_mul);
       if (decoupled) p = _mm256_mul_ps(p, decay);
       else g = _mm256_fmadd_ps(l2, p, g);
-      __m256 m = _mm256_loadu_ps(a.exp_avg + i);
+      __m256 m = load_state<S>(a.exp_avg, i);
       m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), m);
-      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), b2);
+      __m256 v = _mm256_mul_ps(load_state<S>(a.exp_avg_sq, i), b2);
       v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g, v);  // torch's addcmul_: fma(value * t1, t2, self)
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
       p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
       _mm256_storeu_ps(a.param + i, p);
-      _mm256_storeu_ps(a.exp_avg + i, m);
-      _mm256_storeu_ps(a.exp_avg_sq + i, v);
+      __m256i r = _mm256_setzero_si256();
+      if constexpr (S == DType::kBFloat16) r = sr_bits(a.seed, a.index_base + static_cast<uint32_t>(i));
+      store_state<S>(a.exp_avg, i, m, _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+      store_state<S>(a.exp_avg_sq, i, v, _mm256_srli_epi32(r, 16));
       store_out<O>(a.param_out, i, p);
       if (zero) _mm256_storeu_ps(zero + i, _mm256_setzero_ps());
     }
-    adam_scalar_range<G, O>(a, i, e);
+    adam_scalar_range<G, O, S>(a, i, e);
   }
 };
 

@@ -37,7 +37,44 @@ inline void store_out(void* out, size_t i, __m512 p) {
   }
 }
 
-template <DType G, DType O>
+template <DType S>
+inline __m512 load_state(const void* s, size_t i) {
+  if constexpr (S == DType::kBFloat16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(s) + i);
+  }
+}
+
+// sr_bits of 16 consecutive indices (kernel_scalar_body.h)
+inline __m512i sr_bits(uint32_t seed, uint32_t index) {
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)), lanes);
+  x = _mm512_xor_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u))),
+                       _mm512_set1_epi32(static_cast<int>(seed)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// f32_to_bf16_stochastic on 16 lanes, r16 the random bits in each lane's low half
+template <DType S>
+inline void store_state(void* s, size_t i, __m512 x, __m512i r16) {
+  if constexpr (S == DType::kBFloat16) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r16), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(s) + i), _mm512_cvtepi32_epi16(r));
+  } else {
+    (void)r16;
+    _mm512_storeu_ps(static_cast<float*>(s) + i, x);
+  }
+}
+
+template <DType G, DType O, DType S>
 struct Avx512Range {
   static void run(const AdamArgs& a, size_t b, size_t e) {
     const __m512 grad_mul = _mm512_set1_ps(a.grad_mul);
@@ -57,19 +94,21 @@ struct Avx512Range {
       __m512 g = _mm512_mul_ps(load_grad<G>(a.grad, i), grad_mul);
       if (decoupled) p = _mm512_mul_ps(p, decay);
       else g = _mm512_fmadd_ps(l2, p, g);
-      __m512 m = _mm512_loadu_ps(a.exp_avg + i);
+      __m512 m = load_state<S>(a.exp_avg, i);
       m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), m);
-      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), b2);
+      __m512 v = _mm512_mul_ps(load_state<S>(a.exp_avg_sq, i), b2);
       v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g, v);  // torch's addcmul_: fma(value * t1, t2, self)
       const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
       p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), denom));
       _mm512_storeu_ps(a.param + i, p);
-      _mm512_storeu_ps(a.exp_avg + i, m);
-      _mm512_storeu_ps(a.exp_avg_sq + i, v);
+      __m512i r = _mm512_setzero_si512();
+      if constexpr (S == DType::kBFloat16) r = sr_bits(a.seed, a.index_base + static_cast<uint32_t>(i));
+      store_state<S>(a.exp_avg, i, m, _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+      store_state<S>(a.exp_avg_sq, i, v, _mm512_srli_epi32(r, 16));
       store_out<O>(a.param_out, i, p);
       if (zero) _mm512_storeu_ps(zero + i, _mm512_setzero_ps());  // the line is already in cache: no extra read
     }
-    adam_scalar_range<G, O>(a, i, e);
+    adam_scalar_range<G, O, S>(a, i, e);
   }
 };
 

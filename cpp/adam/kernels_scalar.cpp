@@ -4,9 +4,9 @@
 namespace zinf::adam {
 namespace {
 
-template <DType G, DType O>
+template <DType G, DType O, DType S>
 struct ScalarRange {
-  static void run(const AdamArgs& a, size_t b, size_t e) { adam_scalar_range<G, O>(a, b, e); }
+  static void run(const AdamArgs& a, size_t b, size_t e) { adam_scalar_range<G, O, S>(a, b, e); }
 };
 
 void adam(const AdamArgs& a, size_t b, size_t e) { dispatch_adam<ScalarRange>(a, b, e); }

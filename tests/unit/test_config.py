@@ -1,4 +1,5 @@
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import zinf
@@ -179,3 +180,12 @@ def test_trim_heap_bytes() -> None:
     assert ZeroConfig.from_dict({"trim_heap_bytes": 0}).trim_heap_bytes == 0
     with pytest.raises(ConfigError, match=r"'trim_heap_bytes' = -1 is not allowed; expected an integer >= 0 \(0 turns it off\)"):
         ZeroConfig.from_dict({"trim_heap_bytes": -1})
+
+
+def test_optimizer_storage_names_its_values_and_its_tier() -> None:
+    assert ZeroConfig.from_dict({"optimizer_storage": "bf16", "offload": {"optimizer": "cpu"}}).moment_dtype \
+        == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"'optimizer_storage' = 'fp16' is not allowed; expected one of \['fp32', 'bf16'\]"):
+        ZeroConfig.from_dict({"optimizer_storage": "fp16", "offload": {"optimizer": "cpu"}})
+    with pytest.raises(ConfigError, match=r"'optimizer_storage' = 'bf16' .*offload.optimizer to 'cpu' or 'nvme'"):
+        ZeroConfig.from_dict({"optimizer_storage": "bf16"})

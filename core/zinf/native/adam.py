@@ -10,7 +10,9 @@
 [Note: adam semantics] One step matches the single-tensor path of ``torch.optim.Adam`` /
 ``torch.optim.AdamW`` (amsgrad=False, maximize=False) on ``grad * (clip_coef / grad_scale)``,
 where the factor is computed in double and applied as a float32 multiply. Adam's weight decay is
-L2 (``grad += wd * param``); AdamW's is decoupled (``param *= 1 - lr * wd``).
+L2 (``grad += wd * param``); AdamW's is decoupled (``param *= 1 - lr * wd``). With bfloat16 moments the
+same fp32 math runs on the widened moments, which are stored back rounded stochastically with hashed bits
+(see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h; :func:`stochastic_bf16` is its twin).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ __all__ = [
     "grad_norm_sq",
     "grad_norm_sq_torch",
     "stream_bound",
+    "stochastic_bf16",
+    "sr_bits",
+    "MOMENT_DTYPES",
 ]
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 # --------------------------------------------------------------------------- hyper-parameters
 
@@ -209,8 +216,8 @@ def _check_adam(
     _check("param", param, (torch.float32,), None, "adam_step")
     n = param.numel()
     _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step")
-    _check("exp_avg", exp_avg, (torch.float32,), n, "adam_step")
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n, "adam_step")
+    _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step")
+    _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step")
     if param_out is not None:
         _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step")
     if int(step) < 1:
@@ -230,6 +237,26 @@ def grad_factor(grad_scale: float = 1.0, clip_coef: float = 1.0) -> float:
         return float(np.float32(float(clip_coef) / float(grad_scale)))
 
 
+def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """The kernel's stochastic-rounding bits of each element index (int64 tensor of uint32 values)."""
+    mask = 0xFFFFFFFF
+    x = ((index * 0x9E3779B1) & mask) ^ (int(seed) & mask)
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & mask
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & mask
+    return x ^ (x >> 16)
+
+
+def stochastic_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to bfloat16 by adding the random 16 bits ``r16`` and truncating, NaN kept (the kernel's
+    rounding of bf16 moments)."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = (((bits + r16) & 0xFFFFFFFF) >> 16).to(torch.int32)
+    out = torch.where(x.isnan(), torch.full_like(out, 0x7FC0), out)
+    return out.to(torch.int16).view(torch.bfloat16)  # wraps to the same 16 bits
+
+
 def adam_step_torch(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -242,6 +269,8 @@ def adam_step_torch(
     clip_coef: float = 1.0,
     param_out: torch.Tensor | None = None,
     zero_grad: bool = False,
+    seed: int = 0,
+    index_base: int = 0,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -260,12 +289,17 @@ def adam_step_torch(
             param.mul_(1.0 - lr_ * wd)
         elif wd != 0.0:
             g = g.add(param, alpha=wd)
-        exp_avg.lerp_(g, 1.0 - beta1_)
-        exp_avg_sq.mul_(beta2_).addcmul_(g, g, value=1.0 - beta2_)
+        m, v = exp_avg.float(), exp_avg_sq.float()  # exact widening of bf16 moments; fp32 ones in place
+        m.lerp_(g, 1.0 - beta1_)
+        v.mul_(beta2_).addcmul_(g, g, value=1.0 - beta2_)
         bias_correction1 = 1.0 - beta1_**step
         bias_correction2 = 1.0 - beta2_**step
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps_)
-        param.addcdiv_(exp_avg, denom, value=-(lr_ / bias_correction1))
+        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps_)
+        param.addcdiv_(m, denom, value=-(lr_ / bias_correction1))
+        if exp_avg.dtype == torch.bfloat16:
+            r = sr_bits(seed, torch.arange(exp_avg.numel(), dtype=torch.int64) + (int(index_base) & 0xFFFFFFFF))
+            exp_avg.copy_(stochastic_bf16(m, r & 0xFFFF))
+            exp_avg_sq.copy_(stochastic_bf16(v, r >> 16))
         if param_out is not None:
             param_out.copy_(param)
         if zero_grad:
@@ -284,6 +318,8 @@ def adam_step(
     clip_coef: float = 1.0,
     param_out: torch.Tensor | None = None,
     zero_grad: bool = False,
+    seed: int = 0,
+    index_base: int = 0,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -296,7 +332,9 @@ def adam_step(
     This is the function the fused optimizer step uses: unscaling, clipping, the Adam update and
     the compute-dtype copy of the parameter all happen in the same pass.
 
-    - ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous CPU float32, updated in place.
+    - ``param``: contiguous CPU float32; ``exp_avg``, ``exp_avg_sq``: contiguous CPU float32, or both bfloat16
+      (compact moments: widened exactly, stepped in fp32, stored rounded stochastically with the bits
+      ``sr_bits(seed, index_base + i)`` of element ``i``); all updated in place.
     - ``grad``: contiguous CPU float32/bfloat16/float16 of the same numel; modified only with ``zero_grad``.
     - ``hyper``: an :class:`AdamHyper` (e.g. ``AdamHyper.from_param_group(pg, decoupled=...)``);
       any object with its six fields is accepted (converted to the native struct per call).
@@ -324,7 +362,7 @@ def adam_step(
     h = _hyper_of("adam_step", hyper, lr, beta1, beta2, eps, weight_decay, decoupled)
     if _native is None:
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, h, step=step, grad_scale=grad_scale, clip_coef=clip_coef,
-                        param_out=param_out, zero_grad=zero_grad)
+                        param_out=param_out, zero_grad=zero_grad, seed=seed, index_base=index_base)
         return
     _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step)
     if zero_grad and grad.dtype != torch.float32:
@@ -334,7 +372,8 @@ def adam_step(
         0 if param_out is None else param_out.data_ptr(),
         "none" if param_out is None else _DTYPE_NAMES[param_out.dtype], param.numel(),
         _native_hyper(h), step=int(step), grad_scale=float(grad_scale), clip_coef=float(clip_coef),
-        zero_grad=bool(zero_grad),
+        zero_grad=bool(zero_grad), state_dtype=_DTYPE_NAMES[exp_avg.dtype], seed=int(seed) & 0xFFFFFFFF,
+        index_base=int(index_base) & 0xFFFFFFFF,
     )
 
 

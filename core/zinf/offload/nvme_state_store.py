@@ -57,8 +57,8 @@ class NvmeStateStore(StateStore):
 
     def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence, swap: SwapSpace, room: PoolRoom,
                  records: dict[int, dict[str, Record]], stash: NvmeGradStash | None, param_reserve_bytes: int,
-                 backward_reserve_bytes: int) -> None:
-        super().__init__(subgroups, fence)
+                 backward_reserve_bytes: int, moment_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(subgroups, fence, moment_dtype)
         self.swap, self.room, self.stash = swap, room, stash
         self.records = {id(sg): {name: records[id(sg)][name] for name in STATES} for sg in self.subgroups}
         self.param_reserve_bytes = param_reserve_bytes  # pool bytes trailing writes leave free for the parameter store
@@ -165,7 +165,7 @@ class NvmeStateStore(StateStore):
                 rec = self._rec(sg, name)
                 self.swap.wait(handles[name], rec)
                 self.swap.verify(rec, bufs[name])
-            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(torch.float32) for name in handles}
+            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.dtypes[name]) for name in handles}
             grad_buf = bufs.pop("grad", None)
             try:
                 yield sg, views
@@ -287,7 +287,7 @@ class NvmeStateStore(StateStore):
 
     # -- whole groups, from outside the step (start-up, checkpoints, edits) ---------------------
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
-        """This rank's master and moments of ``group`` as host fp32 tensors (copies)."""
+        """This rank's master and moments of ``group`` as host tensors of their stored dtypes (copies)."""
         self.fence.wait_all()
         self._idle.wait()
         out = self._outputs(group)
@@ -298,7 +298,7 @@ class NvmeStateStore(StateStore):
                 try:
                     self.swap.wait(self.swap.submit_read(rec, buf), rec)
                     self.swap.verify(rec, buf)
-                    out[name][sg.lo : sg.hi].copy_(buf[: rec.nbytes].view(torch.float32))
+                    out[name][sg.lo : sg.hi].copy_(buf[: rec.nbytes].view(self.dtypes[name]))
                 finally:
                     self.room.pool.release(buf)
         return out
@@ -313,7 +313,7 @@ class NvmeStateStore(StateStore):
                 rec = self.records[id(sg)][name]
                 buf = self.room.acquire_waiting(rec.span)
                 try:
-                    buf[: rec.nbytes].view(torch.float32).copy_(value[sg.lo : sg.hi])
+                    buf[: rec.nbytes].view(self.dtypes[name]).copy_(value[sg.lo : sg.hi])
                     self.swap.wait(self.swap.submit_write(rec, buf), rec)
                 finally:
                     self.room.pool.release(buf)

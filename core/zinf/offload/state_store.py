@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from zinf.offload.subgroups import STATES, SubGroup
+from zinf.offload.subgroups import STATES, SubGroup, state_dtypes
 from zinf.param.store import UpdateFence
 
 if TYPE_CHECKING:
@@ -33,9 +33,11 @@ class StateStore:
 
     tier = "cpu"
 
-    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence) -> None:
+    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence,
+                 moment_dtype: torch.dtype = torch.float32) -> None:
         self.subgroups = list(subgroups)
         self.fence = fence
+        self.dtypes = state_dtypes(moment_dtype)  # the moments as ``optimizer_storage`` keeps them
         self._of: dict[int, list[SubGroup]] = {}
         for sg in self.subgroups:
             self._of.setdefault(id(sg.group), []).append(sg)
@@ -50,7 +52,7 @@ class StateStore:
     def take_initial(self, group: "FlatParamGroup") -> None:
         """Take the fp32 master ``group`` was built with (moments start at zero); the group no longer holds it."""
         master = group.master_shard.hand_over(group.trainable)
-        zeros = torch.zeros_like(master)
+        zeros = torch.zeros_like(master, dtype=self.dtypes["exp_avg"])
         self.write_states(group, {"master": master, "exp_avg": zeros, "exp_avg_sq": zeros})
 
     def read_master(self, group: "FlatParamGroup") -> torch.Tensor:
@@ -60,7 +62,7 @@ class StateStore:
         self.write_states(group, {"master": master})
 
     def state_bytes(self) -> int:
-        return sum(sg.numel for sg in self.subgroups) * 4 * len(STATES)
+        return sum(sg.numel for sg in self.subgroups) * sum(self.dtypes[name].itemsize for name in STATES)
 
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -69,7 +71,7 @@ class StateStore:
         """Tensors to read ``group``'s states into: empty for a group with no sub-group (a frozen group keeps no
         state; see [Note: frozen groups] in zinf/param/master.py)."""
         numel = group.shard_numel if self.of(group) else 0
-        return {name: torch.empty(numel, dtype=torch.float32) for name in STATES}
+        return {name: torch.empty(numel, dtype=self.dtypes[name]) for name in STATES}
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
@@ -79,14 +81,14 @@ class CpuStateStore(StateStore):
     """[Note: one fp32 master on the host] Where a group's parameter shard is itself an fp32 tensor in host memory
     (parameters on the CPU, or on a CPU compute device), ``shards`` names it and its sub-groups' masters are views
     of it: the CPU-Adam steps the shard the forward reads, and the parameters cost 16 bytes each (shard and master 4,
-    moments 8, gradient 4) instead of 20. Not with ``step_during_backward``, whose early steps write the master
+    moments 8, gradient 4) instead of 20; 12 with bf16 moments (``optimizer_storage: bf16``). Not with ``step_during_backward``, whose early steps write the master
     before the step after the backward has checked them (zinf/optim/early_steps.py)."""
 
     tier = "cpu"
 
     def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence,
-                 shards: dict[int, torch.Tensor] | None = None) -> None:
-        super().__init__(subgroups, fence)
+                 shards: dict[int, torch.Tensor] | None = None, moment_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(subgroups, fence, moment_dtype)
         shards = shards or {}
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._shared = 0  # elements whose master is their parameter shard
@@ -94,7 +96,7 @@ class CpuStateStore(StateStore):
             shard = shards.get(id(sg.group))
             self._tensors[id(sg)] = {
                 name: shard[sg.lo : sg.hi] if name == "master" and shard is not None
-                else torch.zeros(sg.numel, dtype=torch.float32) for name in STATES}
+                else torch.zeros(sg.numel, dtype=self.dtypes[name]) for name in STATES}
             if shard is not None:
                 self._shared += sg.numel
 

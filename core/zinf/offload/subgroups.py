@@ -19,9 +19,14 @@ if TYPE_CHECKING:
     from zinf.offload.swap import Record, SwapSpace
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "STATES", "ALIGN_NUMEL"]
+__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "state_dtypes", "STATES", "ALIGN_NUMEL"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def state_dtypes(moment_dtype: torch.dtype = torch.float32) -> dict[str, torch.dtype]:
+    """Each record's dtype: the fp32 master, the moments as ``optimizer_storage`` keeps them, an fp32 gradient."""
+    return {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype, "grad": torch.float32}
 ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
 
 
@@ -77,7 +82,10 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
     return out
 
 
-def allocate_records(swap: "SwapSpace", subgroups: Sequence[SubGroup], grads: bool) -> dict[int, dict[str, "Record"]]:
-    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (and its gradient)."""
+def allocate_records(swap: "SwapSpace", subgroups: Sequence[SubGroup], grads: bool,
+                     dtypes: dict[str, torch.dtype] | None = None) -> dict[int, dict[str, "Record"]]:
+    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (and its gradient),
+    each of its dtype in ``dtypes`` (fp32 throughout by default)."""
     names = STATES + (("grad",) if grads else ())
-    return {id(sg): {name: swap.allocate(sg.numel * 4) for name in names} for sg in subgroups}
+    dtypes = dtypes or state_dtypes()
+    return {id(sg): {name: swap.allocate(sg.numel * dtypes[name].itemsize) for name in names} for sg in subgroups}

@@ -31,6 +31,7 @@ import torch
 
 from zinf import native
 from zinf.native import AdamHyper
+from zinf.optim.fused_step import moment_rounding
 from zinf.offload.subgroups import STATES, SubGroup
 from zinf.report import StepTimers
 
@@ -134,4 +135,5 @@ class EarlySteps:
                 a, b = lo - sg.lo, hi - sg.lo
                 step = inputs.steps[i]
                 assert step is not None
-                native.adam_step(master[a:b], g[a:b], m[a:b], v[a:b], hyper[k], step=step, clip_coef=inputs.factor)
+                native.adam_step(master[a:b], g[a:b], m[a:b], v[a:b], hyper[k], step=step, clip_coef=inputs.factor,
+                                 **moment_rounding(sg, a, step))

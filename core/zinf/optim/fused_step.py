@@ -9,11 +9,13 @@ gradient it has just read (``zero_grad``: the cache line is already there), read
 that clipping and loss scaling need were taken when each gradient shard was complete (zinf/param/grad_shard.py),
 so the step reads each byte once: 16 bytes per parameter in (gradient, master, two moments) and 12 + 2 out
 (master, moments, bf16 shard), the floor of 30, with the gradient's zeroing folded into the same pass;
-torch's clip_grad_norm_, fused AdamW and copy move 46 (54 with an fp16 unscale pass).
+torch's clip_grad_norm_, fused AdamW and copy move 46 (54 with an fp16 unscale pass). With bf16 moments
+(``optimizer_storage: bf16``) the moments are 4 of them in and 4 out: 22 bytes per parameter.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import torch
@@ -22,7 +24,16 @@ from zinf import native
 from zinf.native import AdamHyper
 from zinf.offload.subgroups import SubGroup
 
-__all__ = ["adam_sub_group"]
+__all__ = ["adam_sub_group", "moment_rounding"]
+
+
+def moment_rounding(sg: SubGroup, offset: int, step: int) -> dict[str, int]:
+    """The stochastic-rounding inputs of bf16 moments for elements ``sg.lo + offset`` on of ``sg``'s group at
+    ``step`` ([Note: bf16 moments] in cpp/adam/kernel_scalar_body.h): a seed from the group's name and the step,
+    and the elements' place in the group's flat vector. The same on every resume, different on every rank."""
+    g = sg.group
+    seed = zlib.crc32(g.name.encode()) ^ ((int(step) * 0x9E3779B1) & 0xFFFFFFFF)
+    return {"seed": seed, "index_base": (g.layout.lo + sg.lo + offset) & 0xFFFFFFFF}
 
 
 def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor | None,
@@ -45,7 +56,7 @@ def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch
             grad = g.grad.tensor()[sg.lo : sg.hi]
         native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], hyper[k], step=steps[i],
                          clip_coef=factor, param_out=None if fp32 or out is None else out[lo:hi],
-                         zero_grad=not stashed)
+                         zero_grad=not stashed, **moment_rounding(sg, a, steps[i]))
         if fp32 and out is not None:
             out[lo:hi].copy_(master[a:b])
     for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard

@@ -1,0 +1,121 @@
+"""bf16 moments in the CPU-Adam kernel ([Note: bf16 moments] in cpp/adam/kernel_scalar_body.h): the stored moments
+equal the pure-PyTorch twin's at every SIMD level and are the same on every level; the stochastic rounding keeps a
+moment's expected value, so exp_avg_sq decays where rounding to nearest would hold it still."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from zinf import native
+from zinf.native.adam import sr_bits, stochastic_bf16
+
+pytestmark = pytest.mark.skipif(not native.info().available, reason="zinf._native not built")
+
+LEVELS = ["scalar", "avx2", "avx512"]
+SIZES = [1, 15, 17, 1000003]
+
+
+def _supported(level: str) -> bool:
+    return LEVELS.index(level) <= LEVELS.index(native.require().adam.best_simd_level())
+
+
+@pytest.fixture(params=LEVELS)
+def simd(request: pytest.FixtureRequest) -> Iterator[str]:
+    if not _supported(request.param):
+        pytest.skip(f"CPU lacks {request.param}")
+    before = native.require().adam.simd_level()
+    native.set_simd_level(request.param)
+    yield request.param
+    native.set_simd_level(before)
+
+
+def _steps(numel: int, steps: int = 3, seed: int = 7, index_base: int = 1000,
+           torch_twin: bool = False) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(numel)
+    param = torch.randn(numel, generator=gen)
+    m = torch.zeros(numel, dtype=torch.bfloat16)
+    v = torch.zeros(numel, dtype=torch.bfloat16)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    hyper = native.AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=True)
+    step_fn = native.adam_step_torch if torch_twin else native.adam_step
+    for step in range(1, steps + 1):
+        grad = torch.randn(numel, generator=gen).to(torch.bfloat16)
+        step_fn(param, grad, m, v, hyper, step=step, param_out=out, seed=seed + step, index_base=index_base)
+    return param, m, v, out
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_bf16_moments_equal_the_torch_twin(simd: str, numel: int) -> None:
+    param, m, v, out = _steps(numel)
+    ref = _steps(numel, torch_twin=True)
+    # the moments are computed alike in fp32 and rounded with the same bits; the parameter may differ in its last
+    # bit where torch's vectorised sqrt is not correctly rounded (tests/unit/native/test_adam.py)
+    assert torch.equal(m.view(torch.int16), ref[1].view(torch.int16))
+    assert torch.equal(v.view(torch.int16), ref[2].view(torch.int16))
+    torch.testing.assert_close(param, ref[0], rtol=1e-6, atol=1e-7)
+
+
+def test_every_simd_level_stores_the_same_moments() -> None:
+    results = {}
+    before = native.require().adam.simd_level()
+    try:
+        for level in filter(_supported, LEVELS):
+            native.set_simd_level(level)
+            results[level] = _steps(100_003)
+    finally:
+        native.set_simd_level(before)
+    first = next(iter(results.values()))
+    for level, (param, m, v, _) in results.items():
+        assert torch.equal(m.view(torch.int16), first[1].view(torch.int16)), level
+        assert torch.equal(v.view(torch.int16), first[2].view(torch.int16)), level
+
+
+def test_the_rounding_bits_depend_on_seed_and_index() -> None:
+    _, m1, _, _ = _steps(4096, seed=1)
+    _, m2, _, _ = _steps(4096, seed=2)
+    _, m3, _, _ = _steps(4096, seed=1, index_base=0)
+    assert not torch.equal(m1, m2) and not torch.equal(m1, m3)
+    bits = sr_bits(5, torch.arange(1 << 16))
+    assert 0.49 < (bits & 1).float().mean().item() < 0.51 and 0.49 < (bits >> 31).float().mean().item() < 0.51
+
+
+def test_stochastic_rounding_keeps_the_expected_value() -> None:
+    x = torch.full((1 << 16,), 1.0 + 2.0**-10)  # an eighth of a bf16 unit (2^-7) above 1.0
+    rounded = stochastic_bf16(x, sr_bits(3, torch.arange(x.numel())) & 0xFFFF).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-4  # nearest rounding would give 1.0 everywhere
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    out = stochastic_bf16(special, torch.full((5,), 0xFFFF, dtype=torch.int64)).float()
+    assert out[0].isnan() and out[1:3].tolist() == [float("inf"), -float("inf")] and out[3:].tolist() == [0.0, 0.0]
+
+
+def test_exp_avg_sq_decays_in_bf16() -> None:
+    """After one large gradient, zero gradients: fp32 exp_avg_sq falls by 0.1% a step. In bf16 rounded to nearest
+    it would never move (the change is under half a unit); stochastically rounded it follows fp32 within 2%."""
+    n, steps = 4096, 500
+    param32, m32, v32 = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    param16, m16, v16 = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    hyper = native.AdamHyper(lr=1e-3)
+    for step in range(1, steps + 1):
+        grad = torch.ones(n) if step == 1 else torch.zeros(n)
+        native.adam_step(param32, grad, m32, v32, hyper, step=step)
+        native.adam_step(param16, grad, m16, v16, hyper, step=step, seed=step)
+    expected = 0.001 * 0.999 ** (steps - 1)
+    nearest = torch.tensor(0.001).bfloat16()
+    assert (nearest.float() * 0.999).bfloat16() == nearest  # rounded to nearest, the decay is lost
+    assert abs(v32.mean().item() / expected - 1) < 1e-3
+    assert abs(v16.float().mean().item() / expected - 1) < 0.02
+    torch.testing.assert_close(param16, param32, rtol=0.02, atol=1e-6)
+
+
+def test_moments_of_mixed_dtypes_are_refused() -> None:
+    n = 8
+    with pytest.raises(ValueError, match="exp_avg_sq.*bfloat16"):
+        native.adam_step(torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n),
+                         native.AdamHyper(), step=1)
+    with pytest.raises(ValueError, match="exp_avg.*float32/bfloat16"):
+        native.adam_step(torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.float16),
+                         torch.zeros(n, dtype=torch.float16), native.AdamHyper(), step=1)
