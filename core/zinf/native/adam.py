@@ -28,6 +28,7 @@ import torch
 from zinf.device_memory import is_device_memory
 
 from .loader import _native, require
+from .rounding import sr_bits, stochastic_bf16
 
 __all__ = [
     "AdamHyper",
@@ -235,26 +236,6 @@ def grad_factor(grad_scale: float = 1.0, clip_coef: float = 1.0) -> float:
     """
     with np.errstate(over="ignore"):
         return float(np.float32(float(clip_coef) / float(grad_scale)))
-
-
-def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """The kernel's stochastic-rounding bits of each element index (int64 tensor of uint32 values)."""
-    mask = 0xFFFFFFFF
-    x = ((index * 0x9E3779B1) & mask) ^ (int(seed) & mask)
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & mask
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & mask
-    return x ^ (x >> 16)
-
-
-def stochastic_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` rounded to bfloat16 by adding the random 16 bits ``r16`` and truncating, NaN kept (the kernel's
-    rounding of bf16 moments)."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    out = (((bits + r16) & 0xFFFFFFFF) >> 16).to(torch.int32)
-    out = torch.where(x.isnan(), torch.full_like(out, 0x7FC0), out)
-    return out.to(torch.int16).view(torch.bfloat16)  # wraps to the same 16 bits
 
 
 def adam_step_torch(

@@ -20,6 +20,8 @@ and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_b
     nvme/nvme (grads nvme)         nvme: shard pb (in 4 KiB-aligned records), states 12, grad 4  pb + 16
                                    + cpu: the pinned pool (offload.pinned_pool_bytes)
     nvme/nvme/cpu                  nvme: shard pb, states 12 | cpu: grad 4 + pool
+    x/y+bf16 (y = cpu or nvme)     as x/y with the moments 2 + 2 (``optimizer_storage: bf16``): states 8 (4 with
+                                   the host master shared)
     x/device with x = cpu or nvme  device: master 4, grad 4, moments 8 | x: shard pb (with fp32 on a CPU-only
                                    machine the CPU store keeps the master's own tensor: no second copy)
     any, a frozen group            its shard pb on the parameters' tier, nothing else (no master,   pb
@@ -39,7 +41,8 @@ Data moved per step and rank:
   softmax, the fp32 loss) as bytes at the device's memory bandwidth, plus the engine's own work per group (hooks
   and bookkeeping). The constants are in :class:`zinf.plan.cost.Calibration`, each with where it comes from.
 - optimizer: torch AdamW over device shards ~80 bytes/param, zinf's CPU-Adam ~20 (it moves 30-34 bytes per
-  parameter, docs/offload.md, but reads cost less than a copy), both in host-copy time at the measured bandwidth.
+  parameter, docs/offload.md, but reads cost less than a copy; ~15.6 with bf16 moments), both in host-copy time at
+  the measured bandwidth.
 - NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
   pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next forward
   while there is room: the pool less 3 x the largest shard and the optimizer's read-ahead), and written once
@@ -104,6 +107,8 @@ class Plan:
         cfg: dict[str, Any] = {"precision": est.precision, "offload": est.placement.offload_config()}
         if est.storage != est.precision:
             cfg["param_storage"] = est.storage
+        if est.placement.moments != "fp32":
+            cfg["optimizer_storage"] = est.placement.moments
         if "nvme" in (est.placement.params, est.placement.optimizer):
             cfg["offload"].update(nvme_paths=list(self.nvme_paths), pinned_pool_bytes=est.pinned_pool_bytes,
                                   sub_group_numel=est.sub_group_numel)
@@ -120,6 +125,7 @@ class Plan:
         def row(e: Estimate) -> dict[str, Any]:
             return {"placement": e.placement.name, "params": e.placement.params, "optimizer": e.placement.optimizer,
                     "grads": e.placement.grads, "precision": e.precision, "param_storage": e.storage,
+                    "optimizer_storage": e.placement.moments,
                     "bytes": {t: dict(k) for t, k in e.bytes.items()},
                     "bytes_per_tier": {t: e.tier_bytes(t) for t in e.bytes},
                     "disk_bytes": e.disk_bytes, "io_bytes": dict(e.io_bytes),
@@ -308,13 +314,14 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
 
 
 def recommend(estimates: Sequence[Estimate]) -> Estimate | None:
-    """The fastest placement that fits; among those within TIE_TOLERANCE of it, the fewest offloads."""
+    """The fastest placement that fits; among those within TIE_TOLERANCE of it, the fewest offloads, then fp32
+    moments (exact against torch's Adam) over bf16 ones."""
     fitting = [e for e in estimates if e.fits and not math.isnan(e.seconds["step"])]
     if not fitting:
         return None
     best = min(e.seconds["step"] for e in fitting)
     close = [e for e in fitting if e.seconds["step"] <= best * (1 + TIE_TOLERANCE)]
-    return min(close, key=lambda e: (e.placement.num_offloads, e.seconds["step"]))
+    return min(close, key=lambda e: (e.placement.num_offloads, e.placement.moments != "fp32", e.seconds["step"]))
 
 
 def _cuda_count() -> int:  # pragma: no cover - CUDA only

@@ -41,6 +41,9 @@ class Calibration:
     # shard; zeroes the gradient: docs/offload.md), but reads cost less than a copy's read + write: measured here
     # at 17-19 bytes of host-copy time per parameter (1 and 2 threads), so 20
     cpu_adam_bytes: float = 20.0
+    # the same with bf16 moments (optimizer_storage: bf16, 22 bytes moved instead of 30): benchmarks/bench_cpu_adam.py
+    # measured its step 1.28x faster here (0.0382 against 0.0488 s for 100M parameters), so 20 / 1.28
+    cpu_adam_bytes_bf16: float = 15.6
     # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
     # residuals, attention softmax, copies), forward + backward; fitted to GPT runs on the 2-core machine of
     # docs/planner.md (noisy: a shared machine), not derived
@@ -191,8 +194,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":
-        io["nvme_read"] += trainable * 12
-        io["nvme_write"] += trainable * 12
+        io["nvme_read"] += trainable * (4 + 2 * pl.moment_bytes)
+        io["nvme_write"] += trainable * (4 + 2 * pl.moment_bytes)
         if pl.grads == "nvme":
             io["nvme_read"] += trainable * 4
             io["nvme_write"] += trainable * 4
@@ -225,7 +228,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     if pl.optimizer == "device":
         sec["optimizer"] = trainable * cal.torch_adam_bytes / mem_bw
     else:
-        sec["optimizer"] = trainable * cal.cpu_adam_bytes / host_bw
+        per = cal.cpu_adam_bytes if pl.moments == "fp32" else cal.cpu_adam_bytes_bf16
+        sec["optimizer"] = trainable * per / host_bw
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
         read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)

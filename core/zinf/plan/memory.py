@@ -45,8 +45,9 @@ def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, su
     trained = trained_shards(spec, shards)
     pipeline = largest = 0
     if pl.optimizer == "nvme" and trained:
-        per = 4 if pl.grads == "nvme" else 3
-        pipeline = 3 * per * block_bytes(max(record_span(n * 4) for n in _subgroup_numels(trained, sub_group_numel)))
+        numel = max(_subgroup_numels(trained, sub_group_numel))
+        widths = [4, pl.moment_bytes, pl.moment_bytes] + ([4] if pl.grads == "nvme" else [])
+        pipeline = 3 * sum(block_bytes(record_span(numel * w)) for w in widths)
     if pl.params == "nvme":
         largest = block_bytes(max(record_span(n * pb) for n in shards))
     return pipeline + 4 * largest
@@ -90,7 +91,8 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
         # fp32 shards in host memory are the CPU-Adam's masters ([Note: one fp32 master on the host])
         host_master = pb == 4 and pl.optimizer == "cpu" and (pl.params == "cpu" or (pl.params == "device"
                                                                                     and machine_device == "cpu"))
-        add(pl.optimizer, "optimizer_state", trainable * (8 if host_master else 12))
+        moments = 2 * pl.moment_bytes
+        add(pl.optimizer, "optimizer_state", trainable * (moments if host_master else 4 + moments))
         add(pl.grads, "grad_shards", trainable * 4)
     if "nvme" in (pl.params, pl.optimizer):
         add("cpu", "pinned_pool", pool_bytes)
@@ -101,6 +103,7 @@ def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, s
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
     total = sum(record_span(n * pb) for n in shards) if pl.params == "nvme" else 0
     if pl.optimizer == "nvme":
-        per = 4 if pl.grads == "nvme" else 3
-        total += per * sum(record_span(n * 4) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel))
+        widths = [4, pl.moment_bytes, pl.moment_bytes] + ([4] if pl.grads == "nvme" else [])
+        total += sum(record_span(n * w) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel)
+                     for w in widths)
     return total

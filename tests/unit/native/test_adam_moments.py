@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zinf import native
-from zinf.native.adam import sr_bits, stochastic_bf16
+from zinf.native.rounding import sr_bits, stochastic_bf16
 
 pytestmark = pytest.mark.skipif(not native.info().available, reason="zinf._native not built")
 
