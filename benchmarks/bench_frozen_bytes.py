@@ -40,8 +40,8 @@ class Frozen(nn.Module):
 def measure(depth: int, precision: str, params: str, optimizer: str, nvme: str,
             pool_bytes: int) -> tuple[dict[str, int], int, int]:
     config = zinf.ZeroConfig.from_dict({"precision": precision, "offload": {
-        "params": params, "optimizer": optimizer, "nvme_paths": [nvme], "pinned_pool_bytes": pool_bytes,
-        "sub_group_numel": 1 << 20}})
+        "params": params, "optimizer": optimizer, "grads": "nvme" if optimizer == "nvme" else "auto",
+        "nvme_paths": [nvme], "pinned_pool_bytes": pool_bytes, "sub_group_numel": 1 << 20}})
     torch.manual_seed(0)
     with zinf.Init(config):
         model = Frozen(depth)

@@ -83,7 +83,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
-    p.add_argument("--grads", default="auto", choices=["auto", "cpu", "nvme"], help="offload.grads (auto: NVMe, with the optimizer)")
+    p.add_argument("--grads", default="nvme", choices=["auto", "cpu", "nvme"],
+                   help="offload.grads (auto: in host memory where they fit, else on NVMe)")
     p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
     p.add_argument("--checksums", default="on", choices=["on", "both"],
                    help="both: also run the NVMe row with the CRC32C of offloaded records off, to measure its cost")

@@ -94,7 +94,7 @@ def main() -> None:
           f"fp32 model states {16 * numel / 1e9:.1f} GB = {16 * numel / ram:.2f}x this machine's RAM "
           f"({ram / GiB:.1f} GiB); batch {args.batch}x{args.block}; {torch.get_num_threads()} threads", flush=True)
     config = zinf.ZeroConfig.from_dict({"offload": {
-        "params": "nvme", "optimizer": "nvme", "nvme_paths": args.nvme,
+        "params": "nvme", "optimizer": "nvme", "grads": "nvme", "nvme_paths": args.nvme,
         "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group}})
     sampler = RssSampler()
     rows: list[tuple[str, float, int]] = []

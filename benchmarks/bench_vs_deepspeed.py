@@ -60,7 +60,7 @@ def child(args: argparse.Namespace) -> dict:
 
         zcfg = {}
         if args.variant == "zinf-nvme":
-            zcfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
+            zcfg = {"offload": {"params": "nvme", "optimizer": "nvme", "grads": "nvme", "nvme_paths": [args.nvme],
                                 "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20}}
         config = zinf.ZeroConfig.from_dict(zcfg)
         with zinf.Init(config):

@@ -72,7 +72,8 @@ def main() -> None:
     os.makedirs(args.nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({
         "precision": args.precision, "param_storage": args.storage,
-        "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu", "nvme_paths": [args.nvme],
+        "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu",
+                    "grads": "nvme" if args.full else "auto", "nvme_paths": [args.nvme],
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
                     "frozen_in_place": not args.copy_frozen},
     })

@@ -53,7 +53,7 @@ SYSTEMS: dict[str, System] = {
 
 ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"},
                 "zinf-optcpu-early": {"optimizer": "cpu", "step_during_backward": True}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
-                "zinf-nvme": {"params": "nvme", "optimizer": "nvme"},
+                "zinf-nvme": {"params": "nvme", "optimizer": "nvme", "grads": "nvme"},
                 "zinf-nvme-gradcpu": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}}
 
 

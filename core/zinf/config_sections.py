@@ -118,7 +118,9 @@ class OffloadConfig(Checked):
         in place), "cpu" or "nvme" (zinf's C++ CPU-Adam steps them, sub-group by sub-group; with
         "nvme" reading the next sub-group, stepping this one and writing the last overlap).
     grads: this rank's fp32 gradient shards between backward and the optimizer step: "auto" (default:
-        with the optimizer's tier, so device, CPU or NVMe), "cpu", or "nvme" (needs optimizer "nvme").
+        with the optimizer's tier, so device or CPU; with the optimizer on NVMe in host memory where they fit,
+        else on NVMe: [Note: gradients on the host] in zinf/placement.py), "cpu", or "nvme" (needs optimizer
+        "nvme").
         On NVMe each group's shard is written as soon as its gradient is complete during backward,
         and the optimizer reads it with the states of the same sub-group.
     nvme_paths: one or more directories (one per drive, no RAID needed); each rank's shards are
@@ -186,7 +188,8 @@ class OffloadConfig(Checked):
 
     @property
     def grads_tier(self) -> str:
-        """Where gradient shards wait for the optimizer: "device", "cpu" or "nvme"."""
+        """Where gradient shards wait for the optimizer: "device", "cpu" or "nvme"; with ``grads: auto`` and the
+        optimizer on NVMe, "nvme" here, which the placement may change to "cpu" (``Placement.grads_tier``)."""
         return self.optimizer if self.grads == "auto" else self.grads
 
 

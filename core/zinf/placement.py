@@ -101,7 +101,8 @@ class Placement:
             check_offloadable(optimizer)
         self.subgroups: list[SubGroup] = (plan_subgroups(self.groups, optimizer, cfg.sub_group_numel)  # type: ignore[arg-type]
                                           if offloaded_opt else [])
-        grads_on_nvme = cfg.grads_tier == "nvme"
+        self.grads_tier = self._choose_grads_tier()
+        grads_on_nvme = self.grads_tier == "nvme"
         self._check_host_memory()
         self.aio: native.AsyncIO | None = None
         self.swap: SwapSpace | None = None
@@ -252,27 +253,52 @@ class Placement:
             return True
         return sum(self._staged_bytes(g) for g in groups) <= self._largest_staged
 
-    def _check_host_memory(self) -> None:
-        """Host memory this placement keeps during training, against what is free once the shards and
-        masters that move to NVMe have left (they are resident now, built by ``zinf.Init``)."""
+    def _host_bytes(self, grads_tier: str) -> int:
+        """Host memory this placement keeps during training, with the gradient shards on ``grads_tier``."""
         cfg = self.cfg
         shard_numel = sum(g.shard_numel for g in self.groups)
         trained_numel = sum(g.shard_numel for g in self.groups if g.trainable)  # frozen: the shard alone
         host = 0
         if cfg.params == "cpu":
             host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0
-        if cfg.grads_tier == "cpu":
+        if grads_tier == "cpu":
             host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":
             host += trained_numel * (4 + 2 * self.dtypes["exp_avg"].itemsize)  # fp32 master, exp_avg, exp_avg_sq
         if "nvme" in (cfg.params, cfg.optimizer):
             host += cfg.pinned_pool_bytes
+        return host
+
+    def _host_budget(self) -> int:
+        """``offload.max_cpu_bytes``, else what is free once the shards and masters that move to NVMe have left (they
+        are resident now, built by ``zinf.Init``)."""
+        cfg = self.cfg
         leaving: dict[int, int] = {}  # host storages that move to NVMe and are freed there
         for g in self.groups:
             for t, moves in ((g.shard, cfg.params == "nvme"), (g.master, cfg.optimizer == "nvme")):
                 if moves and t is not None and t.device.type == "cpu":
                     leaving[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        budget = cfg.max_cpu_bytes or _available_ram() + sum(leaving.values())
+        return cfg.max_cpu_bytes or _available_ram() + sum(leaving.values())
+
+    def _choose_grads_tier(self) -> str:
+        """[Note: gradients on the host] ``offload.grads: auto`` with the optimizer on NVMe keeps the gradient shards in
+        host memory when they fit: within ``offload.max_cpu_bytes`` when it is set, else within half the memory
+        free (the other half left to activations, gathers and the page cache the NVMe reads go through). They then
+        cost no NVMe bytes: 4 written in the backward and 4 read by the step per parameter, a quarter of the
+        optimizer's. Otherwise they go to NVMe with the states. Each rank decides from its own host; nothing
+        depends on the ranks agreeing."""
+        cfg = self.cfg
+        if cfg.grads != "auto" or cfg.optimizer != "nvme":
+            return cfg.grads_tier
+        budget = cfg.max_cpu_bytes or self._host_budget() // 2
+        tier = "cpu" if self._host_bytes("cpu") <= budget else "nvme"
+        log.debug("zinf offload: gradient shards on %s (offload.grads: auto)", tier)
+        return tier
+
+    def _check_host_memory(self) -> None:
+        """Host memory this placement keeps during training, against the budget (``_host_budget``)."""
+        cfg = self.cfg
+        host, budget = self._host_bytes(self.grads_tier), self._host_budget()
         if host > budget:
             raise OffloadSpaceError(
                 f"zinf offload: this placement needs about {host / 2**30:.2f} GiB of host memory per rank, but "

@@ -14,16 +14,24 @@ __all__ = ["PlanPlacement", "ALL_PLACEMENTS", "parse_placement"]
 
 @dataclass(frozen=True)
 class PlanPlacement:
-    """Where parameter shards, optimizer states (fp32 master + two Adam moments) and gradient shards live."""
+    """Where parameter shards, optimizer states (fp32 master + two Adam moments) and gradient shards live, and the
+    offloaded CPU-Adam's moments' dtype (``optimizer_storage``; named ``+bf16``)."""
 
     params: str
     optimizer: str
     grads: str
+    moments: str = "fp32"
 
     @property
     def name(self) -> str:
         auto = {"device": "device", "cpu": "cpu", "nvme": "nvme"}[self.optimizer]
-        return f"{self.params}/{self.optimizer}" + ("" if self.grads == auto else f"/{self.grads}")
+        return (f"{self.params}/{self.optimizer}" + ("" if self.grads == auto else f"/{self.grads}")
+                + ("" if self.moments == "fp32" else f"+{self.moments}"))
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of each Adam moment per parameter."""
+        return 4 if self.moments == "fp32" else 2
 
     @property
     def num_offloads(self) -> int:
@@ -31,7 +39,8 @@ class PlanPlacement:
         return sum({"device": 0, "cpu": 1, "nvme": 2}[t] for t in (self.params, self.optimizer, self.grads))
 
     def offload_config(self) -> dict[str, str]:
-        auto = self.grads == self.optimizer
+        # with the optimizer on NVMe, "auto" would keep the gradients on the host where they fit: name the tier
+        auto = self.grads == self.optimizer and self.optimizer != "nvme"
         return {"params": self.params, "optimizer": self.optimizer, "grads": "auto" if auto else self.grads}
 
 
@@ -39,9 +48,10 @@ def _all() -> tuple[PlanPlacement, ...]:
     out = []
     for p in TIERS:
         for o in TIERS:
-            out.append(PlanPlacement(p, o, o))
-            if o == "nvme":
-                out.append(PlanPlacement(p, o, "cpu"))
+            for moments in ("fp32", "bf16") if o != "device" else ("fp32",):
+                out.append(PlanPlacement(p, o, o, moments))
+                if o == "nvme":
+                    out.append(PlanPlacement(p, o, "cpu", moments))
     return tuple(out)
 
 
@@ -49,14 +59,17 @@ ALL_PLACEMENTS = _all()
 
 
 def parse_placement(text: str) -> PlanPlacement:
-    """``"params/optimizer[/grads]"``, e.g. ``"device/cpu"``, ``"nvme/nvme"``, ``"nvme/nvme/cpu"``."""
-    parts = text.strip().split("/")
+    """``"params/optimizer[/grads][+bf16]"``, e.g. ``"device/cpu"``, ``"nvme/nvme"``, ``"nvme/nvme/cpu"``,
+    ``"cpu/cpu+bf16"`` (the CPU-Adam's moments in bf16)."""
+    base, _, moments = text.strip().partition("+")
+    parts = base.split("/")
     if len(parts) == 2:
         parts.append(parts[1])
     names = [p.name for p in ALL_PLACEMENTS]
     if len(parts) == 3:
         for p in ALL_PLACEMENTS:
-            if (p.params, p.optimizer, p.grads) == tuple(parts):
+            if (p.params, p.optimizer, p.grads, p.moments) == (*parts, moments or "fp32"):
                 return p
     raise PlanError(f"zinf plan: unknown placement {text!r}; expected params/optimizer[/grads] with tiers "
-                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe), one of {names}.")
+                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe; '+bf16' only with the "
+                    f"optimizer offloaded), one of {names}.")

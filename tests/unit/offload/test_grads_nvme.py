@@ -59,3 +59,32 @@ def test_nvme_gradients_leave_host_memory(tmp_path: Path) -> None:
 def test_nvme_gradients_need_the_nvme_optimizer() -> None:
     with pytest.raises(zinf.ConfigError, match=r"offload.grads.*'nvme' only with offload.optimizer='nvme'"):
         zinf.ZeroConfig.from_dict({"offload": {"optimizer": "cpu", "grads": "nvme"}})
+
+
+def _grads_auto(tmp_path: Path, max_cpu_bytes: int) -> tuple[str, dict[str, dict[str, int]], int]:
+    config = zinf.ZeroConfig.from_dict({"offload": {
+        "params": "nvme", "optimizer": "nvme", "grads": "auto", "nvme_paths": [str(tmp_path)],
+        "pinned_pool_bytes": 8 << 20, "max_cpu_bytes": max_cpu_bytes}})
+    with zinf.Init(config):
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
+    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    engine.backward(engine(torch.randn(8, 64)).square().mean())
+    engine.step()
+    engine.synchronize()
+    engine.backward(engine(torch.randn(8, 64)).square().mean())  # the gradients wait for the step now
+    tier, held = engine.placement.grads_tier, engine.resident_bytes()
+    numel = sum(g.shard_numel for g in engine.groups)
+    engine.close()
+    return tier, held, numel
+
+
+def test_auto_keeps_gradients_on_the_host_where_they_fit(tmp_path: Path) -> None:
+    """[Note: gradients on the host] in zinf/placement.py: within ``max_cpu_bytes`` (the pool and the gradient shards
+    here) the gradients stay in host memory and cost no NVMe bytes; a byte less and they go to NVMe. Without a
+    budget, half the free memory decides (ample here)."""
+    tier, held, numel = _grads_auto(tmp_path, 0)
+    assert tier == "cpu" and held["cpu"]["grad_shards"] == numel * 4 and "grad_shards" not in held["nvme"]
+    fits = (8 << 20) + numel * 4
+    assert _grads_auto(tmp_path, fits)[0] == "cpu"
+    tier, held, _ = _grads_auto(tmp_path, fits - 1)
+    assert tier == "nvme" and held["nvme"]["grad_shards"] == numel * 4 and "grad_shards" not in held["cpu"]
