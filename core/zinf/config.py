@@ -30,7 +30,7 @@ __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "T
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
-_OPTIMIZER_STORAGES = ("fp32", "bf16")
+_OPTIMIZER_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}  # int8: uint8 codes
 _DIVERGENCE = ("auto", "error")
 _UNIT_POLICIES = ("blocks", "modules")
 
@@ -46,12 +46,14 @@ class ZeroConfig(Checked):
         NVMe and all-gathered, widened to fp32 after the all-gather; the fp32 masters stay with the
         optimizer. For CPUs without bf16 units (fp32 compute is far faster there) and NVMe-bound runs.
         The masters are stepped in fp32 and rounded to this dtype after each step (mixed precision).
-    optimizer_storage: dtype of the offloaded CPU-Adam's moments (``offload.optimizer`` "cpu" or "nvme"): "fp32"
-        (default, exact against torch's Adam) or "bf16": half the moments' bytes in host memory, on NVMe and through
-        the CPU-Adam's pass (12 bytes per parameter instead of 16 with parameters and optimizer on the CPU). The
-        fp32 master stays; the moments are widened, stepped in fp32 and rounded back stochastically, which keeps
-        their expected values (see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h). A checkpoint keeps
-        the moments as stored; loading it into an engine of the other storage converts them.
+    optimizer_storage: how the offloaded CPU-Adam keeps its moments (``offload.optimizer`` "cpu" or "nvme"): "fp32"
+        (default, exact against torch's Adam); "bf16": half the moments' bytes in host memory, on NVMe and through
+        the CPU-Adam's pass (12 bytes per parameter instead of 16 with parameters and optimizer on the CPU); "int8":
+        a byte per moment and a power-of-two scale per 256 elements (10.01 bytes per parameter). The fp32 master
+        stays; the moments are decoded, stepped in fp32 and rounded back stochastically, which keeps their expected
+        values (see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h, [Note: int8 moments] in
+        cpp/adam/int8_moments.h). A checkpoint keeps bf16 moments as stored and int8 ones decoded to fp32 (exact);
+        loading it into an engine of another storage converts them.
     reduce_dtype: dtype of the gradient reduce-scatter: "fp32" (default, exact) or "param".
     gradient_clipping: clip the global gradient norm to this value (0 = off).
     detect_external_params: watch tensor operations during forward so that a parameter used outside
@@ -159,7 +161,7 @@ class ZeroConfig(Checked):
     @property
     def moment_dtype(self) -> torch.dtype:
         """The offloaded CPU-Adam's moments' dtype (``optimizer_storage``)."""
-        return PRECISIONS[self.optimizer_storage]
+        return _OPTIMIZER_STORAGES[self.optimizer_storage]
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:

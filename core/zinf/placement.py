@@ -39,7 +39,8 @@ from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore
-from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups, state_dtypes
+from zinf.offload.state_layout import StateLayout
+from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer
@@ -83,7 +84,7 @@ class Placement:
                  optimizer: torch.optim.Optimizer | None, check_finite: bool = False,
                  eager_grad_stats: bool = False, moment_dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.groups = cfg, list(groups)
-        self.dtypes = state_dtypes(moment_dtype)  # the optimizer records' dtypes (``optimizer_storage``)
+        self.layout = StateLayout(moment_dtype)  # how the optimizer's states are stored (``optimizer_storage``)
         comm = ctx.comm
         # frozen shards that stay in checkpoint files (see [Note: frozen shards in place] in zinf/offload/in_place.py)
         reads_in_place = cfg.enabled and cfg.params == "nvme" and cfg.frozen_in_place
@@ -138,7 +139,7 @@ class Placement:
             self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged), moment_dtype)
         elif cfg.optimizer == "nvme":
             assert self.swap is not None and room is not None
-            records = allocate_records(self.swap, self.subgroups, grads_on_nvme, self.dtypes)
+            records = allocate_records(self.swap, self.subgroups, grads_on_nvme, self.layout)
             self.stash = NvmeGradStash(self.swap, room, self.subgroups, records) if grads_on_nvme else None
             self.states = NvmeStateStore(self.subgroups, self.fence, self.swap, room, records, self.stash,
                                          param_reserve, backward_reserve, moment_dtype)
@@ -207,23 +208,27 @@ class Placement:
 
     def _check_pool(self, grads_on_nvme: bool) -> tuple[int, int]:
         """Check the pool can hold what must never wait for room; return the room the parameter store's
-        read-ahead leaves free (``3 x largest shard``) and the room the optimizer's read-ahead of the next
-        step's states leaves for the backward.
+        read-ahead leaves free (the reserve below) and the room the optimizer's read-ahead of the next step's
+        states leaves for the backward.
 
         Never waits: the offloaded optimizer's pipeline (three states each, and the gradient when it is on
         NVMe, for the sub-groups read ahead, stepped and written behind) and, with parameters on NVMe, the
-        largest shard three times (one read for a gather, one updated shard staged, one being written), in
-        the pool's power-of-two block sizes; plus room to read one shard ahead. Everything beyond that is
-        opportunistic and given back on demand (the pool room's evictors)."""
+        reserve: the largest shard once (a read for a gather) and the largest trained shard twice (an updated
+        shard staged, one being written; a frozen shard is never rewritten), in the pool's power-of-two block
+        sizes; plus room to read one shard ahead. Everything beyond that is opportunistic and given back on
+        demand (the pool room's evictors)."""
         cfg = self.cfg
-        pipeline = largest = 0
+        pipeline = largest = trained = 0
         if cfg.optimizer == "nvme" and self.subgroups:
-            names = ("master", "exp_avg", "exp_avg_sq") + (("grad",) if grads_on_nvme else ())
-            numel = max(sg.numel for sg in self.subgroups)
-            pipeline = 3 * sum(block_bytes(_span(numel * self.dtypes[n].itemsize)) for n in names)
+            biggest = max(self.subgroups, key=lambda sg: sg.numel)
+            spans = [_span(self.layout.nbytes(biggest, n)) for n in self.layout.names]
+            spans += [_span(biggest.numel * 4)] if grads_on_nvme else []
+            pipeline = 3 * sum(block_bytes(span) for span in spans)
         if cfg.params == "nvme" and self.groups:
             largest = self._largest_staged
-        need = pipeline + (4 * largest if largest else 0)
+            trained = max((self._staged_bytes(g) for g in self.groups if g.trainable), default=0)
+        reserve = largest + 2 * trained
+        need = pipeline + reserve + largest
         grad_writes = 0
         if grads_on_nvme and self.subgroups:
             grad_writes = (GRAD_WRITES_IN_FLIGHT + 1) * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
@@ -232,7 +237,7 @@ class Placement:
                 f"zinf offload: offload.pinned_pool_bytes = {cfg.pinned_pool_bytes} is too small for this model; "
                 f"staging the largest groups and optimizer sub-groups needs about {need} bytes. Raise "
                 "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
-        return 3 * largest, 3 * largest + grad_writes + cfg.pinned_pool_bytes // 4
+        return reserve, reserve + grad_writes + cfg.pinned_pool_bytes // 4
 
     def _staged_bytes(self, group: FlatParamGroup) -> int:
         """A group's pool block: its swap record's span, or the larger span of a frozen shard read from checkpoint
@@ -264,7 +269,7 @@ class Placement:
         if grads_tier == "cpu":
             host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":
-            host += trained_numel * (4 + 2 * self.dtypes["exp_avg"].itemsize)  # fp32 master, exp_avg, exp_avg_sq
+            host += sum(self.layout.nbytes(sg, n) for sg in self.subgroups for n in self.layout.names)  # master, moments
         if "nvme" in (cfg.params, cfg.optimizer):
             host += cfg.pinned_pool_bytes
         return host

@@ -46,16 +46,17 @@ Kernels current_kernels() {
   }
 }
 
-// Calls fn(tid, begin, end) on contiguous, cache-line aligned slices, one per thread.
+// Calls fn(tid, begin, end) on contiguous slices, one per thread, each a multiple of ``align`` elements long
+// (cache lines; whole blocks of int8 moments).
 template <class Fn>
-void parallel_slices(size_t numel, int max_threads, Fn&& fn) {
+void parallel_slices(size_t numel, int max_threads, Fn&& fn, size_t align = kChunkAlignNumel) {
   if (numel < kSerialBelowNumel || max_threads <= 1) {
     fn(0, size_t{0}, numel);
     return;
   }
   const int nt = max_threads;
   size_t chunk = (numel + nt - 1) / nt;
-  chunk = (chunk + kChunkAlignNumel - 1) / kChunkAlignNumel * kChunkAlignNumel;
+  chunk = (chunk + align - 1) / align * align;
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
@@ -107,7 +108,8 @@ DType parse_dtype(const std::string& name) {
   if (name == "bfloat16") return DType::kBFloat16;
   if (name == "float16") return DType::kFloat16;
   if (name == "none") return DType::kNone;
-  throw std::invalid_argument("unknown dtype '" + name + "'; expected float32, bfloat16, float16 or none");
+  if (name == "int8") return DType::kInt8;
+  throw std::invalid_argument("unknown dtype '" + name + "'; expected float32, bfloat16, float16, int8 or none");
 }
 
 int num_threads() { return threads_state().load(); }
@@ -138,7 +140,8 @@ AdamArgs make_args(const StepConfig& c) {
 
 void adam_step(const AdamArgs& args, size_t numel) {
   const Kernels k = current_kernels();
-  parallel_slices(numel, num_threads(), [&](int, size_t b, size_t e) { k.adam(args, b, e); });
+  const size_t align = args.state_dtype == DType::kInt8 ? kMomentBlock : kChunkAlignNumel;
+  parallel_slices(numel, num_threads(), [&](int, size_t b, size_t e) { k.adam(args, b, e); }, align);
 }
 
 double grad_norm_sq(const void* data, DType dtype, size_t numel) {

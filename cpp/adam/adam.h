@@ -6,7 +6,10 @@
 
 namespace zinf::adam {
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3 };
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3, kInt8 = 4 };
+
+// int8 moments: blocks of this many elements, each with a power-of-two scale ([Note: int8 moments]).
+constexpr size_t kMomentBlock = 256;
 enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // Everything one Adam step needs, with the per-step scalars already derived.
@@ -14,8 +17,10 @@ struct AdamArgs {
   float* param = nullptr;
   const void* grad = nullptr;
   DType grad_dtype = DType::kFloat32;
-  void* exp_avg = nullptr;       // float32, or bfloat16 with state_dtype kBFloat16
+  void* exp_avg = nullptr;       // float32, bfloat16, or uint8 codes with state_dtype kInt8
   void* exp_avg_sq = nullptr;
+  int8_t* exp_avg_scale = nullptr;     // kInt8: one power-of-two exponent per kMomentBlock elements
+  int8_t* exp_avg_sq_scale = nullptr;
   DType state_dtype = DType::kFloat32;
   uint32_t seed = 0;            // bf16 moments: stochastic rounding bits are sr_bits(seed, index_base + i)
   uint32_t index_base = 0;
@@ -52,7 +57,7 @@ void set_simd_level(SimdLevel level);  // throws std::invalid_argument if unsupp
 std::string simd_level_name(SimdLevel level);
 SimdLevel parse_simd_level(const std::string& name);  // "scalar" | "avx2" | "avx512"
 
-DType parse_dtype(const std::string& name);  // float32 | bfloat16 | float16 | none
+DType parse_dtype(const std::string& name);  // float32 | bfloat16 | float16 | none | int8
 
 int num_threads();
 void set_num_threads(int n);

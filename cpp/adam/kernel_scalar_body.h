@@ -61,6 +61,12 @@ inline void store_out_scalar(void* out, size_t i, float p) {
   else if constexpr (O == DType::kFloat16) static_cast<uint16_t*>(out)[i] = f32_to_f16(p);
 }
 
+}  // namespace zinf::adam
+
+#include "int8_moments.h"
+
+namespace zinf::adam {
+
 template <DType G, DType O, DType S>
 inline void adam_scalar_range(const AdamArgs& a, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
@@ -110,6 +116,7 @@ inline void dispatch_adam(const AdamArgs& a, size_t begin, size_t end) {
     constexpr DType G = decltype(gtag)::value;
     constexpr DType O = decltype(otag)::value;
     if (a.state_dtype == DType::kBFloat16) Range<G, O, DType::kBFloat16>::run(a, begin, end);
+    else if (a.state_dtype == DType::kInt8) adam_int8_range<Range, G, O>(a, begin, end);
     else Range<G, O, DType::kFloat32>::run(a, begin, end);
   };
   auto by_out = [&](auto gtag) {

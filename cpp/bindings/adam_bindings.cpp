@@ -32,7 +32,8 @@ void bind_adam(py::module_& m) {
       [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
          uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, size_t numel,
          const AdamHyper& hyper, int64_t step, double grad_scale, double clip_coef, bool zero_grad,
-         const std::string& state_dtype, uint32_t seed, uint32_t index_base) {
+         const std::string& state_dtype, uint32_t seed, uint32_t index_base, uintptr_t exp_avg_scale,
+         uintptr_t exp_avg_sq_scale) {
         AdamArgs a = make_args(StepConfig{hyper, step, grad_scale, clip_coef});
         a.param = reinterpret_cast<float*>(param);
         a.grad = reinterpret_cast<const void*>(grad);
@@ -40,8 +41,12 @@ void bind_adam(py::module_& m) {
         a.exp_avg = reinterpret_cast<void*>(exp_avg);
         a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
         a.state_dtype = parse_dtype(state_dtype);
-        if (a.state_dtype != DType::kFloat32 && a.state_dtype != DType::kBFloat16)
-          throw std::invalid_argument("state_dtype must be float32 or bfloat16, got " + state_dtype);
+        if (a.state_dtype != DType::kFloat32 && a.state_dtype != DType::kBFloat16 && a.state_dtype != DType::kInt8)
+          throw std::invalid_argument("state_dtype must be float32, bfloat16 or int8, got " + state_dtype);
+        if (a.state_dtype == DType::kInt8 && !(exp_avg_scale && exp_avg_sq_scale))
+          throw std::invalid_argument("int8 moments need exp_avg_scale and exp_avg_sq_scale");
+        a.exp_avg_scale = reinterpret_cast<int8_t*>(exp_avg_scale);
+        a.exp_avg_sq_scale = reinterpret_cast<int8_t*>(exp_avg_sq_scale);
         a.seed = seed;
         a.index_base = index_base;
         a.param_out = reinterpret_cast<void*>(param_out);
@@ -54,7 +59,8 @@ void bind_adam(py::module_& m) {
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("out_dtype"), py::arg("numel"), py::arg("hyper"), py::kw_only(),
       py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0, py::arg("zero_grad") = false,
-      py::arg("state_dtype") = "float32", py::arg("seed") = 0u, py::arg("index_base") = 0u);
+      py::arg("state_dtype") = "float32", py::arg("seed") = 0u, py::arg("index_base") = 0u,
+      py::arg("exp_avg_scale") = 0u, py::arg("exp_avg_sq_scale") = 0u);
   m.def(
       "grad_norm_sq",
       [](uintptr_t data, const std::string& dtype, size_t numel) {

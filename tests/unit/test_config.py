@@ -185,7 +185,7 @@ def test_trim_heap_bytes() -> None:
 def test_optimizer_storage_names_its_values_and_its_tier() -> None:
     assert ZeroConfig.from_dict({"optimizer_storage": "bf16", "offload": {"optimizer": "cpu"}}).moment_dtype \
         == torch.bfloat16
-    with pytest.raises(ConfigError, match=r"'optimizer_storage' = 'fp16' is not allowed; expected one of \['fp32', 'bf16'\]"):
+    with pytest.raises(ConfigError, match=r"'optimizer_storage' = 'fp16' is not allowed; expected one of \['fp32', 'bf16', 'int8'\]"):
         ZeroConfig.from_dict({"optimizer_storage": "fp16", "offload": {"optimizer": "cpu"}})
     with pytest.raises(ConfigError, match=r"'optimizer_storage' = 'bf16' .*offload.optimizer to 'cpu' or 'nvme'"):
         ZeroConfig.from_dict({"optimizer_storage": "bf16"})

@@ -260,7 +260,7 @@ def test_clear_errors(tmp_path: Path) -> None:
         zinf.plan.model_spec(module="no_such_pkg_zinf.mod:f")
     with pytest.raises(PlanError, match="hold .* more than --params"):
         zinf.plan.model_spec(params=1000, layers=2, hidden=64)
-    assert len(ALL_PLACEMENTS) == 21  # 12, and the 9 with the optimizer offloaded again with bf16 moments
+    assert len(ALL_PLACEMENTS) == 30  # 12, and the 9 with the optimizer offloaded again with bf16 and with int8 moments
 
 
 # -- the command line ---------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def test_cli_json(tmp_path: Path, capsys) -> None:
                  "--machine", mf, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"model", "workload", "machine", "placements", "recommended", "notes"}
-    assert out["model"]["params"] == 1_300_000_000 and len(out["placements"]) == 21
+    assert out["model"]["params"] == 1_300_000_000 and len(out["placements"]) == 30
     row = out["placements"][0]
     assert {"placement", "precision", "bytes", "bytes_per_tier", "seconds", "fits", "why_not", "io_bytes"} <= set(row)
     assert {"compute", "optimizer", "step"} <= set(row["seconds"])

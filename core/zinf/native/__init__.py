@@ -36,10 +36,8 @@ from .adam import (
     adam_step,
     adam_step_torch,
     grad_factor,
-    grad_norm_sq,
-    grad_norm_sq_torch,
-    stream_bound,
 )
+from .grad_norm import grad_norm_sq, grad_norm_sq_torch, stream_bound
 from .aio import AIOError, AIOMissingPathError, AIONoSpaceError, AIOShortReadError, AsyncIO, PythonAsyncIO
 from .checksum import checksum_backend, crc32c, crc32c_py
 from .loader import _BUILD_HINT as _BUILD_HINT  # noqa: F401  (re-exported: zinf.offload.swap reads native._BUILD_HINT)

@@ -28,7 +28,8 @@ class AdamHyper:
 def adam_step(
     param: int, grad: int, grad_dtype: str, exp_avg: int, exp_avg_sq: int, param_out: int, out_dtype: str,
     numel: int, hyper: AdamHyper, *, step: int, grad_scale: float = 1.0, clip_coef: float = 1.0, zero_grad: bool = False,
-    state_dtype: str = "float32", seed: int = 0, index_base: int = 0,
+    state_dtype: str = "float32", seed: int = 0, index_base: int = 0, exp_avg_scale: int = 0,
+    exp_avg_sq_scale: int = 0,
 ) -> None: ...
 def grad_norm_sq(data: int, dtype: str, numel: int) -> float: ...
 def stream_bound(param: int, grad: int, exp_avg: int, exp_avg_sq: int, numel: int) -> None: ...

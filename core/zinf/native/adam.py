@@ -4,8 +4,7 @@
   (the C++ struct ``zinf::adam::AdamHyper`` when the extension is built, else :class:`PythonAdamHyper`).
 - :func:`adam_step` (native) / :func:`adam_step_torch` (pure PyTorch, the fallback and test oracle).
 - :func:`grad_factor`: the exact float32 gradient multiplier :func:`adam_step` applies.
-- :func:`grad_norm_sq` / :func:`grad_norm_sq_torch`: squared gradient norm and finiteness.
-- :func:`stream_bound`: the memory-bandwidth bound of a step (benchmarks).
+- squared gradient norms and the streaming bound: zinf/native/grad_norm.py.
 
 [Note: adam semantics] One step matches the single-tensor path of ``torch.optim.Adam`` /
 ``torch.optim.AdamW`` (amsgrad=False, maximize=False) on ``grad * (clip_coef / grad_scale)``,
@@ -27,7 +26,8 @@ import torch
 
 from zinf.device_memory import is_device_memory
 
-from .loader import _native, require
+from .loader import _native
+from . import moment_codes
 from .rounding import sr_bits, stochastic_bf16
 
 __all__ = [
@@ -37,15 +37,12 @@ __all__ = [
     "adam_step",
     "adam_step_torch",
     "grad_factor",
-    "grad_norm_sq",
-    "grad_norm_sq_torch",
-    "stream_bound",
     "stochastic_bf16",
     "sr_bits",
     "MOMENT_DTYPES",
 ]
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # uint8: int8 codes with block exponents
 
 # --------------------------------------------------------------------------- hyper-parameters
 
@@ -171,6 +168,8 @@ def _native_hyper(h: AdamHyperLike) -> Any:
 
 # --------------------------------------------------------------------------- validation
 
+_STATE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "int8"}
+
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
@@ -213,12 +212,19 @@ def _check_adam(
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
     step: int,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     _check("param", param, (torch.float32,), None, "adam_step")
     n = param.numel()
     _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step")
     _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step")
     _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step")
+    if exp_avg.dtype == torch.uint8:
+        for name, t in (("exp_avg_scale", scales[0]), ("exp_avg_sq_scale", scales[1])):
+            if t is None:
+                raise ValueError(f"adam_step: int8 moments (uint8 codes) need `{name}`: an int8 tensor of "
+                                 f"{moment_codes.blocks(n)} block exponents")
+            _check(name, t, (torch.int8,), moment_codes.blocks(n), "adam_step")
     if param_out is not None:
         _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step")
     if int(step) < 1:
@@ -252,6 +258,8 @@ def adam_step_torch(
     zero_grad: bool = False,
     seed: int = 0,
     index_base: int = 0,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -260,7 +268,7 @@ def adam_step_torch(
     decoupled: bool | None = None,
 ) -> None:
     """Pure-PyTorch Adam/AdamW step with the signature and semantics of :func:`adam_step` (see module note)."""
-    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step)
+    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step, (exp_avg_scale, exp_avg_sq_scale))
     h = _hyper_of("adam_step_torch", hyper, lr, beta1, beta2, eps, weight_decay, decoupled)
     lr_, beta1_, beta2_, eps_, wd = float(h.lr), float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay)
     with torch.no_grad():
@@ -270,7 +278,12 @@ def adam_step_torch(
             param.mul_(1.0 - lr_ * wd)
         elif wd != 0.0:
             g = g.add(param, alpha=wd)
-        m, v = exp_avg.float(), exp_avg_sq.float()  # exact widening of bf16 moments; fp32 ones in place
+        if exp_avg.dtype == torch.uint8:  # int8 codes: decoded exactly
+            assert exp_avg_scale is not None and exp_avg_sq_scale is not None
+            m = moment_codes.decode("exp_avg", exp_avg, exp_avg_scale)
+            v = moment_codes.decode("exp_avg_sq", exp_avg_sq, exp_avg_sq_scale)
+        else:
+            m, v = exp_avg.float(), exp_avg_sq.float()  # exact widening of bf16 moments; fp32 ones in place
         m.lerp_(g, 1.0 - beta1_)
         v.mul_(beta2_).addcmul_(g, g, value=1.0 - beta2_)
         bias_correction1 = 1.0 - beta1_**step
@@ -281,6 +294,13 @@ def adam_step_torch(
             r = sr_bits(seed, torch.arange(exp_avg.numel(), dtype=torch.int64) + (int(index_base) & 0xFFFFFFFF))
             exp_avg.copy_(stochastic_bf16(m, r & 0xFFFF))
             exp_avg_sq.copy_(stochastic_bf16(v, r >> 16))
+        elif exp_avg.dtype == torch.uint8:
+            assert exp_avg_scale is not None and exp_avg_sq_scale is not None
+            for codes, exps, name, value in ((exp_avg, exp_avg_scale, "exp_avg", m),
+                                             (exp_avg_sq, exp_avg_sq_scale, "exp_avg_sq", v)):
+                new_codes, new_exps = moment_codes.encode(name, value, seed, index_base)
+                codes.copy_(new_codes)
+                exps.copy_(new_exps)
         if param_out is not None:
             param_out.copy_(param)
         if zero_grad:
@@ -301,6 +321,8 @@ def adam_step(
     zero_grad: bool = False,
     seed: int = 0,
     index_base: int = 0,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
     lr: float | None = None,
     beta1: float | None = None,
     beta2: float | None = None,
@@ -315,7 +337,9 @@ def adam_step(
 
     - ``param``: contiguous CPU float32; ``exp_avg``, ``exp_avg_sq``: contiguous CPU float32, or both bfloat16
       (compact moments: widened exactly, stepped in fp32, stored rounded stochastically with the bits
-      ``sr_bits(seed, index_base + i)`` of element ``i``); all updated in place.
+      ``sr_bits(seed, index_base + i)`` of element ``i``), or both uint8 codes with int8 block exponents
+      ``exp_avg_scale`` / ``exp_avg_sq_scale`` ([Note: int8 moments] in cpp/adam/int8_moments.h); all updated
+      in place.
     - ``grad``: contiguous CPU float32/bfloat16/float16 of the same numel; modified only with ``zero_grad``.
     - ``hyper``: an :class:`AdamHyper` (e.g. ``AdamHyper.from_param_group(pg, decoupled=...)``);
       any object with its six fields is accepted (converted to the native struct per call).
@@ -343,9 +367,10 @@ def adam_step(
     h = _hyper_of("adam_step", hyper, lr, beta1, beta2, eps, weight_decay, decoupled)
     if _native is None:
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, h, step=step, grad_scale=grad_scale, clip_coef=clip_coef,
-                        param_out=param_out, zero_grad=zero_grad, seed=seed, index_base=index_base)
+                        param_out=param_out, zero_grad=zero_grad, seed=seed, index_base=index_base,
+                        exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
         return
-    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step)
+    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step, (exp_avg_scale, exp_avg_sq_scale))
     if zero_grad and grad.dtype != torch.float32:
         raise ValueError(f"adam_step: zero_grad needs a float32 gradient, found {grad.dtype}")
     _native.adam.adam_step(
@@ -353,35 +378,8 @@ def adam_step(
         0 if param_out is None else param_out.data_ptr(),
         "none" if param_out is None else _DTYPE_NAMES[param_out.dtype], param.numel(),
         _native_hyper(h), step=int(step), grad_scale=float(grad_scale), clip_coef=float(clip_coef),
-        zero_grad=bool(zero_grad), state_dtype=_DTYPE_NAMES[exp_avg.dtype], seed=int(seed) & 0xFFFFFFFF,
+        zero_grad=bool(zero_grad), state_dtype=_STATE_NAMES[exp_avg.dtype], seed=int(seed) & 0xFFFFFFFF,
         index_base=int(index_base) & 0xFFFFFFFF,
+        exp_avg_scale=0 if exp_avg_scale is None else exp_avg_scale.data_ptr(),
+        exp_avg_sq_scale=0 if exp_avg_sq_scale is None else exp_avg_sq_scale.data_ptr(),
     )
-
-
-def grad_norm_sq_torch(grad: torch.Tensor) -> tuple[float, bool]:
-    """Pure-PyTorch :func:`grad_norm_sq` (accumulates in float64)."""
-    _check("grad", grad, tuple(_DTYPE_NAMES), None, "grad_norm_sq")
-    total = float(torch.sum(grad.to(torch.float64).square()))
-    return total, math.isfinite(total)
-
-
-def grad_norm_sq(grad: torch.Tensor) -> tuple[float, bool]:
-    """Sum of squares of a fp32/bf16/fp16 gradient and whether every element is finite.
-
-    Squares are accumulated in float64 (per SIMD lane and per thread, then summed in a fixed
-    order); a float64 sum of float32 squares cannot overflow, so the sum is finite exactly when
-    every element is.
-    """
-    if _native is None:
-        return grad_norm_sq_torch(grad)
-    _check("grad", grad, tuple(_DTYPE_NAMES), None, "grad_norm_sq")
-    total = _native.adam.grad_norm_sq(grad.data_ptr(), _DTYPE_NAMES[grad.dtype], grad.numel())
-    return total, math.isfinite(total)
-
-
-def stream_bound(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-    """Benchmark helper: move Adam's 28 bytes/param (read p, g, m, v; write p, m, v), trivial math."""
-    n = param.numel()
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check(name, t, (torch.float32,), n, "stream_bound")
-    require().adam.stream_bound(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n)

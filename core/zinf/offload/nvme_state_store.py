@@ -36,7 +36,7 @@ from zinf.native import PoolExhaustedError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.pool_room import OPTIMIZER, PoolRoom, block_bytes
 from zinf.offload.state_store import StateStore, in_group_order
-from zinf.offload.subgroups import STATES, SubGroup
+from zinf.offload.subgroups import SubGroup
 from zinf.offload.swap import Record, SwapSpace
 from zinf.param.store import UpdateFence
 from zinf.param.grad_shard import GradState
@@ -60,7 +60,7 @@ class NvmeStateStore(StateStore):
                  backward_reserve_bytes: int, moment_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(subgroups, fence, moment_dtype)
         self.swap, self.room, self.stash = swap, room, stash
-        self.records = {id(sg): {name: records[id(sg)][name] for name in STATES} for sg in self.subgroups}
+        self.records = {id(sg): {name: records[id(sg)][name] for name in self.layout.names} for sg in self.subgroups}
         self.param_reserve_bytes = param_reserve_bytes  # pool bytes trailing writes leave free for the parameter store
         self.backward_reserve_bytes = backward_reserve_bytes  # pool bytes the read-ahead leaves free for the backward
         # state writes trailing behind the step, oldest first; see [Note: trailing writes]
@@ -84,7 +84,7 @@ class NvmeStateStore(StateStore):
 
     def _read_names(self, sg: SubGroup) -> tuple[str, ...]:
         stashed = self.stash is not None and sg.group.grad.state is GradState.ON_NVME
-        return STATES + (("grad",) if stashed else ())
+        return self.layout.names + (("grad",) if stashed else ())
 
     def _submit_reads(self, sg: SubGroup, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Reads the step cannot go on without: wait for pool room if need be."""
@@ -165,14 +165,14 @@ class NvmeStateStore(StateStore):
                 rec = self._rec(sg, name)
                 self.swap.wait(handles[name], rec)
                 self.swap.verify(rec, bufs[name])
-            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.dtypes[name]) for name in handles}
+            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.layout.dtype(name)) for name in handles}
             grad_buf = bufs.pop("grad", None)
             try:
                 yield sg, views
             finally:
                 if grad_buf is not None:
                     self.room.pool.release(grad_buf)
-            writes = [self.swap.submit_write(self.records[id(sg)][n], bufs[n]) for n in STATES]
+            writes = [self.swap.submit_write(self.records[id(sg)][n], bufs[n]) for n in self.layout.names]
             with self._lock:
                 self._trailing.append((sg, bufs, writes))
         while self._retire_oldest():
@@ -198,7 +198,7 @@ class NvmeStateStore(StateStore):
             if not self._trailing:
                 return False
             sg, bufs, handles = self._trailing.popleft()
-        for name, h in zip(STATES, handles):
+        for name, h in zip(self.layout.names, handles):
             self.swap.wait(h, self.records[id(sg)][name])
             self.room.pool.release(bufs[name])
         return True
@@ -235,18 +235,18 @@ class NvmeStateStore(StateStore):
             if index == len(self.subgroups):
                 return
             sg = self.subgroups[index]
-            need = sum(block_bytes(self.records[id(sg)][n].span) for n in STATES)
+            need = sum(block_bytes(self.records[id(sg)][n].span) for n in self.layout.names)
             if need > room:
                 return
             bufs: dict[str, torch.Tensor] = {}
             try:
-                for name in STATES:
+                for name in self.layout.names:
                     bufs[name] = self.room.pool.acquire(self.records[id(sg)][name].span)
             except PoolExhaustedError:
                 for buf in bufs.values():
                     self.room.pool.release(buf)
                 return
-            handles = {name: self.swap.submit_read(self.records[id(sg)][name], bufs[name]) for name in STATES}
+            handles = {name: self.swap.submit_read(self.records[id(sg)][name], bufs[name]) for name in self.layout.names}
             with self._lock:
                 # the read-ahead is a prefix of the sub-groups: if another thread gave up some of it
                 # meanwhile, this one no longer follows on
@@ -292,15 +292,18 @@ class NvmeStateStore(StateStore):
         self._idle.wait()
         out = self._outputs(group)
         for sg in self.of(group):
-            for name in STATES:
+            stored = {}
+            for name in self.layout.names:
                 rec = self.records[id(sg)][name]
                 buf = self.room.acquire_waiting(rec.span)
                 try:
                     self.swap.wait(self.swap.submit_read(rec, buf), rec)
                     self.swap.verify(rec, buf)
-                    out[name][sg.lo : sg.hi].copy_(buf[: rec.nbytes].view(self.dtypes[name]))
+                    stored[name] = buf[: rec.nbytes].view(self.layout.dtype(name)).clone()
                 finally:
                     self.room.pool.release(buf)
+            for name, value in self.layout.readable(sg, stored).items():
+                out[name][sg.lo : sg.hi].copy_(value)
         return out
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
@@ -309,11 +312,12 @@ class NvmeStateStore(StateStore):
         while self._drop_preread():  # read before these states changed
             pass
         for sg in self.of(group):
-            for name, value in states.items():
+            given = self.layout.storable(sg, {name: value[sg.lo : sg.hi] for name, value in states.items()})
+            for name, value in given.items():
                 rec = self.records[id(sg)][name]
                 buf = self.room.acquire_waiting(rec.span)
                 try:
-                    buf[: rec.nbytes].view(self.dtypes[name]).copy_(value[sg.lo : sg.hi])
+                    buf[: rec.nbytes].view(self.layout.dtype(name)).copy_(value)
                     self.swap.wait(self.swap.submit_write(rec, buf), rec)
                 finally:
                     self.room.pool.release(buf)

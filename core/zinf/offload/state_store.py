@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from zinf.offload.subgroups import STATES, SubGroup, state_dtypes
+from zinf.offload.state_layout import StateLayout
+from zinf.offload.subgroups import STATES, SubGroup
 from zinf.param.store import UpdateFence
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class StateStore:
                  moment_dtype: torch.dtype = torch.float32) -> None:
         self.subgroups = list(subgroups)
         self.fence = fence
-        self.dtypes = state_dtypes(moment_dtype)  # the moments as ``optimizer_storage`` keeps them
+        self.layout = StateLayout(moment_dtype)  # the states as ``optimizer_storage`` keeps them
         self._of: dict[int, list[SubGroup]] = {}
         for sg in self.subgroups:
             self._of.setdefault(id(sg.group), []).append(sg)
@@ -52,7 +53,7 @@ class StateStore:
     def take_initial(self, group: "FlatParamGroup") -> None:
         """Take the fp32 master ``group`` was built with (moments start at zero); the group no longer holds it."""
         master = group.master_shard.hand_over(group.trainable)
-        zeros = torch.zeros_like(master, dtype=self.dtypes["exp_avg"])
+        zeros = torch.zeros_like(master, dtype=self.layout.checkpoint_dtype("exp_avg"))
         self.write_states(group, {"master": master, "exp_avg": zeros, "exp_avg_sq": zeros})
 
     def read_master(self, group: "FlatParamGroup") -> torch.Tensor:
@@ -62,7 +63,7 @@ class StateStore:
         self.write_states(group, {"master": master})
 
     def state_bytes(self) -> int:
-        return sum(sg.numel for sg in self.subgroups) * sum(self.dtypes[name].itemsize for name in STATES)
+        return sum(self.layout.nbytes(sg, name) for sg in self.subgroups for name in self.layout.names)
 
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -71,7 +72,7 @@ class StateStore:
         """Tensors to read ``group``'s states into: empty for a group with no sub-group (a frozen group keeps no
         state; see [Note: frozen groups] in zinf/param/master.py)."""
         numel = group.shard_numel if self.of(group) else 0
-        return {name: torch.empty(numel, dtype=self.dtypes[name]) for name in STATES}
+        return {name: torch.empty(numel, dtype=self.layout.checkpoint_dtype(name)) for name in STATES}
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
@@ -81,8 +82,9 @@ class CpuStateStore(StateStore):
     """[Note: one fp32 master on the host] Where a group's parameter shard is itself an fp32 tensor in host memory
     (parameters on the CPU, or on a CPU compute device), ``shards`` names it and its sub-groups' masters are views
     of it: the CPU-Adam steps the shard the forward reads, and the parameters cost 16 bytes each (shard and master 4,
-    moments 8, gradient 4) instead of 20; 12 with bf16 moments (``optimizer_storage: bf16``). Not with ``step_during_backward``, whose early steps write the master
-    before the step after the backward has checked them (zinf/optim/early_steps.py)."""
+    moments 8, gradient 4) instead of 20; 12 with bf16 moments, 10 with int8 ones (``optimizer_storage``). Not with
+    ``step_during_backward``, whose early steps write the master before the step after the backward has checked
+    them (zinf/optim/early_steps.py)."""
 
     tier = "cpu"
 
@@ -94,10 +96,9 @@ class CpuStateStore(StateStore):
         self._shared = 0  # elements whose master is their parameter shard
         for sg in self.subgroups:
             shard = shards.get(id(sg.group))
-            self._tensors[id(sg)] = {
-                name: shard[sg.lo : sg.hi] if name == "master" and shard is not None
-                else torch.zeros(sg.numel, dtype=self.dtypes[name]) for name in STATES}
+            self._tensors[id(sg)] = self.layout.empty(sg)
             if shard is not None:
+                self._tensors[id(sg)]["master"] = shard[sg.lo : sg.hi]
                 self._shared += sg.numel
 
     def state_bytes(self) -> int:
@@ -121,17 +122,18 @@ class CpuStateStore(StateStore):
         self.fence.wait_all()
         out = self._outputs(group)
         for sg in self.of(group):
-            for name in STATES:
-                out[name][sg.lo : sg.hi].copy_(self._tensors[id(sg)][name])
+            for name, value in self.layout.readable(sg, self._tensors[id(sg)]).items():
+                out[name][sg.lo : sg.hi].copy_(value)
         return out
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         self.fence.wait_all()
         for sg in self.of(group):
-            for name, value in states.items():
-                mine, given = self._tensors[id(sg)][name], value[sg.lo : sg.hi]
-                if mine.data_ptr() != given.data_ptr():  # a shared master handed over as itself
-                    mine.copy_(given)
+            given = self.layout.storable(sg, {name: value[sg.lo : sg.hi] for name, value in states.items()})
+            for name, value in given.items():
+                mine = self._tensors[id(sg)][name]
+                if mine.data_ptr() != value.data_ptr():  # a shared master handed over as itself
+                    mine.copy_(value)
 
     def quiesce(self) -> None:
         return None

@@ -16,17 +16,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
+    from zinf.offload.state_layout import StateLayout
     from zinf.offload.swap import Record, SwapSpace
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "state_dtypes", "STATES", "ALIGN_NUMEL"]
+__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "STATES", "ALIGN_NUMEL"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
-
-
-def state_dtypes(moment_dtype: torch.dtype = torch.float32) -> dict[str, torch.dtype]:
-    """Each record's dtype: the fp32 master, the moments as ``optimizer_storage`` keeps them, an fp32 gradient."""
-    return {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype, "grad": torch.float32}
 ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
 
 
@@ -83,9 +79,8 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
 
 
 def allocate_records(swap: "SwapSpace", subgroups: Sequence[SubGroup], grads: bool,
-                     dtypes: dict[str, torch.dtype] | None = None) -> dict[int, dict[str, "Record"]]:
-    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (and its gradient),
-    each of its dtype in ``dtypes`` (fp32 throughout by default)."""
-    names = STATES + (("grad",) if grads else ())
-    dtypes = dtypes or state_dtypes()
-    return {id(sg): {name: swap.allocate(sg.numel * dtypes[name].itemsize) for name in names} for sg in subgroups}
+                     layout: "StateLayout") -> dict[int, dict[str, "Record"]]:
+    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (int8 moments: and
+    their block exponents), as ``layout`` stores them, and its fp32 gradient."""
+    names = layout.names + (("grad",) if grads else ())
+    return {id(sg): {name: swap.allocate(layout.nbytes(sg, name)) for name in names} for sg in subgroups}

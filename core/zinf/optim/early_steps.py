@@ -32,7 +32,7 @@ import torch
 from zinf import native
 from zinf.native import AdamHyper
 from zinf.optim.fused_step import moment_rounding
-from zinf.offload.subgroups import STATES, SubGroup
+from zinf.offload.subgroups import SubGroup
 from zinf.report import StepTimers
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class EarlySteps:
         self.num_redone += 1
         states = self.states.states_of(sg)
         backup = self._backups[id(sg)]
-        for name in STATES:
+        for name in self.states.layout.names:
             states[name].copy_(backup[name])
 
     def roll_back_all(self) -> None:
@@ -125,15 +125,15 @@ class EarlySteps:
             states = self.states.states_of(sg)
             backup = self._backups.get(id(sg))
             if backup is None:
-                backup = self._backups[id(sg)] = {n: torch.empty_like(states[n]) for n in STATES}
-            for name in STATES:
+                backup = self._backups[id(sg)] = {n: torch.empty_like(states[n]) for n in self.states.layout.names}
+            for name in self.states.layout.names:
                 backup[name].copy_(states[name])
             master, m, v, g = states["master"], states["exp_avg"], states["exp_avg_sq"], grad[sg.lo : sg.hi]
-            for lo, hi, k, i in sg.segments:
+            for j, (lo, hi, k, i) in enumerate(sg.segments):
                 if not inputs.stepped[i]:
                     continue
                 a, b = lo - sg.lo, hi - sg.lo
                 step = inputs.steps[i]
                 assert step is not None
                 native.adam_step(master[a:b], g[a:b], m[a:b], v[a:b], hyper[k], step=step, clip_coef=inputs.factor,
-                                 **moment_rounding(sg, a, step))
+                                 **moment_rounding(sg, a, step), **self.states.layout.segment_scales(sg, states, j))

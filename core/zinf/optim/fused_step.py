@@ -10,13 +10,14 @@ that clipping and loss scaling need were taken when each gradient shard was comp
 so the step reads each byte once: 16 bytes per parameter in (gradient, master, two moments) and 12 + 2 out
 (master, moments, bf16 shard), the floor of 30, with the gradient's zeroing folded into the same pass;
 torch's clip_grad_norm_, fused AdamW and copy move 46 (54 with an fp16 unscale pass). With bf16 moments
-(``optimizer_storage: bf16``) the moments are 4 of them in and 4 out: 22 bytes per parameter.
+(``optimizer_storage: bf16``) the moments are 4 of them in and 4 out: 22 bytes per parameter; 18 with int8 ones
+(and an exponent byte per 256 elements of each moment).
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,13 +39,15 @@ def moment_rounding(sg: SubGroup, offset: int, step: int) -> dict[str, int]:
 
 def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor | None,
                    out: torch.Tensor | None, hyper: Sequence[AdamHyper], stepped: Sequence[bool],
-                   steps: Sequence[int | None], factor: float, *, fp32: bool, stashed: bool) -> None:
+                   steps: Sequence[int | None], factor: float, *, fp32: bool, stashed: bool,
+                   scales: Callable[[int], dict[str, torch.Tensor]] = lambda j: {}) -> None:
     """Step the segments of ``sg`` whose parameters have a gradient this step (see [Note: fused step]) and copy the
     others and the gaps unchanged into ``out`` (the group's new parameter shard; None where the master is that
     shard). ``grad`` is the resident gradient, zeroed as it is read, or with ``stashed`` one read from NVMe with
-    the states (left as it is); None where no gradient memory was written yet."""
+    the states (left as it is); None where no gradient memory was written yet. ``scales(j)``: segment ``j``'s block
+    exponents of int8 moments (``StateLayout.segment_scales``)."""
     g = sg.group
-    for lo, hi, k, i in sg.segments:
+    for j, (lo, hi, k, i) in enumerate(sg.segments):
         a, b = lo - sg.lo, hi - sg.lo
         if not stepped[i]:  # no gradient this step: unchanged, as torch leaves a parameter whose grad is None
             if out is not None:
@@ -56,7 +59,7 @@ def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch
             grad = g.grad.tensor()[sg.lo : sg.hi]
         native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], hyper[k], step=steps[i],
                          clip_coef=factor, param_out=None if fp32 or out is None else out[lo:hi],
-                         zero_grad=not stashed, **moment_rounding(sg, a, steps[i]))
+                         zero_grad=not stashed, **moment_rounding(sg, a, steps[i]), **scales(j))
         if fp32 and out is not None:
             out[lo:hi].copy_(master[a:b])
     for lo, hi in sg.gaps:  # unstepped elements keep their values in the new shard

@@ -292,7 +292,8 @@ class OffloadedAdam(OffloadedAdamState):
             return
         if kept is False:
             self.early.roll_back(sg)  # type: ignore[union-attr]
-        adam_sub_group(sg, master, m, v, grad, out, self._hyper, stepped, steps, factor, fp32=fp32, stashed=stashed)
+        adam_sub_group(sg, master, m, v, grad, out, self._hyper, stepped, steps, factor, fp32=fp32, stashed=stashed,
+                       scales=lambda j: self.states.layout.segment_scales(sg, states, j))
         if sg.last_of_group:
             self._finish_group(g)
 

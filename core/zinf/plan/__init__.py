@@ -21,7 +21,7 @@ and divided by it; ``pb`` = 4 for fp32, 2 for bf16/fp16), as ``engine.resident_b
                                    + cpu: the pinned pool (offload.pinned_pool_bytes)
     nvme/nvme/cpu                  nvme: shard pb, states 12 | cpu: grad 4 + pool
     x/y+bf16 (y = cpu or nvme)     as x/y with the moments 2 + 2 (``optimizer_storage: bf16``): states 8 (4 with
-                                   the host master shared)
+                                   the host master shared); +int8: 1 + 1 and an exponent byte per 256 of each
     x/device with x = cpu or nvme  device: master 4, grad 4, moments 8 | x: shard pb (with fp32 on a CPU-only
                                    machine the CPU store keeps the master's own tensor: no second copy)
     any, a frozen group            its shard pb on the parameters' tier, nothing else (no master,   pb
@@ -41,8 +41,8 @@ Data moved per step and rank:
   softmax, the fp32 loss) as bytes at the device's memory bandwidth, plus the engine's own work per group (hooks
   and bookkeeping). The constants are in :class:`zinf.plan.cost.Calibration`, each with where it comes from.
 - optimizer: torch AdamW over device shards ~80 bytes/param, zinf's CPU-Adam ~20 (it moves 30-34 bytes per
-  parameter, docs/offload.md, but reads cost less than a copy; ~15.6 with bf16 moments), both in host-copy time at
-  the measured bandwidth.
+  parameter, docs/offload.md, but reads cost less than a copy; ~15.6 with bf16 moments, ~54 with int8 ones), both
+  in host-copy time at the measured bandwidth.
 - NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
   pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next forward
   while there is room: the pool less 3 x the largest shard and the optimizer's read-ahead), and written once

@@ -21,7 +21,8 @@ from zinf.config import PRECISIONS
 from zinf.offload.pool_room import block_bytes
 from zinf.offload.nvme_state_store import READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS
 from zinf.plan.machine import Machine
-from zinf.plan.memory import choose_pool, disk_bytes, pool_need, record_span, state_bytes, trained_shards
+from zinf.plan.memory import (choose_pool, disk_bytes, param_reserve, pool_need, record_span, state_bytes,
+                              trained_shards)
 from zinf.plan.model import ModelSpec, PlanError
 from zinf.plan.placements import PlanPlacement
 
@@ -44,6 +45,9 @@ class Calibration:
     # the same with bf16 moments (optimizer_storage: bf16, 22 bytes moved instead of 30): benchmarks/bench_cpu_adam.py
     # measured its step 1.28x faster here (0.0382 against 0.0488 s for 100M parameters), so 20 / 1.28
     cpu_adam_bytes_bf16: float = 15.6
+    # with int8 moments (decoding, stepping and encoding each block of 256): the same script measured its step
+    # INT8_RATIO the fp32 one, so 20 x that
+    cpu_adam_bytes_int8: float = 54.0
     # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
     # residuals, attention softmax, copies), forward + backward; fitted to GPT runs on the 2-core machine of
     # docs/planner.md (noisy: a shared machine), not derived
@@ -188,14 +192,15 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     if pl.params == "nvme":
         # the pool keeps shards for the backward and updated shards for the next forward (NvmeShardStore);
         # what it cannot keep is read in the forward and again in the backward
-        # the pool less the parameter store's reserve (3 x the largest shard) and the optimizer's reads in flight
-        cache = max(0, pool - 3 * block_bytes(max(record_span(n * sb) for n in shards))
+        # the pool less the parameter store's reserve (the largest shard, the largest trained one twice) and the
+        # optimizer's reads in flight
+        cache = max(0, pool - param_reserve(spec, world, storage, pl)
                     - (state_reads_in_flight(min(wl.sub_group_numel, max(shards))) if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":
-        io["nvme_read"] += trainable * (4 + 2 * pl.moment_bytes)
-        io["nvme_write"] += trainable * (4 + 2 * pl.moment_bytes)
+        io["nvme_read"] += trainable * 4 + pl.moments_nbytes(trainable)
+        io["nvme_write"] += trainable * 4 + pl.moments_nbytes(trainable)
         if pl.grads == "nvme":
             io["nvme_read"] += trainable * 4
             io["nvme_write"] += trainable * 4
@@ -228,7 +233,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     if pl.optimizer == "device":
         sec["optimizer"] = trainable * cal.torch_adam_bytes / mem_bw
     else:
-        per = cal.cpu_adam_bytes if pl.moments == "fp32" else cal.cpu_adam_bytes_bf16
+        per = {"fp32": cal.cpu_adam_bytes, "bf16": cal.cpu_adam_bytes_bf16, "int8": cal.cpu_adam_bytes_int8}[pl.moments]
         sec["optimizer"] = trainable * per / host_bw
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:

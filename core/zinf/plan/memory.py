@@ -43,14 +43,31 @@ def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, su
     """What Placement._check_pool requires of offload.pinned_pool_bytes."""
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
     trained = trained_shards(spec, shards)
-    pipeline = largest = 0
+    pipeline = 0
     if pl.optimizer == "nvme" and trained:
         numel = max(_subgroup_numels(trained, sub_group_numel))
-        widths = [4, pl.moment_bytes, pl.moment_bytes] + ([4] if pl.grads == "nvme" else [])
-        pipeline = 3 * sum(block_bytes(record_span(numel * w)) for w in widths)
-    if pl.params == "nvme":
-        largest = block_bytes(max(record_span(n * pb) for n in shards))
-    return pipeline + 4 * largest
+        pipeline = 3 * sum(block_bytes(record_span(n)) for n in _record_bytes(pl, numel))
+    return pipeline + param_reserve(spec, world, precision, pl) + (largest_block(shards, pb) if pl.params == "nvme" else 0)
+
+
+def largest_block(shards: Sequence[int], pb: int) -> int:
+    return block_bytes(max(record_span(n * pb) for n in shards)) if shards else 0
+
+
+def param_reserve(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement) -> int:
+    """The pool room the parameter store's read-ahead leaves free (Placement._check_pool): the largest shard once,
+    the largest trained shard twice."""
+    if pl.params != "nvme":
+        return 0
+    shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
+    return largest_block(shards, pb) + 2 * largest_block(trained_shards(spec, shards), pb)
+
+
+def _record_bytes(pl: PlanPlacement, numel: int) -> list[int]:
+    """The optimizer's records of a sub-group of ``numel``: master, moments (int8: and their exponents), and the
+    gradient when it is on NVMe."""
+    moments = [numel * pl.moment_bytes] * 2 + ([-(-numel // 256)] * 2 if pl.moments == "int8" else [])
+    return [numel * 4, *moments] + ([numel * 4] if pl.grads == "nvme" else [])
 
 
 def choose_pool(need: int, param_span_bytes: int) -> int:
@@ -91,8 +108,8 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
         # fp32 shards in host memory are the CPU-Adam's masters ([Note: one fp32 master on the host])
         host_master = pb == 4 and pl.optimizer == "cpu" and (pl.params == "cpu" or (pl.params == "device"
                                                                                     and machine_device == "cpu"))
-        moments = 2 * pl.moment_bytes
-        add(pl.optimizer, "optimizer_state", trainable * (moments if host_master else 4 + moments))
+        moments = pl.moments_nbytes(trainable)
+        add(pl.optimizer, "optimizer_state", moments if host_master else 4 * trainable + moments)
         add(pl.grads, "grad_shards", trainable * 4)
     if "nvme" in (pl.params, pl.optimizer):
         add("cpu", "pinned_pool", pool_bytes)
@@ -103,7 +120,6 @@ def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, s
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
     total = sum(record_span(n * pb) for n in shards) if pl.params == "nvme" else 0
     if pl.optimizer == "nvme":
-        widths = [4, pl.moment_bytes, pl.moment_bytes] + ([4] if pl.grads == "nvme" else [])
-        total += sum(record_span(n * w) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel)
-                     for w in widths)
+        total += sum(record_span(b) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel)
+                     for b in _record_bytes(pl, n))
     return total

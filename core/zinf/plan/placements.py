@@ -15,7 +15,7 @@ __all__ = ["PlanPlacement", "ALL_PLACEMENTS", "parse_placement"]
 @dataclass(frozen=True)
 class PlanPlacement:
     """Where parameter shards, optimizer states (fp32 master + two Adam moments) and gradient shards live, and the
-    offloaded CPU-Adam's moments' dtype (``optimizer_storage``; named ``+bf16``)."""
+    offloaded CPU-Adam's moments' storage (``optimizer_storage``; named ``+bf16``, ``+int8``)."""
 
     params: str
     optimizer: str
@@ -30,8 +30,12 @@ class PlanPlacement:
 
     @property
     def moment_bytes(self) -> int:
-        """Bytes of each Adam moment per parameter."""
-        return 4 if self.moments == "fp32" else 2
+        """Bytes of each Adam moment per parameter (int8: and an exponent byte per 256, ``moments_nbytes``)."""
+        return {"fp32": 4, "bf16": 2, "int8": 1}[self.moments]
+
+    def moments_nbytes(self, numel: int) -> int:
+        """Both moments' bytes for ``numel`` parameters (int8: with their block exponents)."""
+        return numel * 2 * self.moment_bytes + (2 * -(-numel // 256) if self.moments == "int8" else 0)
 
     @property
     def num_offloads(self) -> int:
@@ -48,7 +52,7 @@ def _all() -> tuple[PlanPlacement, ...]:
     out = []
     for p in TIERS:
         for o in TIERS:
-            for moments in ("fp32", "bf16") if o != "device" else ("fp32",):
+            for moments in ("fp32", "bf16", "int8") if o != "device" else ("fp32",):
                 out.append(PlanPlacement(p, o, o, moments))
                 if o == "nvme":
                     out.append(PlanPlacement(p, o, "cpu", moments))
@@ -60,7 +64,7 @@ ALL_PLACEMENTS = _all()
 
 def parse_placement(text: str) -> PlanPlacement:
     """``"params/optimizer[/grads][+bf16]"``, e.g. ``"device/cpu"``, ``"nvme/nvme"``, ``"nvme/nvme/cpu"``,
-    ``"cpu/cpu+bf16"`` (the CPU-Adam's moments in bf16)."""
+    ``"cpu/cpu+bf16"``, ``"nvme/nvme+int8"`` (the CPU-Adam's moments in bf16 or int8)."""
     base, _, moments = text.strip().partition("+")
     parts = base.split("/")
     if len(parts) == 2:
@@ -71,5 +75,5 @@ def parse_placement(text: str) -> PlanPlacement:
             if (p.params, p.optimizer, p.grads, p.moments) == (*parts, moments or "fp32"):
                 return p
     raise PlanError(f"zinf plan: unknown placement {text!r}; expected params/optimizer[/grads] with tiers "
-                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe; '+bf16' only with the "
-                    f"optimizer offloaded), one of {names}.")
+                    f"{list(TIERS)} (gradients on 'cpu' or 'nvme' only with the optimizer on NVMe; '+bf16' or '+int8' only "
+                    f"with the optimizer offloaded), one of {names}.")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from zinf import native
+from zinf.native import moment_codes
 from zinf.native.rounding import sr_bits, stochastic_bf16
 
 pytestmark = pytest.mark.skipif(not native.info().available, reason="zinf._native not built")
@@ -119,3 +120,86 @@ def test_moments_of_mixed_dtypes_are_refused() -> None:
     with pytest.raises(ValueError, match="exp_avg.*float32/bfloat16"):
         native.adam_step(torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.float16),
                          torch.zeros(n, dtype=torch.float16), native.AdamHyper(), step=1)
+
+
+# -- int8 moments ([Note: int8 moments] in cpp/adam/int8_moments.h) ------------------------------------------------
+def _int8_steps(numel: int, steps: int = 3, torch_twin: bool = False) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(numel)
+    param = torch.randn(numel, generator=gen)
+    m, v = torch.zeros(numel, dtype=torch.uint8), torch.zeros(numel, dtype=torch.uint8)
+    me = torch.full((moment_codes.blocks(numel),), moment_codes.ZERO_BLOCK, dtype=torch.int8)
+    ve = me.clone()
+    hyper = native.AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=True)
+    step_fn = native.adam_step_torch if torch_twin else native.adam_step
+    for step in range(1, steps + 1):
+        grad = torch.randn(numel, generator=gen) * (10.0 ** -(step % 3))  # scales move between steps
+        step_fn(param, grad, m, v, hyper, step=step, seed=step, index_base=77, exp_avg_scale=me, exp_avg_sq_scale=ve)
+    return param, m, v, me, ve
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 100_003])
+def test_int8_moments_equal_the_torch_twin(simd: str, numel: int) -> None:
+    got, ref = _int8_steps(numel), _int8_steps(numel, torch_twin=True)
+    for a, b in zip(got[1:], ref[1:]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
+
+
+def test_every_simd_level_stores_the_same_int8_moments() -> None:
+    results = []
+    before = native.require().adam.simd_level()
+    try:
+        for level in filter(_supported, LEVELS):
+            native.set_simd_level(level)
+            results.append(_int8_steps(100_003)[1:])
+    finally:
+        native.set_simd_level(before)
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r, results[0]))
+
+
+def test_decoded_int8_moments_encode_to_the_same_bytes() -> None:
+    """What a checkpoint holds (the decoded values) gives back the same codes and exponents, whatever the rounding
+    bits: the resume is exact."""
+    _, m, v, me, ve = _int8_steps(100_003, steps=5)
+    for name, codes, exps in (("exp_avg", m, me), ("exp_avg_sq", v, ve)):
+        again = moment_codes.encode(name, moment_codes.decode(name, codes, exps), seed=12345, index_base=9)
+        assert torch.equal(again[0], codes) and torch.equal(again[1], exps), name
+
+
+def test_int8_moments_keep_the_expected_value_and_never_zero_a_positive_v() -> None:
+    n = 1 << 16
+    values = torch.full((n,), 0.3)  # between the codes of 0.28125 and 0.3125 (scale 1)
+    values[0] = 1.0
+    codes, exps = moment_codes.encode("exp_avg", values, seed=1, index_base=0)
+    decoded = moment_codes.decode("exp_avg", codes, exps)[1:]
+    assert set(decoded.unique().tolist()) == {0.28125, 0.3125}
+    assert abs(decoded.mean().item() - 0.3) < 1e-3
+    tiny = torch.full((256,), 1e-30)
+    tiny[0] = 1.0  # 1e-30 is far below the smallest code of its block
+    codes, exps = moment_codes.encode("exp_avg_sq", tiny, seed=1, index_base=0)
+    assert (codes[1:] == 1).all() and (moment_codes.decode("exp_avg_sq", codes, exps)[1:] > 0).all()
+
+
+def test_exp_avg_sq_decays_in_int8() -> None:
+    n, steps = 4096, 500
+    param32, m32, v32 = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    param8 = torch.zeros(n)
+    m8, v8 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    me = torch.full((moment_codes.blocks(n),), moment_codes.ZERO_BLOCK, dtype=torch.int8)
+    ve = me.clone()
+    hyper = native.AdamHyper(lr=1e-3)
+    for step in range(1, steps + 1):
+        grad = torch.ones(n) if step == 1 else torch.zeros(n)
+        native.adam_step(param32, grad, m32, v32, hyper, step=step)
+        native.adam_step(param8, grad, m8, v8, hyper, step=step, seed=step, exp_avg_scale=me, exp_avg_sq_scale=ve)
+    expected = 0.001 * 0.999 ** (steps - 1)
+    assert abs(moment_codes.decode("exp_avg_sq", v8, ve).mean().item() / expected - 1) < 0.02
+    # each element's path is noisy (3 mantissa bits, rounded stochastically), their mean follows fp32's
+    assert abs(param8.mean().item() / param32.mean().item() - 1) < 0.02
+
+
+def test_int8_moments_need_their_exponents() -> None:
+    n = 8
+    codes = torch.zeros(n, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="int8 moments.*need `exp_avg_scale`"):
+        native.adam_step(torch.zeros(n), torch.zeros(n), codes, codes.clone(), native.AdamHyper(), step=1)

@@ -72,3 +72,11 @@ def test_bf16_moments_on_nvme_take_half_the_records(tmp_path) -> None:
         numel = sum(g.shard_numel for g in engine.groups)
         engine.close()
     assert (held["fp32"], held["bf16"]) == (12 * numel, 8 * numel), held
+
+
+def test_int8_moments_take_at_most_10_1_bytes_each() -> None:
+    """``optimizer_storage: int8``: a byte per moment and an exponent byte per 256 elements of each."""
+    held, numel, losses = _train("cpu", "cpu", storage="int8")
+    per = {k: v / numel for k, v in held["cpu"].items() if v}
+    assert per["param_shards"] == 4.0 and per["grad_shards"] == 4.0 and 2.0 < per["optimizer_state"] <= 2.1, per
+    assert sum(per.values()) <= 10.1
