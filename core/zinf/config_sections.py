@@ -42,7 +42,8 @@ class LossScaleConfig(Checked):
 class OverlapConfig(Checked):
     """How far ahead parameters are gathered and how gradients are bucketed.
 
-    ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters (0 turns prefetch off);
+    ``prefetch_bytes`` bounds the bytes of gathered-ahead parameters, but the next group is gathered ahead
+    whatever its size when nothing else is (0 turns prefetch off);
     ``persistent_numel`` keeps modules whose own parameters are smaller than this gathered for the
     whole run; gradients are reduce-scattered in buckets of about ``reduce_bucket_bytes`` (small
     groups coalesced into one collective), at most two buckets in flight; 0 (default) sizes them by the

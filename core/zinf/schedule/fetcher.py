@@ -88,8 +88,11 @@ class ParamFetcher:
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
         if self.keep is not None:
             budget -= self.keep.kept_bytes()
-        if self.config.max_gathered_bytes:
-            budget = min(budget, self.config.max_gathered_bytes - self.gathered_bytes)
+        hard = self.config.max_gathered_bytes - self.gathered_bytes if self.config.max_gathered_bytes else None
+        # [Note: one group ahead] a window smaller than the next group still gathers that group ahead when nothing
+        # else is: the byte cap bounds how many groups run ahead, never whether one does (a 13B model's groups are
+        # all larger than the default window, which made every gather wait). prefetch_bytes 0 turns it off.
+        floor = self.config.prefetch_bytes > 0 and not self._ahead
         reading = True
         chosen: list[FlatParamGroup] = []
         covered = 0  # the next modules whose groups are all gathered or on their way, counted from the next one
@@ -112,10 +115,13 @@ class ParamFetcher:
                     # the gather is not a collective: with several ranks every rank must start the same
                     # gathers in the same order, and whether an update is done yet differs between ranks.
                     continue
-                if g.nbytes_full > budget:
+                over = g.nbytes_full > budget and not (floor and not chosen)
+                if over or (hard is not None and g.nbytes_full > hard):
                     budget = -1  # the gather window is full; reads may still go ahead
                     continue
                 budget -= g.nbytes_full
+                if hard is not None:
+                    hard -= g.nbytes_full
                 chosen.append(g)
         if chosen and covered * 2 >= self.config.prefetch_modules:
             # [Note: prefetch in batches] the window is still at least half full: ask for nothing now. With several
