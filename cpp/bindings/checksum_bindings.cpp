@@ -20,6 +20,14 @@ void bind_checksum(py::module_& m) {
       },
       py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0);
   m.def(
+      "crc32c_parallel",
+      [](uintptr_t address, size_t nbytes, uint32_t crc, int threads) {
+        py::gil_scoped_release release;
+        return zinf::checksum::crc32c_parallel(reinterpret_cast<const void*>(address), nbytes, crc, threads);
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("threads") = 1);
+  m.def("crc32c_combine", &zinf::checksum::crc32c_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"));
+  m.def(
       "crc32c_portable",
       [](uintptr_t address, size_t nbytes, uint32_t crc) {
         py::gil_scoped_release release;

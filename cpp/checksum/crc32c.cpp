@@ -1,7 +1,11 @@
 // CRC32C: table-driven fallback, hardware dispatch, and the shift tables that join interleaved streams.
 #include "crc32c.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <array>
+#include <vector>
 
 namespace zinf::checksum {
 namespace {
@@ -81,6 +85,67 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
   if (!t.hardware) return crc32c_portable(data, n, crc);
   return ~detail::raw_update_sse42_3way(~crc, static_cast<const uint8_t*>(data), n, t.shift_lane, t.shift_2lanes,
                                         kLane);
+}
+
+namespace {
+
+// a(x) * b(x) modulo the polynomial, both reflected (zlib's multmodp)
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// x^(n * 2^k) modulo the polynomial
+uint32_t x2nmodp(size_t n, unsigned k) {
+  static const std::array<uint32_t, 32> powers = [] {
+    std::array<uint32_t, 32> t{};
+    uint32_t p = 1u << 30;  // x^1
+    for (auto& v : t) {
+      v = p;
+      p = multmodp(p, p);
+    }
+    return t;
+  }();
+  uint32_t p = 1u << 31;  // x^0
+  while (n) {
+    if (n & 1) p = multmodp(powers[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
+constexpr size_t kParallelBelow = size_t{4} << 20;
+
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
+  return multmodp(x2nmodp(len2, 3), crc1) ^ crc2;
+}
+
+uint32_t crc32c_parallel(const void* data, size_t n, uint32_t crc, int threads) {
+  if (threads <= 1 || n < kParallelBelow) return crc32c(data, n, crc);
+  const size_t slices = static_cast<size_t>(threads);
+  const size_t slice = (n / slices + 4095) / 4096 * 4096;
+  std::vector<uint32_t> crcs(slices, 0);
+  std::vector<size_t> lens(slices, 0);
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (long i = 0; i < static_cast<long>(slices); ++i) {
+    const size_t lo = std::min(n, static_cast<size_t>(i) * slice), hi = std::min(n, lo + slice);
+    lens[i] = hi - lo;
+    crcs[i] = crc32c(p + lo, hi - lo, 0);
+  }
+  for (size_t i = 0; i < slices; ++i) crc = crc32c_combine(crc, crcs[i], lens[i]);
+  return crc;
 }
 
 std::string crc32c_backend() { return tables().hardware ? "sse4.2" : "portable"; }

@@ -11,6 +11,15 @@ namespace zinf::checksum {
 // else a slicing-by-8 table. Safe to call from any thread; holds no state besides read-only tables.
 uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
 
+// crc32c(a + b) from crc1 = crc32c(a), crc2 = crc32c(b) and the length of b (zlib's crc32_combine, for the
+// Castagnoli polynomial): O(log len2) multiplications in GF(2)[x] modulo the polynomial.
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
+
+// crc32c() computed on up to `threads` threads (OpenMP), each over its own slice, the slices' CRCs joined with
+// crc32c_combine: the same value, in a fraction of the time on a multi-core host. Ranges under 4 MiB, or one
+// thread, take the serial path.
+uint32_t crc32c_parallel(const void* data, size_t n, uint32_t crc, int threads);
+
 // The software path alone (the test oracle for the hardware path).
 uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc = 0);
 

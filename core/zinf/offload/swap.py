@@ -338,5 +338,6 @@ class SwapSpace:
                     "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
 
     def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
+        """A record's CRC32C on the CPU-Adam's threads: it runs between the sweep's steps, when they are free."""
         with self.timers.time("background_checksum" if threading.get_ident() in self._background else "checksum"):
-            return native.crc32c(buf[: rec.nbytes])
+            return native.crc32c(buf[: rec.nbytes], threads=native.require().adam.num_threads())

@@ -43,3 +43,18 @@ def test_any_dtype_is_checksummed_by_its_bytes(dtype: torch.dtype) -> None:
 def test_strided_tensors_are_refused() -> None:
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         native.crc32c(torch.zeros(4, 4).t())
+
+
+@needs_native
+@pytest.mark.parametrize("n", [(4 << 20) - 1, 4 << 20, (4 << 20) + 4097, 9 << 20])
+def test_threads_give_the_same_checksum(n: int) -> None:
+    """Slices checksummed at once and joined (``crc32c_combine``) equal the serial CRC, from any start value."""
+    from zinf.native.checksum import crc32c_combine
+
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    want = native.crc32c(data)
+    for threads in (2, 3, 8):
+        assert native.crc32c(data, threads=threads) == want
+        assert native.crc32c(data, 0xDEADBEEF, threads=threads) == native.crc32c(data, 0xDEADBEEF)
+    k = n // 3
+    assert crc32c_combine(native.crc32c(data[:k]), native.crc32c(data[k:]), n - k) == want

@@ -80,3 +80,10 @@ def test_int8_moments_take_at_most_10_1_bytes_each() -> None:
     per = {k: v / numel for k, v in held["cpu"].items() if v}
     assert per["param_shards"] == 4.0 and per["grad_shards"] == 4.0 and 2.0 < per["optimizer_state"] <= 2.1, per
     assert sum(per.values()) <= 10.1
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_compact_moments_step_alike_during_the_backward(storage: str) -> None:
+    """``step_during_backward`` takes the same steps with compact moments (the same rounding bits, the block
+    exponents backed up and rolled back with the codes)."""
+    assert _train("cpu", "cpu", storage=storage)[2] == _train("cpu", "cpu", early=True, storage=storage)[2]
