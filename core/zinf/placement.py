@@ -39,8 +39,8 @@ from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore
-from zinf.offload.state_layout import StateLayout
-from zinf.offload.subgroups import SubGroup, allocate_records, plan_subgroups
+from zinf.offload.state_layout import StateLayout, allocate_records
+from zinf.offload.subgroups import SubGroup, plan_subgroups
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer

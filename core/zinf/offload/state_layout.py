@@ -13,7 +13,7 @@ length, and their conversion to and from the values a checkpoint holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -22,8 +22,9 @@ from zinf.offload.subgroups import STATES
 
 if TYPE_CHECKING:
     from zinf.offload.subgroups import SubGroup
+    from zinf.offload.swap import Record, SwapSpace
 
-__all__ = ["StateLayout", "SCALES"]
+__all__ = ["StateLayout", "SCALES", "allocate_records"]
 
 SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 
@@ -116,3 +117,11 @@ class StateLayout:
                     name, given[name][a:b].float(), seed=0, index_base=sg.group.layout.lo + lo)
             out[name], out[scale] = codes, exps
         return out
+
+
+def allocate_records(swap: "SwapSpace", subgroups: Sequence["SubGroup"], grads: bool,
+                     layout: StateLayout) -> dict[int, dict[str, "Record"]]:
+    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (int8 moments: and
+    their block exponents), as ``layout`` stores them, and its fp32 gradient."""
+    names = layout.names + (("grad",) if grads else ())
+    return {id(sg): {name: swap.allocate(layout.nbytes(sg, name)) for name in names} for sg in subgroups}

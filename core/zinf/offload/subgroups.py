@@ -16,11 +16,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from zinf.offload.state_layout import StateLayout
-    from zinf.offload.swap import Record, SwapSpace
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "allocate_records", "STATES", "ALIGN_NUMEL"]
+__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "STATES", "ALIGN_NUMEL"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
@@ -76,11 +74,3 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
                 gaps.append((cursor, hi))
             out.append(SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
     return out
-
-
-def allocate_records(swap: "SwapSpace", subgroups: Sequence[SubGroup], grads: bool,
-                     layout: "StateLayout") -> dict[int, dict[str, "Record"]]:
-    """Each sub-group's records in the swap files, side by side: master, exp_avg, exp_avg_sq (int8 moments: and
-    their block exponents), as ``layout`` stores them, and its fp32 gradient."""
-    names = layout.names + (("grad",) if grads else ())
-    return {id(sg): {name: swap.allocate(layout.nbytes(sg, name)) for name in names} for sg in subgroups}

@@ -41,11 +41,12 @@ Data moved per step and rank:
   softmax, the fp32 loss) as bytes at the device's memory bandwidth, plus the engine's own work per group (hooks
   and bookkeeping). The constants are in :class:`zinf.plan.cost.Calibration`, each with where it comes from.
 - optimizer: torch AdamW over device shards ~80 bytes/param, zinf's CPU-Adam ~20 (it moves 30-34 bytes per
-  parameter, docs/offload.md, but reads cost less than a copy; ~15.6 with bf16 moments, ~54 with int8 ones), both
+  parameter, docs/offload.md, but reads cost less than a copy; ~17.9 with bf16 moments, ~37.7 with int8 ones), both
   in host-copy time at the measured bandwidth.
 - NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
   pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next forward
-  while there is room: the pool less 3 x the largest shard and the optimizer's read-ahead), and written once
+  while there is room: the pool less its reserve, the largest shard and twice the largest trained one, and the
+  optimizer's read-ahead), and written once
   (``pb``, in their 4 KiB records); optimizer states read and written once (12 + 12); gradients on NVMe written in
   backward and read by the step (4 + 4). Reads and writes overlap (read-ahead, trailing writes), so the disk time
   is the larger of reads at the read rate, writes at the write rate, and both at the rate measured for reads and

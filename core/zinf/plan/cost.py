@@ -42,12 +42,11 @@ class Calibration:
     # shard; zeroes the gradient: docs/offload.md), but reads cost less than a copy's read + write: measured here
     # at 17-19 bytes of host-copy time per parameter (1 and 2 threads), so 20
     cpu_adam_bytes: float = 20.0
-    # the same with bf16 moments (optimizer_storage: bf16, 22 bytes moved instead of 30): benchmarks/bench_cpu_adam.py
-    # measured its step 1.28x faster here (0.0382 against 0.0488 s for 100M parameters), so 20 / 1.28
-    cpu_adam_bytes_bf16: float = 15.6
-    # with int8 moments (decoding, stepping and encoding each block of 256): the same script measured its step
-    # INT8_RATIO the fp32 one, so 20 x that
-    cpu_adam_bytes_int8: float = 54.0
+    # the same with bf16 moments (optimizer_storage: bf16, 22 bytes moved instead of 30) and with int8 ones (18, but
+    # each block decoded and encoded): benchmarks/bench_cpu_adam.py, the engines' steps interleaved, measured them
+    # 1.10-1.13x and 0.52-0.55x the fp32 step's speed here (100M parameters, 3 runs), so 20 / 1.12 and 20 / 0.53
+    cpu_adam_bytes_bf16: float = 17.9
+    cpu_adam_bytes_int8: float = 37.7
     # fp32 elements read + written per token per layer per hidden unit by the non-matmul work (norms, GELU,
     # residuals, attention softmax, copies), forward + backward; fitted to GPT runs on the 2-core machine of
     # docs/planner.md (noisy: a shared machine), not derived
