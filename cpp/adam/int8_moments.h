@@ -24,17 +24,9 @@ namespace zinf::adam {
 constexpr int8_t kZeroBlock = -128;  // every code of the block is 0
 
 // A second hash of the same index for exp_avg_sq's rounding bits.
-inline uint32_t sr_bits2(uint32_t h) {
-  uint32_t x = h ^ 0x68E31DA4u;
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
+inline uint32_t sr_bits2(uint32_t h) { return lowbias32(h ^ 0x68E31DA4u); }
 
-// Needs sr_bits, load_grad_scalar and store_out_scalar: included by kernel_scalar_body.h after them.
+// Needs lowbias32, sr_bits, load_grad_scalar and store_out_scalar: included by kernel_scalar_body.h after them.
 
 // Smallest e with a <= 2^e (a > 0), clamped to the int8 range; kZeroBlock for a == 0.
 inline int8_t block_exponent(float a) {

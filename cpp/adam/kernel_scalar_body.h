@@ -26,9 +26,8 @@ inline float load_grad_scalar(const void* g, size_t i) {
   else return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
 }
 
-// lowbias32 (Chris Wellons' integer hash) of the element's index mixed with the seed.
-inline uint32_t sr_bits(uint32_t seed, uint32_t index) {
-  uint32_t x = (index * 0x9E3779B1u) ^ seed;
+// lowbias32, Chris Wellons' integer hash
+inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
   x ^= x >> 15;
@@ -36,6 +35,9 @@ inline uint32_t sr_bits(uint32_t seed, uint32_t index) {
   x ^= x >> 16;
   return x;
 }
+
+// The rounding bits of an element: the hash of its index mixed with the seed.
+inline uint32_t sr_bits(uint32_t seed, uint32_t index) { return lowbias32((index * 0x9E3779B1u) ^ seed); }
 
 inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r16) {
   const uint32_t u = f32_bits(f);

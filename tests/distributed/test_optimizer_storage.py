@@ -13,7 +13,7 @@ import torch
 import zinf
 from dist_utils import run_distributed
 from models import batches, build, make_optimizer
-from training import Recipe, reference, zinf_worker
+from training import Recipe, reference, train_global, zinf_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -57,29 +57,19 @@ def _engine(storage: str, tier: str, nvme: str) -> zinf.ZeroInfinityEngine:
     return zinf.initialize(model, make_optimizer(model), config)
 
 
-def _train(engine: zinf.ZeroInfinityEngine, data: list, rank: int, world: int) -> list[float]:
-    out = []
-    for x, y in data:
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def _resume(rank: int, world: int, ckpt: str, tier: str, saved: str, loaded: str) -> dict:
     nvme = os.path.dirname(ckpt)
     data = batches("gpt", 12, 8)
     first = _engine(saved, tier, nvme)
-    _train(first, data[:6], rank, world)
+    train_global(first, data[:6], rank, world)
     first.save_checkpoint(ckpt)
     moments = {str(v.dtype) for g in first.groups for k, v in first.optimizer.group_state(g).items()}
-    straight = _train(first, data[6:], rank, world)
+    straight = train_global(first, data[6:], rank, world)
     first.close()
     second = _engine(loaded, tier, nvme)
     second.load_checkpoint(ckpt)
     stored = {str(v.dtype) for g in second.groups for k, v in second.optimizer.group_state(g).items()}
-    resumed = _train(second, data[6:], rank, world)
+    resumed = train_global(second, data[6:], rank, world)
     second.close()
     return {"straight": straight, "resumed": resumed, "saved": moments, "stored": stored}
 

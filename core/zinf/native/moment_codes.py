@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .rounding import sr_bits
+from .rounding import lowbias32, sr_bits
 
 __all__ = ["MOMENT_BLOCK", "ZERO_BLOCK", "blocks", "decode", "encode", "sr_bits2"]
 
@@ -26,12 +26,7 @@ def blocks(numel: int) -> int:
 
 def sr_bits2(h: torch.Tensor) -> torch.Tensor:
     """exp_avg_sq's rounding bits: a second hash of exp_avg's (``sr_bits``)."""
-    x = h ^ 0x68E31DA4
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK
-    return x ^ (x >> 16)
+    return lowbias32(h ^ 0x68E31DA4)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sr_bits", "stochastic_bf16"]
+__all__ = ["lowbias32", "sr_bits", "stochastic_bf16"]
+
+
+_MASK = 0xFFFFFFFF
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's integer hash of uint32 values held in an int64 tensor."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK
+    return x ^ (x >> 16)
 
 
 def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The kernel's stochastic-rounding bits of each element index (int64 tensor of uint32 values)."""
-    mask = 0xFFFFFFFF
-    x = ((index * 0x9E3779B1) & mask) ^ (int(seed) & mask)
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & mask
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & mask
-    return x ^ (x >> 16)
+    return lowbias32(((index * 0x9E3779B1) & _MASK) ^ (int(seed) & _MASK))
 
 
 def stochastic_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
