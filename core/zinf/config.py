@@ -52,7 +52,7 @@ class ZeroConfig(Checked):
         a byte per moment and a power-of-two scale per 256 elements (10.01 bytes per parameter). The fp32 master
         stays; the moments are decoded, stepped in fp32 and rounded back stochastically, which keeps their expected
         values (see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h, [Note: int8 moments] in
-        cpp/adam/int8_moments.h). A checkpoint keeps bf16 moments as stored and int8 ones decoded to fp32 (exact);
+        cpp/adam/int8_moments.h). A checkpoint holds the moments' values in fp32, exactly (int8 ones decoded);
         loading it into an engine of another storage converts them.
     reduce_dtype: dtype of the gradient reduce-scatter: "fp32" (default, exact) or "param".
     gradient_clipping: clip the global gradient norm to this value (0 = off).

@@ -1,6 +1,7 @@
 """Compact optimizer states (``optimizer_storage``): the offloaded CPU-Adam's moments in bf16 or int8 on the host and
-on NVMe train like fp32 ones, on 1 and 2 ranks; a checkpoint keeps bf16 moments as stored and int8 ones decoded
-(exactly), and resumes exactly; a checkpoint of one storage loads into an engine of another (converted on load)."""
+on NVMe train like fp32 ones, on 1 and 2 ranks; the optimizer hands a checkpoint bf16 moments as stored and int8
+ones decoded (exactly), and a resume is exact; a checkpoint of one storage loads into an engine of another
+(converted on load)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def _resume(rank: int, world: int, ckpt: str, tier: str, saved: str, loaded: str
 
 @pytest.mark.parametrize("tier,storage", [("cpu", "bf16"), ("nvme", "bf16"), ("cpu", "int8"), ("nvme", "int8")])
 def test_a_compact_checkpoint_resumes_exactly(tier: str, storage: str, tmp_path: Path) -> None:
-    """bf16 moments are saved as bf16; int8 ones as their decoded fp32 values, which encode back to the same codes
-    and block exponents ([Note: int8 moments] in cpp/adam/int8_moments.h): the resumed run equals the straight one."""
+    """The optimizer hands the checkpoint bf16 moments as bf16 and int8 ones as their decoded fp32 values, which
+    encode back to the same codes and block exponents ([Note: int8 moments] in cpp/adam/int8_moments.h): the
+    resumed run equals the straight one."""
     saved = {"bf16": "torch.bfloat16", "int8": "torch.float32"}[storage]
     for r in run_distributed(_resume, 2, str(tmp_path / "ckpt"), tier, storage, storage):
         assert r["saved"] == {saved} == r["stored"], r
