@@ -30,7 +30,7 @@ __all__ = ["ZeroConfig", "LossScaleConfig", "OverlapConfig", "OffloadConfig", "T
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REDUCE_DTYPES = ("fp32", "param")
-_OPTIMIZER_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}  # int8: uint8 codes
+OPTIMIZER_STORAGES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}  # int8: uint8 codes
 _DIVERGENCE = ("auto", "error")
 _UNIT_POLICIES = ("blocks", "modules")
 
@@ -125,8 +125,8 @@ class ZeroConfig(Checked):
         require(self.param_storage in ("precision", self.precision) or self.precision == "fp32", "param_storage",
                  self.param_storage, f"'precision' or '{self.precision}' with precision='{self.precision}' (a 16-bit "
                  "storage dtype is for fp32 compute; with 16-bit compute the shards are already 16-bit)")
-        require(self.optimizer_storage in _OPTIMIZER_STORAGES, "optimizer_storage", self.optimizer_storage,
-                 f"one of {list(_OPTIMIZER_STORAGES)}")
+        require(self.optimizer_storage in OPTIMIZER_STORAGES, "optimizer_storage", self.optimizer_storage,
+                 f"one of {list(OPTIMIZER_STORAGES)}")
         require(self.optimizer_storage == "fp32" or self.offload.optimizer != "device", "optimizer_storage",
                  self.optimizer_storage, "'fp32' with offload.optimizer: device (compact moments are the offloaded "
                  "CPU-Adam's: set offload.optimizer to 'cpu' or 'nvme')")
@@ -161,7 +161,7 @@ class ZeroConfig(Checked):
     @property
     def moment_dtype(self) -> torch.dtype:
         """The offloaded CPU-Adam's moments' dtype (``optimizer_storage``)."""
-        return _OPTIMIZER_STORAGES[self.optimizer_storage]
+        return OPTIMIZER_STORAGES[self.optimizer_storage]
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:

@@ -136,13 +136,13 @@ class Placement:
         self.stash: NvmeGradStash | None = None
         self.states: CpuStateStore | NvmeStateStore | None = None
         if cfg.optimizer == "cpu":
-            self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged), moment_dtype)
+            self.states = CpuStateStore(self.subgroups, self.fence, self._host_fp32_shards(staged), self.layout)
         elif cfg.optimizer == "nvme":
             assert self.swap is not None and room is not None
             records = allocate_records(self.swap, self.subgroups, grads_on_nvme, self.layout)
             self.stash = NvmeGradStash(self.swap, room, self.subgroups, records) if grads_on_nvme else None
             self.states = NvmeStateStore(self.subgroups, self.fence, self.swap, room, records, self.stash,
-                                         param_reserve, backward_reserve, moment_dtype)
+                                         param_reserve, backward_reserve, self.layout)
         if cfg.enabled:
             for g in self.groups:
                 device = torch.device("cpu") if offloaded_opt else g.device
@@ -269,7 +269,7 @@ class Placement:
         if grads_tier == "cpu":
             host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":
-            host += sum(self.layout.nbytes(sg, n) for sg in self.subgroups for n in self.layout.names)  # master, moments
+            host += self.layout.state_bytes(self.subgroups)  # fp32 master, moments
         if "nvme" in (cfg.params, cfg.optimizer):
             host += cfg.pinned_pool_bytes
         return host

@@ -7,10 +7,10 @@
 namespace zinf::adam {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNone = 3, kInt8 = 4 };
+enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // int8 moments: blocks of this many elements, each with a power-of-two scale ([Note: int8 moments]).
 constexpr size_t kMomentBlock = 256;
-enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // Everything one Adam step needs, with the per-step scalars already derived.
 struct AdamArgs {

@@ -44,6 +44,10 @@ inline float pow2(int e) { return bits_f32(static_cast<uint32_t>(e + 127) << 23)
 
 inline float exp2_scale(int8_t e) { return e <= -127 ? std::ldexp(1.0f, e) : pow2(e); }
 
+// A block's scale 2^e, and its reciprocal: both 0 for a zero block (every code decodes and encodes to 0).
+inline float block_scale(int8_t e) { return e == kZeroBlock ? 0.0f : exp2_scale(e); }
+inline float block_inverse(int8_t e) { return e == kZeroBlock ? 0.0f : 1.0f / exp2_scale(e); }
+
 // a in [0, 1]: the code of a float with 3 mantissa bits and exponent bias ``bias`` (smallest normal 2^(1 - bias)),
 // rounded stochastically with the 20 random bits r20. Branch-free, so that the block loops vectorize.
 inline uint32_t encode_magnitude(float a, uint32_t r20, int bias) {
@@ -112,8 +116,7 @@ inline void adam_int8_range(const AdamArgs& a, size_t begin, size_t end) {
   for (size_t b0 = begin; b0 < end; b0 += kMomentBlock) {
     const size_t n = (b0 + kMomentBlock < end ? b0 + kMomentBlock : end) - b0;
     const size_t block = b0 / kMomentBlock;
-    const int8_t me0 = a.exp_avg_scale[block], ve0 = a.exp_avg_sq_scale[block];
-    const float ms = me0 == kZeroBlock ? 0.0f : exp2_scale(me0), vs = ve0 == kZeroBlock ? 0.0f : exp2_scale(ve0);
+    const float ms = block_scale(a.exp_avg_scale[block]), vs = block_scale(a.exp_avg_sq_scale[block]);
     for (size_t j = 0; j < n; ++j) {
       mbuf[j] = decode_m(mc[b0 + j], ms);
       vbuf[j] = decode_v(vc[b0 + j], vs);
@@ -134,8 +137,7 @@ inline void adam_int8_range(const AdamArgs& a, size_t begin, size_t end) {
       vtop = vb > vtop ? vb : vtop;
     }
     int8_t me = block_exponent(bits_f32(mtop)), ve = block_exponent(bits_f32(vtop));
-    const float m_inv = me == kZeroBlock ? 0.0f : 1.0f / exp2_scale(me);
-    const float v_inv = ve == kZeroBlock ? 0.0f : 1.0f / exp2_scale(ve);
+    const float m_inv = block_inverse(me), v_inv = block_inverse(ve);
     const uint32_t base = a.index_base + static_cast<uint32_t>(b0);
     for (size_t j = 0; j < n; ++j) {
       const uint32_t h = sr_bits(a.seed, base + static_cast<uint32_t>(j));

@@ -1,8 +1,6 @@
 // CRC32C: table-driven fallback, hardware dispatch, and the shift tables that join interleaved streams.
 #include "crc32c.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <vector>

@@ -11,7 +11,7 @@
 where the factor is computed in double and applied as a float32 multiply. Adam's weight decay is
 L2 (``grad += wd * param``); AdamW's is decoupled (``param *= 1 - lr * wd``). With bfloat16 moments the
 same fp32 math runs on the widened moments, which are stored back rounded stochastically with hashed bits
-(see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h; :func:`stochastic_bf16` is its twin).
+(see [Note: bf16 moments] in cpp/adam/kernel_scalar_body.h; zinf/native/rounding.py is its twin).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from zinf.device_memory import is_device_memory
 
 from .loader import _native
 from . import moment_codes
-from .rounding import sr_bits, stochastic_bf16
+from .rounding import element_bits, stochastic_bf16
 
 __all__ = [
     "AdamHyper",
@@ -37,8 +37,6 @@ __all__ = [
     "adam_step",
     "adam_step_torch",
     "grad_factor",
-    "stochastic_bf16",
-    "sr_bits",
     "MOMENT_DTYPES",
 ]
 
@@ -291,7 +289,7 @@ def adam_step_torch(
         denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps_)
         param.addcdiv_(m, denom, value=-(lr_ / bias_correction1))
         if exp_avg.dtype == torch.bfloat16:
-            r = sr_bits(seed, torch.arange(exp_avg.numel(), dtype=torch.int64) + (int(index_base) & 0xFFFFFFFF))
+            r = element_bits(seed, index_base, exp_avg.numel())
             exp_avg.copy_(stochastic_bf16(m, r & 0xFFFF))
             exp_avg_sq.copy_(stochastic_bf16(v, r >> 16))
         elif exp_avg.dtype == torch.uint8:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .rounding import lowbias32, sr_bits
+from .rounding import element_bits, lowbias32
 
 __all__ = ["MOMENT_BLOCK", "ZERO_BLOCK", "blocks", "decode", "encode", "sr_bits2"]
 
 MOMENT_BLOCK = 256
 ZERO_BLOCK = -128
 _BIAS = {"exp_avg": 15, "exp_avg_sq": 31}
-_MASK = 0xFFFFFFFF
 
 
 def blocks(numel: int) -> int:
@@ -58,11 +57,15 @@ def decode(name: str, codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     return _decode_magnitude(codes, _BIAS[name]) * scale
 
 
+def _block_max(t: torch.Tensor) -> torch.Tensor:
+    """The largest of each block of non-negative ``t`` (the last block padded with zeros)."""
+    padded = torch.zeros(blocks(t.numel()) * MOMENT_BLOCK, dtype=t.dtype)
+    padded[: t.numel()] = t
+    return padded.view(-1, MOMENT_BLOCK).amax(dim=1)
+
+
 def _block_exponents(values: torch.Tensor) -> torch.Tensor:
-    n = values.numel()
-    padded = torch.zeros(blocks(n) * MOMENT_BLOCK, dtype=torch.float32)
-    padded[:n] = values.abs()
-    top = padded.view(-1, MOMENT_BLOCK).amax(dim=1)
+    top = _block_max(values.abs())
     f, k = torch.frexp(top)
     e = torch.where(f == 0.5, k - 1, k).clamp(-127, 127)
     e = torch.where(torch.isfinite(top), e, torch.full_like(e, 127))
@@ -87,7 +90,7 @@ def encode(name: str, values: torch.Tensor, seed: int, index_base: int) -> tuple
     exps = _block_exponents(values)
     scale = _scales(exps, n)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros((), dtype=torch.float32))
-    h = sr_bits(seed, torch.arange(n, dtype=torch.int64) + (int(index_base) & _MASK))
+    h = element_bits(seed, index_base, n)
     bias = _BIAS[name]
     if name == "exp_avg":
         y = values * inv
@@ -106,9 +109,7 @@ def _canonical(name: str, codes: torch.Tensor, exps: torch.Tensor) -> tuple[torc
     n, bias = codes.numel(), _BIAS[name]
     signed = name == "exp_avg"
     mag = codes & 0x7F if signed else codes
-    top = torch.zeros(blocks(n) * MOMENT_BLOCK, dtype=torch.int64)
-    top[:n] = mag
-    half = (top.view(-1, MOMENT_BLOCK).amax(dim=1) == (14 if signed else 30) << 3) & (exps.to(torch.int64) > -127)
+    half = (_block_max(mag) == (14 if signed else 30) << 3) & (exps.to(torch.int64) > -127)
     if bool(half.any()):
         redo = half.repeat_interleave(MOMENT_BLOCK)[:n] & (mag != 0)
         doubled = _encode_magnitude(_decode_magnitude(mag, bias) * 2.0, torch.zeros_like(mag), bias)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lowbias32", "sr_bits", "stochastic_bf16"]
+__all__ = ["element_bits", "lowbias32", "sr_bits", "stochastic_bf16"]
 
 
 _MASK = 0xFFFFFFFF
@@ -23,6 +23,11 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
 def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The kernel's stochastic-rounding bits of each element index (int64 tensor of uint32 values)."""
     return lowbias32(((index * 0x9E3779B1) & _MASK) ^ (int(seed) & _MASK))
+
+
+def element_bits(seed: int, index_base: int, numel: int) -> torch.Tensor:
+    """``sr_bits`` of elements ``index_base`` to ``index_base + numel - 1`` (indices modulo 2^32, as the kernel's)."""
+    return sr_bits(seed, torch.arange(numel, dtype=torch.int64) + (int(index_base) & _MASK))
 
 
 def stochastic_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:

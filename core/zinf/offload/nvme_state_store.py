@@ -35,6 +35,7 @@ import torch
 from zinf.native import PoolExhaustedError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.pool_room import OPTIMIZER, PoolRoom, block_bytes
+from zinf.offload.state_layout import StateLayout
 from zinf.offload.state_store import StateStore, in_group_order
 from zinf.offload.subgroups import SubGroup
 from zinf.offload.swap import Record, SwapSpace
@@ -57,8 +58,8 @@ class NvmeStateStore(StateStore):
 
     def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence, swap: SwapSpace, room: PoolRoom,
                  records: dict[int, dict[str, Record]], stash: NvmeGradStash | None, param_reserve_bytes: int,
-                 backward_reserve_bytes: int, moment_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(subgroups, fence, moment_dtype)
+                 backward_reserve_bytes: int, layout: StateLayout | None = None) -> None:
+        super().__init__(subgroups, fence, layout)
         self.swap, self.room, self.stash = swap, room, stash
         self.records = {id(sg): {name: records[id(sg)][name] for name in self.layout.names} for sg in self.subgroups}
         self.param_reserve_bytes = param_reserve_bytes  # pool bytes trailing writes leave free for the parameter store
@@ -292,18 +293,19 @@ class NvmeStateStore(StateStore):
         self._idle.wait()
         out = self._outputs(group)
         for sg in self.of(group):
-            stored = {}
-            for name in self.layout.names:
-                rec = self.records[id(sg)][name]
-                buf = self.room.acquire_waiting(rec.span)
-                try:
+            bufs: dict[str, torch.Tensor] = {}  # a sub-group's records at once, as the sweep holds them
+            try:
+                for name in self.layout.names:
+                    rec = self.records[id(sg)][name]
+                    bufs[name] = buf = self.room.acquire_waiting(rec.span)
                     self.swap.wait(self.swap.submit_read(rec, buf), rec)
                     self.swap.verify(rec, buf)
-                    stored[name] = buf[: rec.nbytes].view(self.layout.dtype(name)).clone()
-                finally:
+                stored = {n: b[: self.records[id(sg)][n].nbytes].view(self.layout.dtype(n)) for n, b in bufs.items()}
+                for name, value in self.layout.readable(sg, stored).items():
+                    out[name][sg.lo : sg.hi].copy_(value)
+            finally:
+                for buf in bufs.values():
                     self.room.pool.release(buf)
-            for name, value in self.layout.readable(sg, stored).items():
-                out[name][sg.lo : sg.hi].copy_(value)
         return out
 
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:

@@ -70,6 +70,10 @@ class StateLayout:
     def nbytes(self, sg: "SubGroup", name: str) -> int:
         return self.numel(sg, name) * self.dtype(name).itemsize
 
+    def state_bytes(self, subgroups: Sequence["SubGroup"]) -> int:
+        """Every array of ``subgroups``: master, moments (and int8 block exponents)."""
+        return sum(self.nbytes(sg, name) for sg in subgroups for name in self.names)
+
     def empty(self, sg: "SubGroup") -> dict[str, torch.Tensor]:
         """A sub-group's arrays with zero moments (zero blocks for int8)."""
         out = {n: torch.zeros(self.numel(sg, n), dtype=self.dtype(n)) for n in self.names}

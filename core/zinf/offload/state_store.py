@@ -34,11 +34,10 @@ class StateStore:
 
     tier = "cpu"
 
-    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence,
-                 moment_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence, layout: StateLayout | None = None) -> None:
         self.subgroups = list(subgroups)
         self.fence = fence
-        self.layout = StateLayout(moment_dtype)  # the states as ``optimizer_storage`` keeps them
+        self.layout = layout or StateLayout()  # the states as ``optimizer_storage`` keeps them
         self._of: dict[int, list[SubGroup]] = {}
         for sg in self.subgroups:
             self._of.setdefault(id(sg.group), []).append(sg)
@@ -63,7 +62,7 @@ class StateStore:
         self.write_states(group, {"master": master})
 
     def state_bytes(self) -> int:
-        return sum(self.layout.nbytes(sg, name) for sg in self.subgroups for name in self.layout.names)
+        return self.layout.state_bytes(self.subgroups)
 
     def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -89,8 +88,8 @@ class CpuStateStore(StateStore):
     tier = "cpu"
 
     def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence,
-                 shards: dict[int, torch.Tensor] | None = None, moment_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(subgroups, fence, moment_dtype)
+                 shards: dict[int, torch.Tensor] | None = None, layout: StateLayout | None = None) -> None:
+        super().__init__(subgroups, fence, layout)
         shards = shards or {}
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._shared = 0  # elements whose master is their parameter shard

@@ -29,7 +29,7 @@ __all__ = ["adam_sub_group", "moment_rounding"]
 
 
 def moment_rounding(sg: SubGroup, offset: int, step: int) -> dict[str, int]:
-    """The stochastic-rounding inputs of bf16 moments for elements ``sg.lo + offset`` on of ``sg``'s group at
+    """The stochastic-rounding inputs of compact moments for elements ``sg.lo + offset`` on, of ``sg``'s group, at
     ``step`` ([Note: bf16 moments] in cpp/adam/kernel_scalar_body.h): a seed from the group's name and the step,
     and the elements' place in the group's flat vector. The same on every resume, different on every rank."""
     g = sg.group

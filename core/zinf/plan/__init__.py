@@ -316,7 +316,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
 
 def recommend(estimates: Sequence[Estimate]) -> Estimate | None:
     """The fastest placement that fits; among those within TIE_TOLERANCE of it, the fewest offloads, then fp32
-    moments (exact against torch's Adam) over bf16 ones."""
+    moments (exact against torch's Adam) over compact ones."""
     fitting = [e for e in estimates if e.fits and not math.isnan(e.seconds["step"])]
     if not fitting:
         return None

@@ -66,8 +66,7 @@ def param_reserve(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement
 def _record_bytes(pl: PlanPlacement, numel: int) -> list[int]:
     """The optimizer's records of a sub-group of ``numel``: master, moments (int8: and their exponents), and the
     gradient when it is on NVMe."""
-    moments = [numel * pl.moment_bytes] * 2 + ([-(-numel // 256)] * 2 if pl.moments == "int8" else [])
-    return [numel * 4, *moments] + ([numel * 4] if pl.grads == "nvme" else [])
+    return [numel * 4, *pl.moment_records(numel)] + ([numel * 4] if pl.grads == "nvme" else [])
 
 
 def choose_pool(need: int, param_span_bytes: int) -> int:

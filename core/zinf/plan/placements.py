@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zinf.config import OPTIMIZER_STORAGES
 from zinf.config_sections import TIERS
+from zinf.native.moment_codes import blocks
 from zinf.plan.model import PlanError
 
 __all__ = ["PlanPlacement", "ALL_PLACEMENTS", "parse_placement"]
@@ -30,12 +32,16 @@ class PlanPlacement:
 
     @property
     def moment_bytes(self) -> int:
-        """Bytes of each Adam moment per parameter (int8: and an exponent byte per 256, ``moments_nbytes``)."""
-        return {"fp32": 4, "bf16": 2, "int8": 1}[self.moments]
+        """Bytes of each Adam moment per parameter (int8: and an exponent byte per block, ``moments_nbytes``)."""
+        return OPTIMIZER_STORAGES[self.moments].itemsize
+
+    def moment_records(self, numel: int) -> list[int]:
+        """The bytes of a sub-group's moment records: the moments (int8: and their block exponents)."""
+        return [numel * self.moment_bytes] * 2 + ([blocks(numel)] * 2 if self.moments == "int8" else [])
 
     def moments_nbytes(self, numel: int) -> int:
         """Both moments' bytes for ``numel`` parameters (int8: with their block exponents)."""
-        return numel * 2 * self.moment_bytes + (2 * -(-numel // 256) if self.moments == "int8" else 0)
+        return sum(self.moment_records(numel))
 
     @property
     def num_offloads(self) -> int:
@@ -52,7 +58,7 @@ def _all() -> tuple[PlanPlacement, ...]:
     out = []
     for p in TIERS:
         for o in TIERS:
-            for moments in ("fp32", "bf16", "int8") if o != "device" else ("fp32",):
+            for moments in OPTIMIZER_STORAGES if o != "device" else ("fp32",):
                 out.append(PlanPlacement(p, o, o, moments))
                 if o == "nvme":
                     out.append(PlanPlacement(p, o, "cpu", moments))
