@@ -20,8 +20,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model state", ("zinf.checkpoint", "zinf.placement", "zinf.recompute", "zinf.shutdown", "zinf.plan",
                      "zinf.compiling", "zinf.forward_pass")),
     ("wiring", ("zinf.engine", "zinf.init")),
-    ("face", ("zinf.integrations.after_import", "zinf.integrations.trainer", "zinf.integrations.transformers",
-              "zinf.inspect_cli", "zinf.hydra_configs", "zinf.utils", "zinf")),
+    ("face", ("zinf.integrations.after_import", "zinf.integrations.quantized", "zinf.integrations.trainer",
+              "zinf.integrations.transformers", "zinf.inspect_cli", "zinf.hydra_configs", "zinf.utils", "zinf")),
     ("front ends", ("lightning_zinf", "accelerate_zinf")),
     ("commands", ("zinf.cli",)),
 ]

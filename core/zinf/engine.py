@@ -38,6 +38,7 @@ from zinf.forward_pass import ForwardPass
 from zinf.placement import Placement, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
+from zinf.param.four_bit import refuse_change
 from zinf.param.state import GroupState
 from zinf.param.accounting import group_bytes, merge_bytes
 from zinf.param.gathered import GatheredParameters
@@ -91,6 +92,8 @@ class ZeroInfinityEngine:
         for g in self.groups:  # parameters frozen after zinf.Init built them
             g.layout.check_ranks(self.comm.rank, self.comm.world, g.name)
             g.grad_in.refresh_requires_grad(g.params)
+            if g.trainable:
+                refuse_change(g, "training")
             g.master_shard.fit(g.trainable)  # a frozen group keeps its shard alone ([Note: frozen groups] in zinf/param/master.py)
         self.timers = StepTimers()
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system

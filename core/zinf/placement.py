@@ -243,7 +243,7 @@ class Placement:
         """A group's pool block: its swap record's span, or the larger span of a frozen shard read from checkpoint
         files (see [Note: reading extents directly] in zinf/offload/in_place.py)."""
         rec = self._in_place.get(id(group))
-        return block_bytes(max(_span(group.shard_numel * group.storage_dtype.itemsize), rec.span if rec else 0))
+        return block_bytes(max(_span(group.shard_nbytes), rec.span if rec else 0))
 
     @functools.cached_property
     def _largest_staged(self) -> int:
@@ -261,11 +261,10 @@ class Placement:
     def _host_bytes(self, grads_tier: str) -> int:
         """Host memory this placement keeps during training, with the gradient shards on ``grads_tier``."""
         cfg = self.cfg
-        shard_numel = sum(g.shard_numel for g in self.groups)
         trained_numel = sum(g.shard_numel for g in self.groups if g.trainable)  # frozen: the shard alone
         host = 0
         if cfg.params == "cpu":
-            host += shard_numel * self.groups[0].storage_dtype.itemsize if self.groups else 0
+            host += sum(g.shard_nbytes for g in self.groups)
         if grads_tier == "cpu":
             host += trained_numel * 4  # fp32 gradient shards
         if cfg.optimizer == "cpu":

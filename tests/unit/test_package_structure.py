@@ -353,6 +353,8 @@ _RECORDS = {
     ("schedule/module_backward.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "
         "per process, so that .to()/.cpu()/.half() see partitioned parameters",
+    ("integrations/quantized.py", "model"): "transformers' mark of a 4-bit model (its quantizer sets the same "
+        "attribute), which peft and TRL read",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
         "transformers' loading API: a loaded parameter is flagged _is_hf_initialized so that the model's own "
         "initialisation skips it",

@@ -35,6 +35,7 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf import integrations
 from zinf.integrations.after_import import when_imported, wrap_once
+from zinf.integrations.quantized import four_bit_format, quantize_base, refuse_prequantized
 from zinf.init import Init
 from zinf.param.registry import group_of
 
@@ -47,7 +48,7 @@ _launch: dict[str, Any] = {"config": None, "start": None}
 _originals: dict[str, Any] = {}
 _WRAPPED = ("from_pretrained", "get_init_context", "_load_pretrained_model", "_move_missing_keys_from_meta_to_device",
             "_initialize_missing_keys")
-_REFUSED = ("device_map", "quantization_config", "tp_plan", "tp_size", "distributed_config", "gguf_file")
+_REFUSED = ("device_map", "tp_plan", "tp_size", "distributed_config", "gguf_file")
 
 
 def enable(config: ZeroConfig, start: Callable[[], None] | None = None) -> None:
@@ -128,10 +129,13 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
     if loading() or (init is None and _launch["config"] is None):
         return original(cls, *args, **kwargs)
     refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+    four_bit = None
+    if kwargs.get("quantization_config") is not None:  # [Note: a 4-bit base] in zinf/integrations/quantized.py
+        four_bit = four_bit_format(kwargs.pop("quantization_config"))
     if refused:
         raise UnsupportedModelError(
-            f"zinf: from_pretrained({refused[0]}=...) places or quantizes the weights itself, which zinf does instead "
-            f"(it partitions every parameter across ranks and tiers). Drop {refused[0]}, or load outside zinf.Init / "
+            f"zinf: from_pretrained({refused[0]}=...) places the weights itself, which zinf does instead (it "
+            f"partitions every parameter across ranks and tiers). Drop {refused[0]}, or load outside zinf.Init / "
             "zinf launch.")
     with contextlib.ExitStack() as stack:
         if init is None:
@@ -140,7 +144,10 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
             init = stack.enter_context(Init(_launch["config"]))
         stack.enter_context(init.placeholders())
         stack.enter_context(_loading())
-        return original(cls, *args, **kwargs)
+        model = original(cls, *args, **kwargs)
+    if four_bit is not None:
+        quantize_base(model, *four_bit, init.comm)
+    return model
 
 
 def _get_init_context(cls: Any, *args: Any, **kwargs: Any) -> list[Any]:
@@ -162,6 +169,7 @@ def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, l
                            *args: Any, **kwargs: Any) -> Any:
     if not (loading() and _partitioned(model)):
         return _originals["load"].__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+    refuse_prequantized(model)
     from transformers.utils.loading_report import LoadStateDictInfo
 
     source = state_dict if state_dict is not None else list(checkpoint_files or [])

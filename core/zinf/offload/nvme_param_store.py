@@ -59,7 +59,7 @@ class NvmeShardStore:
         # shards in place] in in_place.py); every other group gets a swap record
         in_place = in_place or {}
         self.records: dict[int, Record | InPlaceRecord] = {
-            id(g): in_place.get(id(g)) or swap.allocate(g.shard_numel * g.storage_dtype.itemsize) for g in groups}
+            id(g): in_place.get(id(g)) or swap.allocate(g.shard_nbytes) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, Slot] = {}  # insertion order: the most recently filled last
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)

@@ -84,7 +84,7 @@ class SpillStore:
     # -- construction --------------------------------------------------------------------------------
     def add(self, group: "FlatParamGroup", shard: torch.Tensor | None) -> None:
         """Give ``group`` a record and write ``shard`` there (None: placeholders, left unwritten: they read as zeros)."""
-        nbytes = group.shard_numel * group.storage_dtype.itemsize
+        nbytes = group.shard_nbytes
         with self._lock:
             self._where[id(group)] = (self._end, nbytes)
             self._end += align_up(nbytes)
@@ -161,9 +161,9 @@ class SpillStore:
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         """A buffer for ``group``'s new shard, written by ``commit``: one kept for the next group when no other
         write is pending (a loader writes group after group; fresh pages would be faulted in for every one)."""
-        nbytes = group.shard_numel * group.storage_dtype.itemsize
+        nbytes = group.shard_nbytes
         if self._pending:
-            buf = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+            buf = torch.empty(group.shard_nbytes // group.storage_dtype.itemsize, dtype=group.storage_dtype)
         else:
             if self._scratch.numel() < nbytes:
                 self._scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -217,7 +217,7 @@ class SpillStore:
     def read(self, group: "FlatParamGroup") -> torch.Tensor:
         """``group``'s shard, read into memory (the record stays)."""
         offset, nbytes = self._where[id(group)]
-        out = torch.empty(group.shard_numel, dtype=group.storage_dtype)
+        out = torch.empty(group.shard_nbytes // group.storage_dtype.itemsize, dtype=group.storage_dtype)
         record = self._in_place.get(id(group))
         if record is not None:
             buf = self._aligned(record.span)

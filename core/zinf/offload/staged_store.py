@@ -40,7 +40,7 @@ class StagedDeviceStore(DeviceShardStore):
         self._shards: dict[int, torch.Tensor] = {id(g): g.hand_over_shard() for g in self._groups}
         self.device = self._groups[0].device if self._groups else torch.device("cpu")
         self._streams = streams  # the engine's
-        nbytes = max((g.shard_numel * g.storage_dtype.itemsize for g in self._groups), default=0)
+        nbytes = max((g.shard_nbytes for g in self._groups), default=0)
         self._ring: list[tuple[torch.Tensor, BufferFence | None]] = [
             (host_empty(nbytes, torch.uint8, self.device), None) for _ in range(NUM_STAGING)]
         self._next = 0
@@ -79,7 +79,7 @@ class StagedDeviceStore(DeviceShardStore):
             self._ring[index] = (buf, None)
         if copied is not None:
             copied.wait()  # its last copy to the device has read it (the copy-in stream, not compute)
-        return buf[: group.shard_numel * group.storage_dtype.itemsize].view(group.storage_dtype)
+        return buf[: group.shard_nbytes].view(group.storage_dtype)
 
     def commit(self, group: "FlatParamGroup") -> None:
         with self._lock:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zinf.device_memory import mark_device
+from zinf.param.four_bit import FourBitFormat, WidenedShard, refuse_change
 from zinf.param.grad_flat import FlatGrad
 from zinf.param.grad_shard import GradShard
 from zinf.param.layout import FlatLayout, ParamSlot
@@ -33,7 +34,8 @@ class FlatParamGroup:
 
     def __init__(self, name: str, params: Sequence[nn.Parameter], names: Sequence[str], rank: int, world: int,
                  compute_dtype: torch.dtype, device: torch.device, full_values: Sequence[torch.Tensor] | None = None,
-                 storage_dtype: torch.dtype | None = None, placeholders: bool = False) -> None:
+                 storage_dtype: torch.dtype | None = None, placeholders: bool = False,
+                 four_bit: FourBitFormat | None = None) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
         self.name = name
@@ -43,10 +45,13 @@ class FlatParamGroup:
         self.compute_dtype = compute_dtype
         # [Note: storage dtype] the parameter shard at rest (every tier) may be narrower than the compute dtype
         # (``param_storage``): the all-gather moves the narrow bytes, then one cast widens the gathered vector
-        self.storage_dtype = storage_dtype or compute_dtype
+        self.storage_dtype = torch.uint8 if four_bit is not None else storage_dtype or compute_dtype
+        # [Note: 4-bit shards] in zinf/param/four_bit.py: frozen weights kept as bitsandbytes' codes and scales
+        self.four_bit = four_bit
+        self.format = four_bit or WidenedShard(self.storage_dtype)
         self.device = device
         values = list(full_values) if full_values is not None else [p.detach() for p in params]
-        self.layout = FlatLayout.of(names, values, rank, world)
+        self.layout = FlatLayout.of(names, values, rank, world, align=self.format.align)
         self.slots, self.numel, self.rank, self.world = list(self.layout.slots), self.layout.numel, rank, world
         self.shard_numel, self.padded_numel = self.layout.shard_numel, self.layout.padded_numel
         self.persistent = False
@@ -58,13 +63,16 @@ class FlatParamGroup:
         self._slot_of = {id(p): i for i, p in enumerate(params)}
         # ``placeholders``: values a loader replaces, in a shard that goes straight to NVMe with none of them
         # (``spill_to``): no master is cut and no shard cast (passes over the whole model for nothing)
-        master = None if placeholders else MasterShard.cut(self.layout, values, device)
+        master = None if placeholders or four_bit else MasterShard.cut(self.layout, values, device)
         self.shard: torch.Tensor | None = (
-            torch.empty(self.shard_numel, dtype=self.storage_dtype, device=device) if master is None
+            four_bit.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if four_bit
+            else torch.empty(self.shard_numel, dtype=self.storage_dtype, device=device) if master is None
             else master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype))
         self.residence = ShardResidence()  # [Note: placement]: the device tier until a placement moves the shard
         # the master goes when an offload placement takes it, or when the group is frozen ([Note: frozen groups])
         self.master_shard = MasterShard(self, self.residence, master)
+        if four_bit:
+            self.master_shard.drop()  # the codes are the value; nothing trains them
         # With one rank the shard is the whole flat vector: gathering is free (unless it must be widened).
         if world == 1 and self.storage_dtype == compute_dtype:
             self.full = self.shard
@@ -81,6 +89,15 @@ class FlatParamGroup:
     def params(self) -> list[nn.Parameter | None]:
         """The group's parameters in slot order; None where a parameter no longer exists."""
         return [r() for r in self._param_refs]
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes of this rank's parameter shard at rest."""
+        return self.format.nbytes(self.shard_numel)
+
+    def shard_values(self, shard: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (as a store reads it) as fp32 values: widened, or decoded from 4 bits."""
+        return self.format.values(shard, self.shard_numel)
 
     @property
     def trainable(self) -> bool:
@@ -145,6 +162,8 @@ class FlatParamGroup:
 
     def write_master(self, master: torch.Tensor) -> None:
         """Replace this rank's master shard and the parameter shard derived from it (a frozen group's shard)."""
+        if self.four_bit is not None:  # a 4-bit group takes back its own values (a resume), nothing else
+            return refuse_change(self, "loading other values into it", master)
         with torch.no_grad():
             self.master_shard.write(master)
             self._regather_if_persistent()
@@ -155,6 +174,7 @@ class FlatParamGroup:
         checkpoint in that dtype is loaded without widening, narrowing or comparing (see
         [Note: reading at the storage width] in zinf/checkpoint/pretrained.py)."""
         assert self.shard_only and self.master is None, f"{self.name}: write_shard on a group with a master"
+        refuse_change(self, "loading values into it")
         with torch.no_grad():
             self.residence.write(self, fill)
             self._regather_if_persistent()
@@ -164,6 +184,8 @@ class FlatParamGroup:
         group has no master)."""
         assert self.state is GroupState.GATHERED, f"{self.name}: write_back from {self.state}"
         mine = self.full[self.layout.lo : self.layout.lo + self.shard_numel]
+        if self.four_bit is not None:
+            return refuse_change(self, "an edit of its gathered values", mine)
         if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
             self.residence.write(self, lambda out: out.copy_(mine))
         self.master_shard.write_slice(mine)
@@ -205,7 +227,7 @@ class FlatParamGroup:
         elif self.world == 1:
             gathered = source
         else:
-            gathered = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)
+            gathered = self.format.gather_buffer(self.world, self.shard_numel, self.device)
         # one rank, the shard in device memory: nothing moves, nothing to order
         self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
         self._widen_from = None if gathered is self.full else gathered
@@ -219,7 +241,7 @@ class FlatParamGroup:
         if work is not None and (work.shared is None or work.shared.joined is None):
             work.join()
         if self._widen_from is not None:  # before done(): with one rank it is the store's buffer itself
-            self.full.copy_(self._widen_from)
+            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full)
             self._widen_from = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
@@ -235,10 +257,12 @@ class FlatParamGroup:
             self.finish_gather()
         assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
         lo = self.rank * self.shard_numel
-        scratch = torch.empty(self.padded_numel, dtype=self.storage_dtype, device=self.device)  # on compute
+        scratch = self.format.gather_buffer(self.world, self.shard_numel, self.device)  # on compute
         # exact: widened from it. With a batch always a copy: the batch reads it after this call returns, and the full
-        # buffer may be resharded (its storage freed) before that
-        mine = self.full[lo : lo + self.shard_numel].to(self.storage_dtype, copy=batch is not None)
+        # buffer may be resharded (its storage freed) before that. 4-bit codes are not cut from decoded values: the
+        # store's shard is sent
+        mine = (self.store.read(self).to(self.device, copy=True) if self.four_bit is not None
+                else self.full[lo : lo + self.shard_numel].to(self.storage_dtype, copy=batch is not None))
         collectives.serve_all_gather(ctx, scratch, mine, self.name, batch)
 
     def to_gathered(self, ctx: RunContext) -> None:

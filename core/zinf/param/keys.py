@@ -22,3 +22,8 @@ class GroupKey(Protocol):
     shard_numel: int  # elements of this rank's shard (the same on every rank)
     storage_dtype: torch.dtype  # the shard's dtype at rest
     shard: torch.Tensor | None  # the shard the group holds itself (device tier); None once a store took it
+    shard_nbytes: int  # bytes of that shard at rest (``shard_numel`` elements, or 4-bit codes and scales)
+
+    def shard_values(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shard as fp32 values (widened, or decoded from 4 bits)."""
+        ...

@@ -1,9 +1,9 @@
 """Where each parameter of a flat group lies in the flat vector and in this rank's shard.
 
 [Note: flat layout]
-The group's parameters are laid end to end in registration order (no per-parameter padding); the
-flat vector is padded at the end to a multiple of ``world`` and rank ``r`` keeps elements
-``[r * shard_numel, (r + 1) * shard_numel)``. An all-gather into one buffer of ``world *
+The group's parameters are laid end to end in registration order (no per-parameter padding, except to the block
+boundaries of a 4-bit group); the flat vector is padded at the end to a multiple of ``world`` and rank ``r`` keeps
+elements ``[r * shard_numel, (r + 1) * shard_numel)``. An all-gather into one buffer of ``world *
 shard_numel`` elements therefore rebuilds the flat vector with no copy, and each parameter's
 ``.data`` becomes a view of it. Gradients use the same layout, so a reduce-scatter of the flat
 gradient lands each rank's slice in its gradient shard.
@@ -51,12 +51,17 @@ class FlatLayout:
     world: int
 
     @classmethod
-    def of(cls, names: Sequence[str], values: Sequence[torch.Tensor], rank: int, world: int) -> "FlatLayout":
+    def of(cls, names: Sequence[str], values: Sequence[torch.Tensor], rank: int, world: int,
+           align: int = 1) -> "FlatLayout":
+        """``align`` > 1: every slot and the shard size start at a multiple of ``align`` elements (the blocks of a
+        4-bit group, [Note: 4-bit shards] in zinf/param/four_bit.py)."""
         slots, offset = [], 0
         for n, v in zip(names, values):
+            offset = -(-offset // align) * align
             slots.append(ParamSlot(name=n, shape=v.shape, offset=offset, numel=v.numel(), dtype=v.dtype))
             offset += v.numel()
-        return cls(tuple(slots), offset, max(1, math.ceil(offset / world)), rank, world)
+        shard = max(1, math.ceil(offset / world))
+        return cls(tuple(slots), offset, -(-shard // align) * align, rank, world)
 
     @property
     def padded_numel(self) -> int:

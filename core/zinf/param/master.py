@@ -67,7 +67,7 @@ class MasterShard:
         if self.tensor is not None:
             return self.tensor
         if self.shard_only:
-            return self.residence.store.read(self.group).to(torch.float32)
+            return self.group.shard_values(self.residence.store.read(self.group))
         assert self.home is not None, f"{self.group.name}: no master shard"
         return self.home.read_master(self.group)
 
@@ -136,7 +136,7 @@ class MasterShard:
         shard's), on ``device``. The shard is the store's: the group's own on the device tier, the spill's or the
         placement's store when built straight to NVMe, read into host memory."""
         assert self.shard_only, f"{self.group.name}: restore_master"
-        self.tensor, self.shard_only = self.residence.store.read(self.group).to(device, torch.float32), False
+        self.tensor, self.shard_only = self.group.shard_values(self.residence.store.read(self.group)).to(device), False
 
     def expect_exact_values(self) -> None:
         """Built straight to NVMe, the group is about to get values its storage dtype holds exactly (a checkpoint at

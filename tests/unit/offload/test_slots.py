@@ -224,6 +224,10 @@ class _Group:
     device: torch.device = torch.device("cpu")
     update_pending: bool = False
 
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_numel * self.storage_dtype.itemsize
+
 
 @pytest.fixture()
 def store(monkeypatch: pytest.MonkeyPatch) -> tuple[NvmeShardStore, list[_Group], list[tuple[str, Any]]]:

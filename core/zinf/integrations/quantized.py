@@ -1,0 +1,133 @@
+"""``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` under zinf: QLoRA's frozen
+4-bit base, partitioned.
+
+[Note: a 4-bit base]
+transformers with bitsandbytes replaces each ``nn.Linear`` (but the output embedding, tied weights, the last module
+and ``llm_int8_skip_modules``) by a ``Linear4bit`` whose weight is bitsandbytes' codes. Under zinf the model keeps
+its ``nn.Linear`` layers and their weights are stored in 4 bits instead: after zinf's streaming loader has read each
+rank's slices, each such weight is gathered alone (one layer at a time: no rank ever holds the base), quantized by
+bitsandbytes and cut into 4-bit shards ([Note: 4-bit shards] in zinf/param/four_bit.py), so every gather decodes
+exactly bitsandbytes' dequantized weight and the layer computes ``F.linear`` on it, as ``Linear4bit`` does on the
+CPU. The layers to convert are chosen by transformers' own rule (``get_modules_to_not_convert``,
+``should_convert_module``). The model is marked ``is_loaded_in_4bit`` as transformers marks it, so peft's
+``prepare_model_for_kbit_training`` and TRL treat it as the quantized model it is; peft's LoRA wraps the plain
+``nn.Linear`` layers. The 4-bit weights are frozen: training or editing them is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from zinf.errors import UnsupportedModelError
+from zinf.param.four_bit import FourBitFormat
+from zinf.param.gathered import gather_full_master
+from zinf.param.partition import partition_module_params
+from zinf.param.registry import group_of, unregister
+from zinf.runtime.comm import Comm
+
+__all__ = ["four_bit_format", "quantize_base", "refuse_prequantized", "all_four_bit", "four_bit_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def four_bit_format(config: Any) -> tuple[FourBitFormat, Any]:
+    """The 4-bit storage a ``quantization_config`` asks for, and the config as a ``BitsAndBytesConfig``; a request
+    zinf does not carry out is refused with the fix."""
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(config, dict):
+        config = BitsAndBytesConfig.from_dict(config)
+    if not isinstance(config, BitsAndBytesConfig):
+        raise UnsupportedModelError(
+            f"zinf: from_pretrained(quantization_config={type(config).__name__}(...)): zinf stores bitsandbytes' 4-bit "
+            "formats only. Pass BitsAndBytesConfig(load_in_4bit=True, ...), or drop quantization_config.")
+    if not config.load_in_4bit:
+        raise UnsupportedModelError(
+            "zinf: from_pretrained(quantization_config=BitsAndBytesConfig(load_in_8bit=True)): zinf stores 4-bit bases "
+            "(NF4, FP4) only. Use BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'), or drop "
+            "quantization_config.")
+    return FourBitFormat(config.bnb_4bit_quant_type, 64, bool(config.bnb_4bit_use_double_quant)), config
+
+
+def _targets(model: Any, config: Any) -> list[tuple[str, nn.Linear]]:
+    """The layers transformers would turn into ``Linear4bit`` (its own rule)."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules,
+                                                  getattr(model, "_keep_in_fp32_modules", None))
+    out = []
+    for name, module in model.named_modules():
+        if not name or not should_convert_module(name, skip):
+            continue
+        if type(module) is nn.Linear:
+            out.append((name, module))
+        elif type(module).__name__ == "Conv1D":
+            raise UnsupportedModelError(
+                f"zinf: {name} is a transformers Conv1D (the GPT-2 family), which zinf does not store in 4 bits. "
+                "Load this model without quantization_config (LoRA on a 16-bit base), or add it to "
+                "BitsAndBytesConfig(llm_int8_skip_modules=[...]).")
+    return out
+
+
+def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> int:
+    """Store the weights of ``model``'s convertible ``nn.Linear`` layers in 4 bits (see [Note: a 4-bit base]);
+    returns how many. Every rank calls it, in the same order (each layer is gathered through ``comm``)."""
+    compute_dtype = None
+    converted = 0
+    for name, module in _targets(model, config):
+        weight = module.weight
+        group = group_of(weight)
+        if group is None:
+            raise UnsupportedModelError(f"zinf: {name}.weight is not partitioned; quantize a model loaded under "
+                                        "zinf.Init or zinf launch.")
+        if group.four_bit is not None:
+            continue
+        if group.residence.placed:
+            raise UnsupportedModelError(f"zinf: {name} belongs to an engine already; load the model with "
+                                        "quantization_config before building the engine.")
+        full = gather_full_master(comm, group)
+        members = [(p, slot) for p, slot in zip(group.params, group.slots) if p is not None]
+        for p, slot in members:
+            unregister(p)
+            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.dtype, copy=True)
+        del full
+        kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
+        partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt)
+        rest = {id(p) for p, _ in members if p is not weight}
+        if rest:  # the layer's bias, or anything else its group held, goes back to a group of its own
+            owner = group.name
+            partition_module_params(module, owner, **kw, only=rest, storage_dtype=group.storage_dtype)
+        compute_dtype = group.compute_dtype
+        converted += 1
+    if compute_dtype is not None and config.bnb_4bit_compute_dtype not in (None, compute_dtype):
+        log.warning("zinf: bnb_4bit_compute_dtype=%s, but zinf computes the 4-bit layers in its own compute dtype, "
+                    "%s (set zinf's precision to change it).", config.bnb_4bit_compute_dtype, compute_dtype)
+    model.is_loaded_in_4bit = True  # as transformers marks a 4-bit model: peft and TRL prepare it as one
+    log.info("zinf: %d linear layers stored in 4 bits (%s%s)", converted, fmt.quant_type,
+             ", double quantization" if fmt.double_quant else "")
+    return converted
+
+
+def refuse_prequantized(model: Any) -> None:
+    """A checkpoint saved quantized (its config names a quantization) is refused with the fix."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise UnsupportedModelError(
+            "zinf: this checkpoint is saved quantized (its config.json has a quantization_config), which zinf's "
+            "loader does not read. Load the unquantized checkpoint with from_pretrained(..., quantization_config="
+            "BitsAndBytesConfig(load_in_4bit=True, ...)): zinf quantizes it as it loads.")
+
+
+def all_four_bit(model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters stored in 4 bits."""
+    return [n for n, p in model.named_parameters() if getattr(group_of(p), "four_bit", None) is not None]
+
+
+def four_bit_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of this rank's 4-bit shards, elements of the weights they hold)."""
+    groups = {id(g): g for p in model.parameters() if (g := group_of(p)) is not None and g.four_bit is not None}
+    return sum(g.shard_nbytes for g in groups.values()), sum(g.numel for g in groups.values())
+

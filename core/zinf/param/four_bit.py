@@ -1,0 +1,167 @@
+"""Frozen weights stored in 4 bits, as bitsandbytes stores them (QLoRA's NF4 and FP4), decoded on gather.
+
+[Note: 4-bit shards]
+A 4-bit group holds the weights of ``nn.Linear`` layers that ``from_pretrained(quantization_config=
+BitsAndBytesConfig(load_in_4bit=True))`` would turn into bitsandbytes' ``Linear4bit`` (zinf/integrations/
+quantized.py). Each weight is quantized whole by bitsandbytes itself (``quantize_4bit``: blocks of ``blocksize``
+elements from the tensor's start, a 4-bit code per element, the block's absolute maximum as its scale), so the codes
+and scales are bitsandbytes' own. The flat layout aligns every slot and the shard size to ``blocksize`` elements
+(``FlatLayout.of(align=...)``), so no block straddles two parameters or two ranks: each rank keeps its blocks'
+codes and scales, and the decoded values are those of the whole weight.
+
+A shard is ``shard_numel / 2`` bytes of codes (two per byte, the first element in the high nibble, as bitsandbytes
+packs them) followed by one fp32 scale per block. With ``bnb_4bit_use_double_quant`` the scales are stored decoded
+(bitsandbytes' ``dequantize_blockwise`` of the 8-bit scales, plus the offset): the values equal bitsandbytes' to the
+bit, at 0.5625 bytes per parameter instead of 0.516, and no nested block has to respect the shard boundaries.
+
+Decoding is bitsandbytes' arithmetic: ``code[nibble] * scale`` in fp32, then one cast to the compute dtype. The
+all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its full buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zinf.errors import UnsupportedModelError
+
+__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change"]
+
+# bitsandbytes' codebooks (bitsandbytes.functional.get_4bit_type), index = the 4-bit code
+CODES = {
+    "nf4": (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+            1.0),
+    "fp4": (0.0, 0.0052083333333333333, 0.6666666666666666, 1.0, 0.3333333333333333, 0.5, 0.16666666666666666,
+            0.25, 0.0, -0.0052083333333333333, -0.6666666666666666, -1.0, -0.3333333333333333, -0.5,
+            -0.16666666666666666, -0.25),
+}
+_ZERO_CODE = {"nf4": 7, "fp4": 0}  # the code of 0.0: padding decodes to zeros
+_DECODE_CHUNK = 1 << 22  # bytes of codes decoded at a time (bounds the index and product temporaries)
+
+
+class WidenedShard:
+    """The usual shard: ``storage_dtype`` elements (maybe narrower than the compute dtype), widened by one cast."""
+
+    align = 1
+
+    def __init__(self, storage_dtype: torch.dtype) -> None:
+        self.dtype = storage_dtype
+
+    def nbytes(self, shard_numel: int) -> int:
+        return shard_numel * self.dtype.itemsize
+
+    def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        return shard.to(torch.float32)
+
+    def gather_buffer(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(world * shard_numel, dtype=self.dtype, device=device)
+
+    def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
+        out.copy_(gathered)
+
+
+def refuse_change(group, what: str, values: torch.Tensor | None = None) -> None:
+    """A 4-bit group refuses ``what`` (a change of its values; with ``values``, unless they are its own)."""
+    if group.four_bit is not None and (values is None or not torch.equal(
+            values.float().cpu(), group.shard_values(group.store.read(group)).cpu())):
+        raise UnsupportedModelError(
+            f"zinf: {group.name} is stored in 4 bits (from_pretrained's quantization_config), so {what} cannot change "
+            "it. Train adapters on it (peft's LoRA), or load the model without quantization_config to train or edit "
+            "these weights.")
+
+
+@dataclass(frozen=True)
+class FourBitFormat:
+    """How a 4-bit group stores its shard (``quant_type`` "nf4" or "fp4", ``blocksize`` elements per scale,
+    ``double_quant``: scales from bitsandbytes' 8-bit double quantization, stored decoded)."""
+
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    double_quant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quant_type not in CODES:
+            raise UnsupportedModelError(f"zinf: bnb_4bit_quant_type={self.quant_type!r} is not a 4-bit format zinf "
+                                        f"stores; use one of {sorted(CODES)}.")
+        if self.blocksize < 2 or self.blocksize & (self.blocksize - 1):
+            raise UnsupportedModelError(f"zinf: a 4-bit block size of {self.blocksize} elements; use a power of two "
+                                        "(bitsandbytes uses 64).")
+
+    @property
+    def align(self) -> int:
+        return self.blocksize
+
+    def nbytes(self, shard_numel: int) -> int:
+        """Bytes of a shard of ``shard_numel`` elements (a multiple of ``blocksize``): codes, then fp32 scales."""
+        assert shard_numel % self.blocksize == 0, (shard_numel, self.blocksize)
+        return shard_numel // 2 + shard_numel // self.blocksize * 4
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """Each byte's two decoded codes (high nibble first), fp32: (256, 2)."""
+        code = torch.tensor(CODES[self.quant_type], dtype=torch.float32, device=device)
+        b = torch.arange(256, device=device)
+        return torch.stack([code[b >> 4], code[b & 15]], dim=1)
+
+    # -- encoding -------------------------------------------------------------------------------
+    def encode(self, slots: Sequence, values: Sequence[torch.Tensor], lo: int, shard_numel: int) -> torch.Tensor:
+        """This rank's shard (flat positions ``[lo, lo + shard_numel)``) of parameters whose whole values are
+        ``values``, laid out by ``slots`` (block-aligned offsets): each quantized by bitsandbytes."""
+        from bitsandbytes import functional as bnb_f  # bitsandbytes' own quantization: its codes, its scales
+
+        out = torch.empty(self.nbytes(shard_numel), dtype=torch.uint8)
+        half, bs = shard_numel // 2, self.blocksize
+        codes, scales = out[:half], out[half:].view(torch.float32)
+        zero = _ZERO_CODE[self.quant_type]
+        codes.fill_(zero << 4 | zero)
+        scales.zero_()
+        for slot, value in zip(slots, values):
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + shard_numel)
+            if a >= b:
+                continue
+            assert (slot.offset - lo) % bs == 0, f"{slot.name}: slot not aligned to the 4-bit blocks"
+            packed, state = bnb_f.quantize_4bit(value.detach().to("cpu").contiguous(), blocksize=bs,
+                                                compress_statistics=self.double_quant, quant_type=self.quant_type)
+            scale = state.absmax
+            if state.nested:  # bitsandbytes' own decoding of the scales (functional.dequantize_4bit)
+                scale = bnb_f.dequantize_blockwise(state.absmax, state.state2)
+                scale += state.offset
+            scale, packed = scale.float().reshape(-1), packed.reshape(-1)
+            ea, eb = a - slot.offset, b - slot.offset  # elements of the parameter this rank keeps; ea is block-aligned
+            codes[(a - lo) // 2 : (a - lo) // 2 + (eb - ea + 1) // 2].copy_(packed[ea // 2 : (eb + 1) // 2])
+            scales[(a - lo) // bs : (a - lo) // bs + -(-(eb - ea) // bs)].copy_(scale[ea // bs : -(-eb // bs)])
+        return out
+
+    # -- decoding -------------------------------------------------------------------------------
+    def gather_buffer(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(world * self.nbytes(shard_numel), dtype=torch.uint8, device=device)
+
+    def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
+        """Decode ``world`` shards laid end to end (an all-gather's buffer) into ``out`` (``world * shard_numel``
+        elements of the compute dtype): ``code * scale`` in fp32, then cast, as bitsandbytes decodes."""
+        nbytes, half, bs = self.nbytes(shard_numel), shard_numel // 2, self.blocksize
+        rows = shards.view(world, nbytes)
+        table = self._table(shards.device)
+        for r in range(world):
+            codes = rows[r, :half]
+            scales = rows[r, half:].clone().view(torch.float32)  # a copy: the scales' bytes may be unaligned
+            dest = out[r * shard_numel : (r + 1) * shard_numel]
+            step = max(_DECODE_CHUNK // bs * bs, bs)
+            for c in range(0, half, step // 2):
+                n = min(step // 2, half - c)  # bytes of codes: 2n elements, 2n / bs blocks
+                vals = table[codes[c : c + n].long()].view(-1, bs)
+                block = scales[2 * c // bs : 2 * (c + n) // bs].view(-1, 1)
+                target = dest[2 * c : 2 * (c + n)].view(-1, bs)
+                if target.dtype == torch.float32:
+                    torch.mul(vals, block, out=target)
+                else:
+                    target.copy_(vals * block)
+
+    def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""
+        out = torch.empty(shard_numel, dtype=torch.float32, device=shard.device)
+        self.widen(shard, 1, shard_numel, out)
+        return out
