@@ -4,6 +4,7 @@ on N ranks, with the base on NVMe. Every figure is measured on each rank and pri
     python benchmarks/make_pretrained.py /data/llama13b --size 13b            # writes the checkpoint (26 GB, bf16)
     torchrun --nproc_per_node 2 benchmarks/finetune_pretrained.py /data/llama13b --nvme /data/zinf_swap --steps 3
     torchrun --nproc_per_node 2 benchmarks/finetune_pretrained.py /data/llama1b --nvme /data/zinf_swap --full
+    torchrun --nproc_per_node 2 benchmarks/finetune_pretrained.py /data/llama13b --nvme /data/zinf_swap --qlora nf4
 
 What it reports, per rank: peak RSS over the whole run (the kernel's high-water mark, VmHWM, and the largest of the
 samples taken every 0.2 s), the time to build and load the model against the bytes read from the disk (from
@@ -11,7 +12,8 @@ samples taken every 0.2 s), the time to build and load the model against the byt
 report), each step against two bounds: the disk (every rank's NVMe bytes at the speed ``zinf info --nvme`` measured,
 the engine's ``nvme_floor``, summed: the ranks share one disk) and the compute (4 x parameters x tokens per rank for
 LoRA, forward and input gradients; 6 x for a full fine-tune; at the matmul FLOP/s each rank measures while the others
-do, before and after the steps), and the engine's own bytes per tier.
+do, before and after the steps), the engine's own bytes per tier, and with ``--qlora`` the bytes per parameter of the
+4-bit base (QLoRA: docs/qlora.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import zinf
+from zinf.integrations.quantized import four_bit_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness.machine import matmul_peak_flops  # noqa: E402
@@ -60,6 +63,9 @@ def main() -> None:
     p.add_argument("--copy-frozen", action="store_true",
                    help="offload.frozen_in_place: false (copy the frozen base to the swap files instead of reading it "
                         "from the checkpoint's files)")
+    p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
+                   help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
+    p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
     p.add_argument("--out", default=None, help="write the figures as JSON here (rank 0)")
     args = p.parse_args()
 
@@ -81,9 +87,18 @@ def main() -> None:
 
     hf_config = AutoConfig.from_pretrained(args.model)
     io_before, t0 = _proc("read_bytes:", "/proc/self/io"), time.perf_counter()
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.precision])
+    quantization = {}
+    if args.qlora:
+        from transformers import BitsAndBytesConfig
+
+        quantization["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=args.qlora, bnb_4bit_use_double_quant=args.double_quant,
+            bnb_4bit_compute_dtype=dtype)
     with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.precision]))
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **quantization)
     load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
+    four_bit = four_bit_bytes(model)  # (this rank's 4-bit shard bytes, the elements they hold)
     rss_after_load = _proc("VmHWM:")
     if not args.full:
         from peft import LoraConfig, get_peft_model
@@ -135,7 +150,8 @@ def main() -> None:
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
-            "steps": steps, "resident": resident}
+            "steps": steps, "resident": resident,
+            "four_bit_bytes_per_parameter": four_bit[0] * world / four_bit[1] if four_bit[1] else None}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

@@ -9,7 +9,8 @@ from .native import _native_adam as adam
 from .native import _native_aio as aio
 from .native import _native_checksum as checksum
 from .native import _native_fault as fault
+from .native import _native_four_bit as four_bit
 from .native import _native_pool as pool
 from .native import _native_shm as shm
 
-__all__ = ["adam", "aio", "checksum", "fault", "pool", "shm"]
+__all__ = ["adam", "aio", "checksum", "fault", "four_bit", "pool", "shm"]

@@ -1,10 +1,10 @@
-// zinf._native: one extension module with submodules adam, aio, pool, checksum, shm and fault.
+// zinf._native: one extension module with submodules adam, aio, pool, checksum, shm, fault and four_bit.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line.";
+  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line, 4-bit block codes.";
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
   auto aio = m.def_submodule("aio");
@@ -17,4 +17,6 @@ PYBIND11_MODULE(_native, m) {
   zinf::bindings::bind_shm(shm);
   auto fault = m.def_submodule("fault");
   zinf::bindings::bind_fault(fault);
+  auto four_bit = m.def_submodule("four_bit");
+  zinf::bindings::bind_four_bit(four_bit);
 }

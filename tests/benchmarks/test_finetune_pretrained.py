@@ -52,3 +52,23 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
     for a, b in zip(*(r["steps"] for r in figures["ranks"])):
         both = sum(s["nvme_read"] / 2e9 + s["nvme_written"] / 1e9 for s in (a, b))
         assert a["disk_bound_s"] == b["disk_bound_s"] == pytest.approx(both)
+
+
+def test_qlora_reports_the_four_bit_base(tmp_path: Path) -> None:
+    """``--qlora nf4``: the base's linear weights in 4 bits on NVMe (0.5625 bytes a parameter, and the padding to
+    whole blocks), the steps finite."""
+    pytest.importorskip("bitsandbytes")
+    ckpt = tmp_path / "ckpt"
+    mp.write_pretrained(mp.llama_config("tiny"), ckpt, max_shard_bytes=50_000, seed=0, progress=False)
+    out = tmp_path / "figures.json"
+    result = processes.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
+         "--steps", "2", "--seq", "16", "--precision", "fp32", "--pool-mib", "16", "--qlora", "nf4",
+         "--double-quant", "--out", str(out)],
+        cwd=tmp_path, env=processes.env_without_launch(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in json.loads(out.read_text())["ranks"]:
+        assert 0.5625 <= rank["four_bit_bytes_per_parameter"] <= 0.57, rank["four_bit_bytes_per_parameter"]
+        assert rank["resident"]["nvme"]["param_shards"] > 0
+        assert all(math.isfinite(step["loss"]) and step["nvme_read"] > 0 for step in rank["steps"])

@@ -17,6 +17,7 @@ CPU. The layers to convert are chosen by transformers' own rule (``get_modules_t
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from torch import nn
@@ -78,7 +79,12 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
     returns how many. Every rank calls it, in the same order (each layer is gathered through ``comm``)."""
     compute_dtype = None
     converted = 0
-    for name, module in _targets(model, config):
+    targets = _targets(model, config)
+    start = shown = time.monotonic()
+    for name, module in targets:
+        if time.monotonic() - shown > 10:  # long work shows progress
+            shown = time.monotonic()
+            log.info("zinf: 4-bit: %d/%d linear layers quantized, %.0f s", converted, len(targets), shown - start)
         weight = module.weight
         group = group_of(weight)
         if group is None:
@@ -96,19 +102,22 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
             p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.dtype, copy=True)
         del full
         kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
-        partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt)
+        made = [partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt)]
         rest = {id(p) for p, _ in members if p is not weight}
         if rest:  # the layer's bias, or anything else its group held, goes back to a group of its own
-            owner = group.name
-            partition_module_params(module, owner, **kw, only=rest, storage_dtype=group.storage_dtype)
+            made.append(partition_module_params(module, group.name, **kw, only=rest, storage_dtype=group.storage_dtype))
+        spill = group.residence.spill  # built for NVMe under zinf.Init: the new shards wait there too, not in memory
+        for new in made:
+            if spill is not None and new is not None:
+                new.spill_to(spill, placeholders=False)
         compute_dtype = group.compute_dtype
         converted += 1
     if compute_dtype is not None and config.bnb_4bit_compute_dtype not in (None, compute_dtype):
         log.warning("zinf: bnb_4bit_compute_dtype=%s, but zinf computes the 4-bit layers in its own compute dtype, "
                     "%s (set zinf's precision to change it).", config.bnb_4bit_compute_dtype, compute_dtype)
     model.is_loaded_in_4bit = True  # as transformers marks a 4-bit model: peft and TRL prepare it as one
-    log.info("zinf: %d linear layers stored in 4 bits (%s%s)", converted, fmt.quant_type,
-             ", double quantization" if fmt.double_quant else "")
+    log.info("zinf: %d linear layers stored in 4 bits (%s%s) in %.1f s", converted, fmt.quant_type,
+             ", double quantization" if fmt.double_quant else "", time.monotonic() - start)
     return converted
 
 

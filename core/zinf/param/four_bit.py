@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from zinf.errors import UnsupportedModelError
+from zinf.native import four_bit as native_four_bit
 
 __all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change"]
 
@@ -40,7 +41,6 @@ CODES = {
             -0.16666666666666666, -0.25),
 }
 _ZERO_CODE = {"nf4": 7, "fp4": 0}  # the code of 0.0: padding decodes to zeros
-_DECODE_CHUNK = 1 << 22  # bytes of codes decoded at a time (bounds the index and product temporaries)
 
 
 class WidenedShard:
@@ -100,18 +100,12 @@ class FourBitFormat:
         assert shard_numel % self.blocksize == 0, (shard_numel, self.blocksize)
         return shard_numel // 2 + shard_numel // self.blocksize * 4
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        """Each byte's two decoded codes (high nibble first), fp32: (256, 2)."""
-        code = torch.tensor(CODES[self.quant_type], dtype=torch.float32, device=device)
-        b = torch.arange(256, device=device)
-        return torch.stack([code[b >> 4], code[b & 15]], dim=1)
-
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, slots: Sequence, values: Sequence[torch.Tensor], lo: int, shard_numel: int) -> torch.Tensor:
         """This rank's shard (flat positions ``[lo, lo + shard_numel)``) of parameters whose whole values are
-        ``values``, laid out by ``slots`` (block-aligned offsets): each quantized by bitsandbytes."""
-        from bitsandbytes import functional as bnb_f  # bitsandbytes' own quantization: its codes, its scales
-
+        ``values``, laid out by ``slots`` (block-aligned offsets). Each rank quantizes only its elements (blocks are
+        independent); with double quantization the scales are bitsandbytes' 8-bit codes of the whole weight's
+        scales, decoded by bitsandbytes."""
         out = torch.empty(self.nbytes(shard_numel), dtype=torch.uint8)
         half, bs = shard_numel // 2, self.blocksize
         codes, scales = out[:half], out[half:].view(torch.float32)
@@ -123,17 +117,26 @@ class FourBitFormat:
             if a >= b:
                 continue
             assert (slot.offset - lo) % bs == 0, f"{slot.name}: slot not aligned to the 4-bit blocks"
-            packed, state = bnb_f.quantize_4bit(value.detach().to("cpu").contiguous(), blocksize=bs,
-                                                compress_statistics=self.double_quant, quant_type=self.quant_type)
-            scale = state.absmax
-            if state.nested:  # bitsandbytes' own decoding of the scales (functional.dequantize_4bit)
-                scale = bnb_f.dequantize_blockwise(state.absmax, state.state2)
-                scale += state.offset
-            scale, packed = scale.float().reshape(-1), packed.reshape(-1)
+            flat = value.detach().reshape(-1)
             ea, eb = a - slot.offset, b - slot.offset  # elements of the parameter this rank keeps; ea is block-aligned
-            codes[(a - lo) // 2 : (a - lo) // 2 + (eb - ea + 1) // 2].copy_(packed[ea // 2 : (eb + 1) // 2])
-            scales[(a - lo) // bs : (a - lo) // bs + -(-(eb - ea) // bs)].copy_(scale[ea // bs : -(-eb // bs)])
+            packed, scale = native_four_bit.encode(flat[ea:eb], bs, CODES[self.quant_type])
+            if self.double_quant:
+                scale = self._double_quantized(native_four_bit.block_absmax(flat, bs))[ea // bs : -(-eb // bs)]
+            codes[(a - lo) // 2 : (a - lo) // 2 + packed.numel()].copy_(packed)
+            scales[(a - lo) // bs : (a - lo) // bs + scale.numel()].copy_(scale)
         return out
+
+    @staticmethod
+    def _double_quantized(absmax: torch.Tensor) -> torch.Tensor:
+        """A weight's block scales as bitsandbytes' double quantization leaves them, decoded as its
+        ``dequantize_4bit`` decodes them: 8-bit codes of ``absmax - mean`` in blocks of 256, plus the mean."""
+        from bitsandbytes import functional as bnb_f
+
+        offset = absmax.mean()
+        codes, state = bnb_f.quantize_blockwise(absmax - offset, blocksize=256)
+        decoded = bnb_f.dequantize_blockwise(codes, state)
+        decoded += offset
+        return decoded.float()
 
     # -- decoding -------------------------------------------------------------------------------
     def gather_buffer(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
@@ -142,23 +145,13 @@ class FourBitFormat:
     def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
         """Decode ``world`` shards laid end to end (an all-gather's buffer) into ``out`` (``world * shard_numel``
         elements of the compute dtype): ``code * scale`` in fp32, then cast, as bitsandbytes decodes."""
-        nbytes, half, bs = self.nbytes(shard_numel), shard_numel // 2, self.blocksize
+        nbytes, half = self.nbytes(shard_numel), shard_numel // 2
         rows = shards.view(world, nbytes)
-        table = self._table(shards.device)
         for r in range(world):
-            codes = rows[r, :half]
-            scales = rows[r, half:].clone().view(torch.float32)  # a copy: the scales' bytes may be unaligned
-            dest = out[r * shard_numel : (r + 1) * shard_numel]
-            step = max(_DECODE_CHUNK // bs * bs, bs)
-            for c in range(0, half, step // 2):
-                n = min(step // 2, half - c)  # bytes of codes: 2n elements, 2n / bs blocks
-                vals = table[codes[c : c + n].long()].view(-1, bs)
-                block = scales[2 * c // bs : 2 * (c + n) // bs].view(-1, 1)
-                target = dest[2 * c : 2 * (c + n)].view(-1, bs)
-                if target.dtype == torch.float32:
-                    torch.mul(vals, block, out=target)
-                else:
-                    target.copy_(vals * block)
+            scales = rows[r, half:]  # at a multiple of 32 bytes from the row's start, 4-aligned where the row is
+            scales = (scales if scales.data_ptr() % 4 == 0 else scales.clone()).view(torch.float32)
+            native_four_bit.decode(rows[r, :half], scales, out[r * shard_numel : (r + 1) * shard_numel],
+                                   self.blocksize, CODES[self.quant_type])
 
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""
