@@ -8,7 +8,8 @@ under ``zinf launch``:
     python qlora_script.py MODEL_DIR OUTPUT_DIR RESULT_JSON
 
 Rank 0 writes the logged per-step losses, the trainable / total parameter counts, the next-token logits of a prompt
-with the adapter and without it, and the saved adapter's file names to ``RESULT_JSON``.
+with the adapter and without it, and the saved adapter's file names to ``RESULT_JSON``. Trainer saves its
+checkpoints every 3 steps (``OUTPUT_DIR/checkpoint-3``, ``checkpoint-6``).
 """
 
 import json
@@ -41,7 +42,7 @@ def main() -> None:
     dataset = [tokenizer(t) for t in texts(64)]
     args = TrainingArguments(output_dir=output_dir, max_steps=6, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, learning_rate=1e-2, seed=0, logging_steps=1,
-                             report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no")
+                             report_to="none", use_cpu=True, disable_tqdm=True, save_steps=3)
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
     trainer.train()

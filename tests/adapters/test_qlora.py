@@ -1,10 +1,13 @@
 """An unchanged QLoRA script (qlora_script.py: NF4 base, ``prepare_model_for_kbit_training``, LoRA, ``Trainer``) on
 two gloo processes under ``zinf launch`` (parameters in memory; parameters on NVMe with the optimizer on the CPU)
-and under plain Accelerate DDP with bitsandbytes on the CPU, compared step for step."""
+and under plain Accelerate DDP with bitsandbytes on the CPU, compared step for step; Trainer's last checkpoint
+consolidated by ``zinf consolidate``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import yaml
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from launching import EXAMPLES, accelerate_launch, assert_close, zinf_launch  # noqa: E402
+from launching import EXAMPLES, accelerate_launch, assert_close, run_launcher, zinf_launch  # noqa: E402
 from test_trl_peft import build_model_dir  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -28,16 +31,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("pretrained"))
 
 
-def reference_logits(model_dir: Path) -> torch.Tensor:
-    """The next-token logits of the script's first prompt from the 4-bit model through bitsandbytes' training path
-    (``MatMul4Bit``: its dequantized weight, ``F.linear``), in this process, without zinf."""
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _script():
     spec = importlib.util.spec_from_file_location("qlora_script", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def reference_logits(model_dir: Path) -> torch.Tensor:
+    """The next-token logits of the script's first prompt from the 4-bit model through bitsandbytes' training path
+    (``MatMul4Bit``: its dequantized weight, ``F.linear``), in this process, without zinf."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = _script()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  quantization_config=script.quantization())
     model.model.embed_tokens.weight.requires_grad_(True)  # inputs that need a gradient: the training path
@@ -84,3 +90,30 @@ def test_qlora_under_zinf_launch_trains_like_ddp_with_bitsandbytes(model_dir: Pa
     assert (tuned - base).abs().max() > 1e-2
     assert torch.allclose(tuned, torch.tensor(ddp["tuned_logits"]), rtol=0, atol=5e-3)
     assert ours["adapter"] == ddp["adapter"] and "adapter_model.safetensors" in ours["adapter"]
+    if placement == "memory":
+        check_consolidated(model_dir, tmp_path / "output", tmp_path / "consolidated")
+
+
+def check_consolidated(model_dir: Path, output: Path, out: Path) -> None:
+    """Trainer's last checkpoint, consolidated from zinf's shards: the base's 4-bit weights as bitsandbytes
+    dequantizes them (bit for bit), and the adapters as saved."""
+    import bitsandbytes as bnb
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_launcher([sys.executable, "-m", "zinf.cli", "consolidate", str(output / "checkpoint-6" / "zinf"), str(out),
+                  "--format", "safetensors"])
+    state = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     quantization_config=_script().quantization())
+    four_bit = {n: m for n, m in reference.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(four_bit) == 14
+    for name, module in four_bit.items():
+        key = f"base_model.model.{name}.base_layer.weight" if name.endswith(("q_proj", "v_proj", "down_proj")) \
+            else f"base_model.model.{name}.weight"
+        w = module.weight
+        assert torch.equal(state[key], bnb.functional.dequantize_4bit(w.data, w.quant_state)), key
+    adapter = load_file(output / "checkpoint-6" / "adapter_model.safetensors")
+    for k, v in adapter.items():
+        ours = k.replace(".weight", ".default.weight")
+        assert torch.equal(state[ours], v), k
