@@ -379,3 +379,38 @@ def test_compute_rate_is_measured_within_its_budget() -> None:
         rate = measure_flops(torch.device("cpu"), precision, (2048, 2048, 8192), budget_seconds=1.0)
         took = time.perf_counter() - start
         assert rate > 0 and took < 5.0, f"{precision}: {rate / 1e9:.3g} GFLOP/s measured in {took:.1f} s"
+
+
+@pytest.mark.parametrize("placement", ["device/cpu", "cpu/cpu", "nvme/cpu"])
+def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) -> None:
+    """``qlora``: the planner's parameter bytes per tier equal a real engine's for a Llama loaded with
+    ``BitsAndBytesConfig(load_in_4bit=True)`` (its linear layers in 4 bits, the rest frozen at the precision)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    nv = str(tmp_path)
+    p = plan(config, qlora=True, nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement],
+             batch_tokens=8)
+    est = p.estimates[0]
+    settings = p.config()
+    settings["offload"]["frozen_in_place"] = False  # the planner counts frozen shards in swap, not read in place
+    cfg = zinf.ZeroConfig.from_dict(settings)
+    with zinf.Init(cfg):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "ckpt", dtype=torch.float32,
+            quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    model.requires_grad_(False)
+    model.model.norm.weight.requires_grad_(True)  # something to train (the adapters' few parameters, not counted)
+    engine = zinf.initialize(model, torch.optim.AdamW([model.model.norm.weight], lr=1e-3), cfg)
+    resident = engine.resident_bytes()
+    engine.close()
+    shards = {t: kinds.get("param_shards", 0) for t, kinds in resident.items()}
+    expected = {t: est.bytes.get(t, {}).get("param_shards", 0) for t in ("device", "cpu", "nvme")}
+    # without CUDA the device tier is host memory: resident_bytes reports it as "cpu"
+    assert shards.get("cpu", 0) == expected["device"] + expected["cpu"]
+    assert shards.get("nvme", 0) == expected["nvme"]
+    four_bit = 14 * 64 * 128 // 2 + 8 * 64 * 64 // 2 + (14 * 64 * 128 + 8 * 64 * 64) // 64 * 4
+    assert sum(expected.values()) >= four_bit  # the 4-bit linear layers, and the embeddings, head and norms in fp32

@@ -226,19 +226,22 @@ def slow_16bit(machine: Machine, precisions: Sequence[str]) -> dict[str, str]:
 
 def model_spec(model: Any = None, *, params: float | None = None, layers: int | None = None, hidden: int | None = None,
                vocab: int | None = None, hf_config: Any = None, hf_kwargs: dict | None = None, module: str | None = None,
-               module_kwargs: dict | str | None = None, seq_len: int | None = None) -> ModelSpec:
+               module_kwargs: dict | str | None = None, seq_len: int | None = None, qlora: bool = False) -> ModelSpec:
     """A :class:`ModelSpec` from exactly one of: ``model`` (an nn.Module, a ModelSpec or a transformers config),
     ``params`` (with optional ``layers``/``hidden``), ``hf_config`` (a model type or config), ``module``
-    (``"package.module:factory"``)."""
+    (``"package.module:factory"``). ``qlora`` (transformers models only): the base frozen, its linear layers in
+    4 bits, as ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` loads them."""
     given = [name for name, v in (("model", model), ("params", params), ("hf_config", hf_config), ("module", module))
              if v is not None]
     if len(given) != 1:
         raise PlanError("zinf plan: give exactly one model: --params N [--layers L --hidden H], --hf-config TYPE "
                         f"[--hf-kwargs JSON], or --module pkg.mod:factory (found {given or 'none'}).")
+    if qlora and hf_config is None and (model is None or isinstance(model, (nn.Module, ModelSpec))):
+        raise PlanError("zinf plan: --qlora plans a transformers model's 4-bit base; give it with --hf-config TYPE.")
     if params is not None:
         return spec_from_params(params, layers, hidden, vocab, seq_len)
     if hf_config is not None:
-        spec = spec_from_hf(hf_config, hf_kwargs, seq_len)
+        spec = spec_from_hf(hf_config, hf_kwargs, seq_len, qlora=qlora)
     elif module is not None:
         spec = spec_from_factory(module, module_kwargs, seq_len)
     elif isinstance(model, ModelSpec):
@@ -246,7 +249,7 @@ def model_spec(model: Any = None, *, params: float | None = None, layers: int | 
     elif isinstance(model, nn.Module):
         spec = spec_from_module(model, seq_len=seq_len)
     else:
-        spec = spec_from_hf(model, None, seq_len)
+        spec = spec_from_hf(model, None, seq_len, qlora=qlora)
     if layers or hidden or vocab:  # shapes the caller knows better than the heuristics
         spec = ModelSpec(spec.groups, spec.source, layers or spec.num_layers, hidden or spec.hidden, spec.seq_len,
                          vocab or spec.vocab, spec.notes)
@@ -261,7 +264,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
          machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
          pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
          allgather_gbps: float | None = None, reshard_after_forward: str = "auto",
-         calibration: Calibration = Calibration()) -> Plan:
+         calibration: Calibration = Calibration(), qlora: bool = False) -> Plan:
     """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
     ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
     (tests inject one); otherwise this machine is measured (a few seconds, disks cached)."""
@@ -283,7 +286,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
     chosen = [p if isinstance(p, PlanPlacement) else parse_placement(p) for p in placements] if placements else list(ALL_PLACEMENTS)
     paths = list(nvme_paths)
     spec = model_spec(model, params=params, layers=layers, hidden=hidden, vocab=vocab, hf_config=hf_config,
-                      hf_kwargs=hf_kwargs, module=module, module_kwargs=module_kwargs, seq_len=seq_len)
+                      hf_kwargs=hf_kwargs, module=module, module_kwargs=module_kwargs, seq_len=seq_len, qlora=qlora)
     seq = min(seq_len or spec.seq_len or 1024, batch_tokens)
     if machine is None:
         h = spec.hidden or 2048

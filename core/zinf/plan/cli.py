@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-kwargs", default="{}", help="JSON keyword arguments of its config, e.g. '{\"n_layer\": 12}'")
     model.add_argument("--module", help="package.module:factory returning the model (called under the meta device)")
     model.add_argument("--module-kwargs", default="{}", help="JSON keyword arguments of the factory")
+    model.add_argument("--qlora", action="store_true", help="with --hf-config: QLoRA's base, frozen, its linear layers "
+                       "in 4 bits (BitsAndBytesConfig(load_in_4bit=True); the adapters not counted)")
     run_ = p.add_argument_group("the run")
     run_.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
     run_.add_argument("--ranks-per-node", type=int, help="ranks sharing this machine (default: world on CPU, GPUs here)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq, checkpointing=args.checkpointing, placements=args.placement or None,
             remeasure=args.remeasure, ranks_per_node=args.ranks_per_node, pinned_pool_bytes=args.pinned_pool_bytes,
             max_cpu_bytes=args.max_cpu_bytes, allgather_gbps=args.allgather_gbps, machine=machine,
-            reshard_after_forward=args.reshard_after_forward)
+            reshard_after_forward=args.reshard_after_forward, qlora=args.qlora)
     except PlanError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2

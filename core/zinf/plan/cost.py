@@ -140,9 +140,9 @@ def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
     if wl.world == 1 or wl.reshard_after_forward == "always":
         return kept
     budget = wl.prefetch_bytes
-    shards = spec.shard_numels(wl.world)
+    shards = spec.shard_bytes(wl.world, sb)
     for i in reversed(range(len(shards))):
-        full = shards[i] * wl.world * sb
+        full = shards[i] * wl.world
         if i == len(shards) - 1:
             kept[i] = True  # the running group at both ends of the backward's start: no room of the window taken
             continue
@@ -171,11 +171,11 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     pb, sb = PRECISIONS[precision].itemsize, PRECISIONS[storage].itemsize
     world, ranks = wl.world, max(1, wl.ranks_per_node)
     shards = spec.shard_numels(world)
-    ps = sum(shards)
     trainable = sum(trained_shards(spec, shards))
     uses_nvme = "nvme" in (pl.params, pl.optimizer)
     need = pool_need(spec, world, storage, pl, wl.sub_group_numel) if uses_nvme else 0
-    param_spans = sum(record_span(n * sb) for n in shards)
+    sizes = spec.shard_bytes(world, sb)  # the shards at rest: storage-dtype elements, or 4-bit codes and scales
+    param_spans = sum(record_span(b) for b in sizes)
     pool = (wl.pinned_pool_bytes or choose_pool(need, param_spans if pl.params == "nvme" else 0)) if uses_nvme else 0
     nbytes = state_bytes(spec, world, storage, pl, machine.device, pool)
     acts = _activation_bytes(spec, wl, pb)
@@ -205,13 +205,13 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
             io["nvme_write"] += trainable * 4
     if machine.device == "cuda":  # pragma: no cover - CUDA only
         if pl.params != "device":
-            io["h2d"] += 2 * ps * sb
+            io["h2d"] += 2 * sum(sizes)
         if pl.optimizer != "device":
             io["d2h"] += trainable * 4
     kept = _kept_for_backward(spec, wl, sb)
     if world > 1:
         # received per rank: the forward's gathers and the backward's, less the groups kept from one to the other
-        io["allgather"] = (world - 1) * sb * (2 * ps - sum(n for n, k in zip(shards, kept) if k))
+        io["allgather"] = (world - 1) * (2 * sum(sizes) - sum(b for b, k in zip(sizes, kept) if k))
         io["reduce_scatter"] = (world - 1) * trainable * 4
 
     # -- time per step ---------------------------------------------------------------------------------
@@ -220,7 +220,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     flops = machine.flops_for(precision) * (machine.cpu_share(ranks) if cpu else 1.0)
     tokens = wl.batch_tokens
     recompute = 4 / 3 if wl.checkpointing else 1.0  # one more forward: 8 instead of 6 flops per parameter
-    matmul_flops = (6 * spec.matmul_numel * tokens + 6 * (spec.num_layers or 0) * wl.seq_len * (spec.hidden or 0) * tokens) * recompute
+    # a frozen group's weights get no gradient: its products cost 4 flops a parameter a token, not 6 (LoRA's base)
+    frozen = sum(g.numel for g in spec.groups if g.matmul and not g.trainable)
+    matmul_flops = ((6 * spec.matmul_numel - 2 * frozen) * tokens
+                    + 6 * (spec.num_layers or 0) * wl.seq_len * (spec.hidden or 0) * tokens) * recompute
     mem_bw = machine.device_bw / share
     host_bw = machine.host_bw / ranks
     elementwise = tokens * ((spec.num_layers or 0) * (spec.hidden or 0) * cal.elementwise_per_layer * recompute

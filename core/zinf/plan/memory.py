@@ -43,15 +43,17 @@ def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, su
     """What Placement._check_pool requires of offload.pinned_pool_bytes."""
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
     trained = trained_shards(spec, shards)
+    sizes = spec.shard_bytes(world, pb)
     pipeline = 0
     if pl.optimizer == "nvme" and trained:
         numel = max(_subgroup_numels(trained, sub_group_numel))
         pipeline = 3 * sum(block_bytes(record_span(n)) for n in _record_bytes(pl, numel))
-    return pipeline + param_reserve(spec, world, precision, pl) + (largest_block(shards, pb) if pl.params == "nvme" else 0)
+    return pipeline + param_reserve(spec, world, precision, pl) + (largest_block(sizes) if pl.params == "nvme" else 0)
 
 
-def largest_block(shards: Sequence[int], pb: int) -> int:
-    return block_bytes(max(record_span(n * pb) for n in shards)) if shards else 0
+def largest_block(sizes: Sequence[int]) -> int:
+    """The pool blocks of the largest record of these byte sizes."""
+    return block_bytes(max(record_span(n) for n in sizes)) if sizes else 0
 
 
 def param_reserve(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement) -> int:
@@ -60,7 +62,7 @@ def param_reserve(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement
     if pl.params != "nvme":
         return 0
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
-    return largest_block(shards, pb) + 2 * largest_block(trained_shards(spec, shards), pb)
+    return largest_block(spec.shard_bytes(world, pb)) + 2 * largest_block([n * pb for n in trained_shards(spec, shards)])
 
 
 def _record_bytes(pl: PlanPlacement, numel: int) -> list[int]:
@@ -81,9 +83,10 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
     """Bytes per tier and kind as ``engine.resident_bytes()`` reports them at their peak (gradient shards on
     NVMe counted while they are there)."""
     shards = spec.shard_numels(world)
-    ps, pb = sum(shards), PRECISIONS[precision].itemsize
+    pb = PRECISIONS[precision].itemsize
     trainable = sum(trained_shards(spec, shards))
-    frozen = ps - trainable  # their shards alone
+    sizes = spec.shard_bytes(world, pb)
+    frozen = sum(b for b, g in zip(sizes, spec.groups) if not g.trainable)  # their shards alone
     out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
 
     def add(tier: str, kind: str, n: int) -> None:
@@ -93,12 +96,12 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
     # fp32 with a device optimizer: a trainable group's shard is its master
     shared = pb == 4 and pl.optimizer == "device"
     if pl.params == "nvme":
-        add("nvme", "param_shards", sum(record_span(n * pb) for n in shards))
+        add("nvme", "param_shards", sum(record_span(b) for b in sizes))
     elif shared and (pl.params == "device" or machine_device == "cpu"):
         # the trainable shards are the masters' own tensors (the CPU store's too, without CUDA): counted below
-        add(pl.params, "param_shards", frozen * pb)
+        add(pl.params, "param_shards", frozen)
     else:
-        add(pl.params, "param_shards", ps * pb)
+        add(pl.params, "param_shards", sum(sizes))
     if pl.optimizer == "device":
         add("device", "param_shards" if shared and pl.params == "device" else "master", trainable * 4)
         add("device", "optimizer_state", trainable * 8)
@@ -117,7 +120,7 @@ def state_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, 
 
 def disk_bytes(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
     shards, pb = spec.shard_numels(world), PRECISIONS[precision].itemsize
-    total = sum(record_span(n * pb) for n in shards) if pl.params == "nvme" else 0
+    total = sum(record_span(b) for b in spec.shard_bytes(world, pb)) if pl.params == "nvme" else 0
     if pl.optimizer == "nvme":
         total += sum(record_span(b) for n in _subgroup_numels(trained_shards(spec, shards), sub_group_numel)
                      for b in _record_bytes(pl, n))

@@ -20,7 +20,9 @@ from torch import nn
 from zinf.errors import ConfigError
 
 __all__ = ["PlanError", "GroupShape", "ModelSpec", "spec_from_module", "spec_from_hf", "spec_from_params",
-           "spec_from_factory"]
+           "spec_from_factory", "FOUR_BIT_BLOCK"]
+
+FOUR_BIT_BLOCK = 64  # elements per scale of a 4-bit group (bitsandbytes' block size)
 
 
 class PlanError(ConfigError):
@@ -35,6 +37,7 @@ class GroupShape:
     numel: int
     trainable: bool = True
     matmul: bool = True  # its weights take part in matrix products (False: position embeddings, norms' scales)
+    four_bit: bool = False  # a QLoRA base's linear weight: 4-bit codes and a scale per block ([Note: 4-bit shards])
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,21 @@ class ModelSpec:
         """Per group, this rank's shard (the flat vector padded to a multiple of ``world``, see [Note: flat
         layout] in zinf/param/layout.py)."""
         return [max(1, math.ceil(g.numel / world)) for g in self.groups]
+
+    def shard_bytes(self, world: int, itemsize: int) -> list[int]:
+        """Per group, this rank's shard at rest: ``itemsize`` bytes an element, or a 4-bit group's codes and fp32
+        scales (its shard rounded up to whole blocks of ``FOUR_BIT_BLOCK``)."""
+        out = []
+        for g, n in zip(self.groups, self.shard_numels(world)):
+            blocks = -(-n // FOUR_BIT_BLOCK)
+            out.append(blocks * (FOUR_BIT_BLOCK // 2 + 4) if g.four_bit else n * itemsize)
+        return out
+
+    def quantized(self, four_bit_names: set[str]) -> "ModelSpec":
+        """QLoRA's shape: every group frozen, those named in 4 bits (the adapters' few parameters not counted)."""
+        groups = tuple(GroupShape(g.name, g.numel, False, g.matmul, g.name in four_bit_names) for g in self.groups)
+        return ModelSpec(groups, f"{self.source}, 4-bit base", self.num_layers, self.hidden, self.seq_len, self.vocab,
+                         self.notes)
 
     def describe(self) -> str:
         shape = ", ".join(f"{k} {v}" for k, v in (("layers", self.num_layers), ("hidden", self.hidden),
@@ -106,9 +124,12 @@ def spec_from_module(module: nn.Module, source: str | None = None, seq_len: int 
                      hidden=hidden, seq_len=seq_len, vocab=vocab)
 
 
-def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: int | None = None) -> ModelSpec:
+def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: int | None = None,
+                 qlora: bool = False) -> ModelSpec:
     """A transformers causal LM built on the meta device from ``config``: a config object, or a model type
-    (``"gpt2"``, ``"llama"``, ...) with ``kwargs`` for its config class. Nothing is downloaded."""
+    (``"gpt2"``, ``"llama"``, ...) with ``kwargs`` for its config class. Nothing is downloaded. ``qlora``: the base
+    frozen, its linear layers in 4 bits where ``BitsAndBytesConfig(load_in_4bit=True)`` would put them (transformers'
+    own rule)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
     except ImportError as exc:  # pragma: no cover - transformers is a test extra
@@ -130,6 +151,8 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     spec = spec_from_module(model, source=f"transformers {type(model).__name__}")
+    if qlora:
+        spec = spec.quantized(_four_bit_layers(model))
     layers = getattr(config, "num_hidden_layers", None)
     hidden = getattr(config, "hidden_size", None)
     positions = getattr(config, "max_position_embeddings", None)
@@ -207,3 +230,13 @@ def parse_json_kwargs(text: str, flag: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise PlanError(f"zinf plan: {flag} must be a JSON object, found {type(value).__name__}.")
     return value
+
+
+def _four_bit_layers(model: nn.Module) -> set[str]:
+    """The ``nn.Linear`` layers transformers' bitsandbytes quantizer converts (``get_modules_to_not_convert``,
+    ``should_convert_module``), as zinf's 4-bit loading chooses them."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    return {n for n, m in model.named_modules() if n and type(m) is nn.Linear and should_convert_module(n, skip)}
