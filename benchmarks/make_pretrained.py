@@ -50,7 +50,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig
 
 CHUNK_NUMEL = 1 << 24  # the values are defined per chunk of this many elements (32 MiB in bf16)
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+FOUR_BIT_BLOCK = 64  # bitsandbytes' block of 4-bit codes per scale
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,8 +82,10 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    init: str  # "normal" (std), "ones" or "zeros"
+    init: str  # "normal" (std), "ones" or "zeros"; a 4-bit weight's parts: "codes-nf4", "scales", "const" (payload)
     std: float
+    source: TensorSpec | None = None  # a 4-bit part: the weight whose values it encodes
+    payload: bytes = b""  # "const": the bytes themselves
 
     @property
     def numel(self) -> int:
@@ -145,7 +148,29 @@ def _meta_model(config: PretrainedConfig) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def _specs_of(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
+def _four_bit_parts(weight: TensorSpec, quant_type: str) -> list[TensorSpec]:
+    """A weight as bitsandbytes' ``save_pretrained`` writes a 4-bit one (no double quantization): the packed codes,
+    the fp32 block scales, the code values and the quantization state (JSON bytes)."""
+    from zinf.param.four_bit import CODES
+
+    state = json.dumps({"quant_type": quant_type, "blocksize": FOUR_BIT_BLOCK, "dtype": str(weight.dtype)[6:],
+                        "shape": list(weight.shape)}).encode()
+    n, code = weight.numel, struct.pack("<16f", *CODES[quant_type])
+    return [TensorSpec(weight.name, ((n + 1) // 2, 1), torch.uint8, f"codes-{quant_type}", 0.0, weight),
+            TensorSpec(f"{weight.name}.absmax", (-(-n // FOUR_BIT_BLOCK),), torch.float32, "scales", 0.0, weight),
+            TensorSpec(f"{weight.name}.quant_map", (16,), torch.float32, "const", 0.0, None, code),
+            TensorSpec(f"{weight.name}.quant_state.bitsandbytes__{quant_type}", (len(state),), torch.uint8, "const",
+                       0.0, None, state)]
+
+
+def four_bit_weights(model: torch.nn.Module) -> set[str]:
+    """The weights ``BitsAndBytesConfig(load_in_4bit=True)`` stores in 4 bits (transformers' own rule)."""
+    from zinf.plan.model import _four_bit_layers
+
+    return {f"{n}.weight" for n in _four_bit_layers(model)}
+
+
+def _specs_of(model: torch.nn.Module, dtype: torch.dtype, four_bit: str | None = None) -> list[TensorSpec]:
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported: expected one of {list(SAFETENSORS_DTYPES)}")
     state = model.state_dict(keep_vars=True)
@@ -158,6 +183,7 @@ def _specs_of(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
         sources = [n for n in names if n not in tied_targets]
         kept.add(sources[0] if sources else names[0])
     std = float(getattr(model.config, "initializer_range", 0.02))
+    quantized = four_bit_weights(model) if four_bit else set()
     specs = []
     for name, tensor in state.items():
         if name not in kept:
@@ -172,7 +198,8 @@ def _specs_of(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorSpec]:
             init = "ones"
         else:
             init = "normal"
-        specs.append(TensorSpec(name, tuple(tensor.shape), dtype, init, std))
+        spec = TensorSpec(name, tuple(tensor.shape), dtype, init, std)
+        specs += _four_bit_parts(spec, four_bit) if four_bit and name in quantized else [spec]
     return specs
 
 
@@ -222,6 +249,16 @@ def _chunk_seed(seed: int, name: str, chunk_index: int) -> int:
 
 def chunk_values(spec: TensorSpec, seed: int, chunk_index: int) -> torch.Tensor:
     """Elements ``[chunk_index * CHUNK_NUMEL, ...)`` of the flattened tensor, in ``spec.dtype``."""
+    if spec.init == "const":
+        return torch.frombuffer(bytearray(spec.payload), dtype=torch.uint8)
+    if spec.source is not None:  # a 4-bit part: the codes or scales of the weight's chunk (blocks never straddle one)
+        from zinf.native import four_bit
+        from zinf.param.four_bit import CODES
+
+        values = chunk_values(spec.source, seed, chunk_index)
+        if spec.init == "scales":
+            return four_bit.block_absmax(values, FOUR_BIT_BLOCK)
+        return four_bit.encode(values, FOUR_BIT_BLOCK, CODES[spec.init.split("-")[1]])[0]
     begin = chunk_index * CHUNK_NUMEL
     count = min(CHUNK_NUMEL, spec.numel - begin)
     if spec.init == "ones":
@@ -233,8 +270,16 @@ def chunk_values(spec: TensorSpec, seed: int, chunk_index: int) -> torch.Tensor:
     return values.to(spec.dtype)
 
 
+def parameters(specs: Sequence[TensorSpec]) -> int:
+    """The model's parameters (a 4-bit weight counted once, by its elements)."""
+    return sum(t.source.numel if t.init.startswith("codes") else t.numel for t in specs
+               if t.init not in ("scales", "const"))
+
+
 def num_chunks(spec: TensorSpec) -> int:
-    return -(-spec.numel // CHUNK_NUMEL)
+    if spec.init == "const":
+        return 1
+    return -(-(spec.source or spec).numel // CHUNK_NUMEL)
 
 
 def tensor_values(spec: TensorSpec, seed: int) -> torch.Tensor:
@@ -360,7 +405,7 @@ def _save_json(path: Path, save_to_dir: Callable[[Path], object]) -> None:
 
 def write_pretrained(config: PretrainedConfig, out_dir: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16,
                      max_shard_bytes: int = 5 * 10**9, seed: int = 0, overwrite: bool = False,
-                     progress: bool = True) -> WriteSummary:
+                     progress: bool = True, four_bit: str | None = None) -> WriteSummary:
     """Writes the checkpoint of ``AutoModelForCausalLM.from_config(config)`` with generated values to ``out_dir``,
     streaming (see the module docstring). Refuses a non-empty ``out_dir`` unless ``overwrite`` and, before writing
     anything, a disk without room for the files."""
@@ -370,13 +415,20 @@ def write_pretrained(config: PretrainedConfig, out_dir: str | os.PathLike[str], 
     out = Path(out_dir)
     stale = _check_out_dir(out, overwrite)
     model = _meta_model(config)
-    shards = plan_shards(_specs_of(model, dtype), max_shard_bytes)
+    if four_bit and CHUNK_NUMEL % FOUR_BIT_BLOCK:
+        raise ValueError(f"CHUNK_NUMEL {CHUNK_NUMEL} is not a multiple of the 4-bit block, {FOUR_BIT_BLOCK}")
+    shards = plan_shards(_specs_of(model, dtype, four_bit), max_shard_bytes)
     data_bytes = sum(s.file_bytes for s in shards)
     _check_disk(out, data_bytes + (1 << 20), sum(p.stat().st_size for p in stale))
 
     config = copy.deepcopy(config)
     config.dtype = dtype
     config.architectures = [type(model).__name__]
+    if four_bit:  # what transformers writes for a bitsandbytes 4-bit model: from_pretrained reads it back as one
+        from transformers import BitsAndBytesConfig
+
+        config.quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit,
+                                                        bnb_4bit_compute_dtype=dtype).to_dict()
     out.mkdir(parents=True, exist_ok=True)
     for p in sorted(stale, key=lambda p: p.name != INDEX_FILE):  # the index first: never an index without its files
         p.unlink()
@@ -407,7 +459,7 @@ def write_pretrained(config: PretrainedConfig, out_dir: str | os.PathLike[str], 
         "generation_config.json", "config.json")
     file_bytes = sum((out / f).stat().st_size for f in files)
     return WriteSummary(
-        out_dir=str(out), num_parameters=sum(t.numel for t in specs), tensor_bytes=sum(t.nbytes for t in specs),
+        out_dir=str(out), num_parameters=parameters(specs), tensor_bytes=sum(t.nbytes for t in specs),
         file_bytes=file_bytes, files=files, seconds=seconds, write_gb_per_s=file_bytes / seconds / 1e9,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
@@ -438,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint in a non-empty OUT_DIR")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (parameters, bytes, files), write nothing")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--four-bit", choices=["nf4", "fp4"], help="write the linear weights as bitsandbytes saves a 4-bit "
+                    "model (QLoRA's base; no double quantization)")
     args = ap.parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.shard_size)
@@ -448,16 +502,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                           num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
     dtype = DTYPE_NAMES[args.dtype]
     if args.dry_run:
-        shards = plan_shards(tensor_specs(config, dtype), max_shard_bytes)
+        shards = plan_shards(_specs_of(_meta_model(config), dtype, args.four_bit), max_shard_bytes)
         specs = [t for s in shards for t in s.tensors]
-        print(f"{args.size} ({args.dtype}): {sum(t.numel for t in specs):,} parameters, "
+        print(f"{args.size} ({args.dtype}): {parameters(specs):,} parameters, "
               f"{sum(s.file_bytes for s in shards) / 1e9:.3f} GB in {len(shards)} file(s)")
         for s in shards:
             print(f"  {s.file_name}: {len(s.tensors)} tensors, {s.file_bytes / 1e9:.3f} GB")
         return 0
     try:
         summary = write_pretrained(config, args.out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                   seed=args.seed, overwrite=args.overwrite, progress=not args.no_progress)
+                                   seed=args.seed, overwrite=args.overwrite, progress=not args.no_progress,
+                                   four_bit=args.four_bit)
     except (FileExistsError, NotADirectoryError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -193,3 +193,28 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert mp.parse_size("5GB") == 5 * 10**9 and mp.parse_size("2GiB") == 2 << 30 and mp.parse_size("1000") == 1000
     with pytest.raises(ValueError, match="write e.g. 5GB"):
         mp.parse_size("5 gigs")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_four_bit_checkpoint_is_what_bitsandbytes_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        quant_type: str) -> None:
+    """``--four-bit``: transformers with bitsandbytes loads the files as a 4-bit model, and each weight is
+    bitsandbytes' own quantization of the values the bf16 checkpoint would hold (chunks of 1024 elements: blocks
+    never straddle one)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(mp, "CHUNK_NUMEL", 1024)
+    out, summary = written(tmp_path, four_bit=quant_type)
+    plain = mp.tensor_specs(tiny())
+    assert summary.num_parameters == sum(t.numel for t in plain)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(layers) == 14 and model.is_loaded_in_4bit
+    for spec in plain:
+        name = spec.name.removesuffix(".weight")
+        if name in layers:
+            w = layers[name].weight
+            codes, state = bnb.functional.quantize_4bit(mp.tensor_values(spec, 3), blocksize=64, quant_type=quant_type)
+            assert torch.equal(w.data.reshape(-1), codes.reshape(-1)), spec.name
+            assert torch.equal(w.quant_state.absmax, state.absmax), spec.name
+        else:
+            assert torch.equal(model.state_dict()[spec.name], mp.tensor_values(spec, 3)), spec.name

@@ -206,3 +206,44 @@ def test_an_odd_sized_group_gathers_and_serves_bitsandbytes_values(quant_type: s
                 assert torch.equal(g, e)
         # slots at 0, 704 and 4,800 (block boundaries): 4,865 elements in 2 shards of 2,496 (39 blocks each)
         assert r["shard_numel"] == 2496 and r["bytes"] == 2496 // 2 + 39 * 4
+
+
+def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
+    """``from_pretrained`` of a checkpoint bitsandbytes saved in 4 bits, no quantization_config given."""
+    from transformers import AutoModelForCausalLM
+
+    from zinf.integrations.quantized import all_four_bit
+
+    if nvme:
+        os.makedirs(nvme, exist_ok=True)
+    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
+    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
+    with zinf.Init(config):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.requires_grad_(False)
+    engine = zinf.initialize(model, None, config)
+    params = dict(model.named_parameters())
+    weights = {}
+    for n in all_four_bit(model) + ["model.norm.weight", "lm_head.weight"]:
+        with zinf.GatheredParameters(params[n]):
+            weights[n] = params[n].detach().clone()
+    engine.close()
+    return weights
+
+
+@pytest.mark.parametrize("quant_type,double,nvme", [("nf4", True, False), ("fp4", False, True)])
+def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
+                                                                       quant_type: str, double: bool, nvme: bool) -> None:
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                 quantization_config=_bnb(quant_type, double))
+    saved.save_pretrained(tmp_path / "four_bit", max_shard_size="30KB")
+    expected = {f"{n}.weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+                for n, m in saved.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    expected.update({"model.norm.weight": saved.model.norm.weight.detach(), "lm_head.weight": saved.lm_head.weight.detach()})
+    for got in run_distributed(_load_saved, 2, str(tmp_path / "four_bit"), str(tmp_path / "nvme") if nvme else None):
+        assert set(got) == set(expected) and len(expected) == 16
+        for n, w in expected.items():
+            assert torch.equal(got[n], w), n

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zinf.checkpoint import four_bit_files
+from zinf.checkpoint.four_bit_files import companions, load_four_bit_group
 from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.tensor_files import TensorFiles, open_weights
 from zinf.errors import CheckpointError
@@ -111,6 +113,14 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
         key = keys[0]
         used.update(keys)
         shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
+        group = group_of(params[pid])
+        if group is not None and group.four_bit is not None:  # bitsandbytes' saved codes and scales
+            used.update(companions(key, files))
+            why = four_bit_files.check(group, group.index_of(params[pid]), key, files)
+            if why:
+                errors.append(why)
+            key_of[pid] = key
+            continue
         if files.tensors[key].shape != shape:
             errors.append(f"size mismatch for {ns[0]}: the checkpoint has {list(files.tensors[key].shape)} ({key}), "
                           f"the model {list(shape)}")
@@ -138,7 +148,10 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
     heap = HeapTrimmer()  # see [Note: heap growth] in zinf/heap.py
     with torch.no_grad():
         for i, g in enumerate(groups, 1):
-            _load_group(g, files, key_of)
+            if g.four_bit is not None:
+                load_four_bit_group(g, files, key_of)
+            else:
+                _load_group(g, files, key_of)
             heap.count(g.shard_numel * 8)  # the slices read and the fp32 shard built from them
             if i % step == 0 or i == len(groups):
                 log.info("zinf: load_pretrained %d/%d groups, %s read", i, len(groups), format_bytes(files.bytes_read))

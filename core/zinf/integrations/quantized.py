@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
@@ -29,7 +30,7 @@ from zinf.param.partition import partition_module_params
 from zinf.param.registry import group_of, unregister
 from zinf.runtime.comm import Comm
 
-__all__ = ["four_bit_format", "quantize_base", "refuse_prequantized", "all_four_bit", "four_bit_bytes"]
+__all__ = ["four_bit_format", "quantize_base", "prepare_saved_four_bit", "all_four_bit", "four_bit_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ def four_bit_format(config: Any) -> tuple[FourBitFormat, Any]:
     from transformers import BitsAndBytesConfig
 
     if isinstance(config, dict):
+        if config.get("quant_method", "bitsandbytes") != "bitsandbytes":
+            raise UnsupportedModelError(
+                f"zinf: a {config.get('quant_method')} quantization: zinf stores bitsandbytes' 4-bit formats only. Load "
+                "an unquantized checkpoint, with BitsAndBytesConfig(load_in_4bit=True, ...) for a 4-bit base.")
         config = BitsAndBytesConfig.from_dict(config)
     if not isinstance(config, BitsAndBytesConfig):
         raise UnsupportedModelError(
@@ -121,13 +126,31 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
     return converted
 
 
-def refuse_prequantized(model: Any) -> None:
-    """A checkpoint saved quantized (its config names a quantization) is refused with the fix."""
-    if getattr(model, "hf_quantizer", None) is not None:
-        raise UnsupportedModelError(
-            "zinf: this checkpoint is saved quantized (its config.json has a quantization_config), which zinf's "
-            "loader does not read. Load the unquantized checkpoint with from_pretrained(..., quantization_config="
-            "BitsAndBytesConfig(load_in_4bit=True, ...)): zinf quantizes it as it loads.")
+def prepare_saved_four_bit(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> int:
+    """Before a checkpoint saved in 4 bits is read: the layers it holds in 4 bits get empty 4-bit groups, which the
+    loader fills with the files' codes and scales (zinf/checkpoint/four_bit_files.py). Nothing is gathered."""
+    made = 0
+    for name, module in _targets(model, config):
+        weight, group = module.weight, group_of(module.weight)
+        if group is None or group.four_bit is not None:
+            continue
+        members = [p for p in group.params if p is not None]
+        spill = group.residence.spill  # built for NVMe under zinf.Init: the new groups wait there, empty
+        for p in members:
+            unregister(p)
+            if p is not weight and spill is None:  # a bias: a master cut from zeros, which the files replace
+                p.data = torch.zeros(p.shape, dtype=group.compute_dtype, device=group.device)
+        kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
+        new = [partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt, placeholders=True)]
+        rest = {id(p) for p in members if p is not weight}
+        if rest:
+            new.append(partition_module_params(module, group.name, **kw, only=rest, storage_dtype=group.storage_dtype,
+                                               placeholders=spill is not None))
+        for g in new:
+            if spill is not None and g is not None:
+                g.spill_to(spill, placeholders=True)
+        made += 1
+    return made
 
 
 def all_four_bit(model: nn.Module) -> list[str]:

@@ -35,7 +35,7 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf import integrations
 from zinf.integrations.after_import import when_imported, wrap_once
-from zinf.integrations.quantized import four_bit_format, quantize_base, refuse_prequantized
+from zinf.integrations.quantized import four_bit_format, prepare_saved_four_bit, quantize_base
 from zinf.init import Init
 from zinf.param.registry import group_of
 
@@ -44,6 +44,7 @@ __all__ = ["install", "watch", "enable", "disable", "enabled", "loading"]
 log = logging.getLogger(__name__)
 
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zinf_from_pretrained", default=False)
+_SAVED_FOUR_BIT: contextvars.ContextVar[Any] = contextvars.ContextVar("zinf_saved_four_bit", default=None)
 _launch: dict[str, Any] = {"config": None, "start": None}
 _originals: dict[str, Any] = {}
 _WRAPPED = ("from_pretrained", "get_init_context", "_load_pretrained_model", "_move_missing_keys_from_meta_to_device",
@@ -132,6 +133,9 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
     four_bit = None
     if kwargs.get("quantization_config") is not None:  # [Note: a 4-bit base] in zinf/integrations/quantized.py
         four_bit = four_bit_format(kwargs.pop("quantization_config"))
+    saved = _saved_quantization(cls, args, kwargs)  # a checkpoint saved in 4 bits: its config says so
+    if saved is not None:
+        four_bit = saved  # as transformers does, the checkpoint's own quantization wins
     if refused:
         raise UnsupportedModelError(
             f"zinf: from_pretrained({refused[0]}=...) places the weights itself, which zinf does instead (it "
@@ -144,10 +148,37 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
             init = stack.enter_context(Init(_launch["config"]))
         stack.enter_context(init.placeholders())
         stack.enter_context(_loading())
+        if saved is not None:
+            token = _SAVED_FOUR_BIT.set((*four_bit, init.comm))
+            stack.callback(_SAVED_FOUR_BIT.reset, token)
         model = original(cls, *args, **kwargs)
     if four_bit is not None:
         quantize_base(model, *four_bit, init.comm)
     return model
+
+
+def _saved_quantization(cls: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The 4-bit storage of a checkpoint saved quantized (its config's ``quantization_config``), taken out of the
+    config the model is built from (so transformers builds plain ``nn.Linear`` layers): None when there is none."""
+    import copy
+
+    from transformers import PretrainedConfig
+
+    config = kwargs.get("config")
+    if not isinstance(config, PretrainedConfig):
+        if config is not None or not args:
+            return None
+        if "quantization_config" not in PretrainedConfig.get_config_dict(args[0])[0]:
+            return None
+        config = cls.config_class.from_pretrained(args[0])
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return None
+    fmt = four_bit_format(saved.to_dict() if hasattr(saved, "to_dict") else saved)
+    config = copy.deepcopy(config)
+    del config.quantization_config
+    kwargs["config"] = config
+    return fmt
 
 
 def _get_init_context(cls: Any, *args: Any, **kwargs: Any) -> list[Any]:
@@ -169,7 +200,12 @@ def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, l
                            *args: Any, **kwargs: Any) -> Any:
     if not (loading() and _partitioned(model)):
         return _originals["load"].__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-    refuse_prequantized(model)
+    saved = _SAVED_FOUR_BIT.get()
+    if saved is not None:  # empty 4-bit groups for the files' codes and scales (zinf/checkpoint/four_bit_files.py)
+        prepare_saved_four_bit(model, *saved)
+    elif getattr(model, "hf_quantizer", None) is not None:
+        raise UnsupportedModelError("zinf: this checkpoint is saved quantized in a way zinf does not read; load the "
+                                    "unquantized checkpoint, with BitsAndBytesConfig(load_in_4bit=True) for a 4-bit base.")
     from transformers.utils.loading_report import LoadStateDictInfo
 
     source = state_dict if state_dict is not None else list(checkpoint_files or [])

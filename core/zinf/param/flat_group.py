@@ -65,8 +65,9 @@ class FlatParamGroup:
         # (``spill_to``): no master is cut and no shard cast (passes over the whole model for nothing)
         master = None if placeholders or four_bit else MasterShard.cut(self.layout, values, device)
         self.shard: torch.Tensor | None = (
-            four_bit.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if four_bit
-            else torch.empty(self.shard_numel, dtype=self.storage_dtype, device=device) if master is None
+            four_bit.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if four_bit and not placeholders
+            else torch.empty(self.shard_nbytes // self.storage_dtype.itemsize, dtype=self.storage_dtype, device=device)
+            if master is None
             else master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype))
         self.residence = ShardResidence()  # [Note: placement]: the device tier until a placement moves the shard
         # the master goes when an offload placement takes it, or when the group is frozen ([Note: frozen groups])

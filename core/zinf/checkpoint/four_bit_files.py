@@ -1,0 +1,100 @@
+"""A checkpoint saved in 4 bits by bitsandbytes (``save_pretrained`` of a ``load_in_4bit`` model) into 4-bit groups:
+each rank reads its blocks' codes and scales, nothing else ([Note: 4-bit shards] in zinf/param/four_bit.py).
+
+bitsandbytes saves a 4-bit weight ``W`` as ``W`` (the packed codes, uint8, ``(ceil(n / 2), 1)``), ``W.absmax`` (the
+block scales: fp32, or uint8 codes with double quantization), ``W.quant_map`` (the 16 code values), with double
+quantization ``W.nested_absmax`` and ``W.nested_quant_map`` (the scales' own blocks of 256 and their 8-bit code
+values), and ``W.quant_state.bitsandbytes__<type>`` (JSON bytes: the type, block size, shape, and the scales' offset).
+Double-quantized scales are decoded as bitsandbytes' ``dequantize_4bit`` decodes them: ``code[q] * nested_absmax`` in
+fp32, then the offset added.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from zinf.checkpoint.tensor_files import TensorFiles
+from zinf.errors import CheckpointError
+from zinf.param.flat_group import FlatParamGroup
+from zinf.param.four_bit import CODES
+
+__all__ = ["companions", "check", "load_four_bit_group"]
+
+_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+
+
+def _state_key(key: str, files: TensorFiles) -> str | None:
+    return next((f"{key}.quant_state.bitsandbytes__{t}" for t in CODES
+                 if f"{key}.quant_state.bitsandbytes__{t}" in files.tensors), None)
+
+
+def companions(key: str, files: TensorFiles) -> list[str]:
+    """The keys saved beside 4-bit weight ``key`` (its scales, code maps and quantization state)."""
+    state = _state_key(key, files)
+    return [k for k in (*(f"{key}.{p}" for p in _PARTS), state) if k is not None and k in files.tensors]
+
+
+def _quant_state(key: str, files: TensorFiles) -> dict:
+    state = _state_key(key, files)
+    if state is None:
+        raise CheckpointError(f"zinf: {key} is loaded into a 4-bit layer, but the checkpoint holds no 4-bit weight "
+                              "there (no quant_state beside it). Load an unquantized checkpoint with "
+                              "quantization_config=BitsAndBytesConfig(load_in_4bit=True), or this one without it.")
+    raw = files.read_range(state, 0, files.tensors[state].numel)
+    return json.loads(bytes(raw.to(torch.uint8).tolist()).decode())
+
+
+def check(group: FlatParamGroup, slot_index: int, key: str, files: TensorFiles) -> str | None:
+    """Why the file's 4-bit weight ``key`` cannot fill slot ``slot_index`` of ``group``, or None."""
+    slot, fmt = group.slots[slot_index], group.four_bit
+    assert fmt is not None
+    state = _quant_state(key, files)
+    found = (state.get("quant_type"), state.get("blocksize"), tuple(state.get("shape", ())))
+    want = (fmt.quant_type, fmt.blocksize, tuple(slot.shape))
+    if found != want:
+        return (f"{key}: the checkpoint's 4-bit weight is {found[0]}, blocks of {found[1]}, shape {list(found[2])}; "
+                f"the model's is {want[0]}, blocks of {want[1]}, shape {list(want[2])}")
+    if ("nested_offset" in state) != fmt.double_quant:
+        return (f"{key}: the checkpoint's scales are {'' if 'nested_offset' in state else 'not '}double-quantized; "
+                f"set bnb_4bit_use_double_quant={'nested_offset' in state} to match it")
+    return None
+
+
+def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:
+    """This rank's codes and scales of every weight of 4-bit ``group`` from the files, written to its shard."""
+    fmt = group.four_bit
+    assert fmt is not None
+    lo, bs, half = group.rank * group.shard_numel, fmt.blocksize, group.shard_numel // 2
+
+    def fill(out: torch.Tensor) -> None:
+        codes, scales = out[:half], out[half:].view(torch.float32)
+        zero = {"nf4": 7, "fp4": 0}[fmt.quant_type]
+        codes.fill_(zero << 4 | zero)
+        scales.zero_()
+        for i, (p, slot) in enumerate(zip(group.params, group.slots)):
+            a, b = group.layout.local_range(i)
+            if p is None or a >= b:
+                continue
+            key = key_of[id(p)]
+            ea, eb = a + lo - slot.offset, b + lo - slot.offset  # the weight's elements here; ea is block-aligned
+            files.read_into(key, ea // 2, (eb + 1) // 2, codes[a // 2 : a // 2 + (eb + 1) // 2 - ea // 2])
+            scales[a // bs : a // bs + -(-eb // bs) - ea // bs].copy_(_scales(key, files, ea // bs, -(-eb // bs)))
+
+    group.residence.write(group, fill)
+
+
+def _scales(key: str, files: TensorFiles, first: int, end: int) -> torch.Tensor:
+    """Blocks ``[first, end)`` of weight ``key``'s scales as fp32 (decoded when double-quantized)."""
+    raw = files.read_range(f"{key}.absmax", first, end)
+    state = _quant_state(key, files)
+    if "nested_offset" not in state:
+        return raw.float()
+    nested_bs = state.get("nested_blocksize", 256)
+    nested = files.read_range(f"{key}.nested_absmax", first // nested_bs, -(-end // nested_bs))
+    code = files.read_range(f"{key}.nested_quant_map", 0, 256).float()
+    blocks = torch.arange(first, end) // nested_bs - first // nested_bs
+    decoded = code[raw.long()] * nested.float()[blocks]
+    decoded += torch.tensor(state["nested_offset"], dtype=torch.float32)
+    return decoded
