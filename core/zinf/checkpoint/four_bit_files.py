@@ -66,13 +66,10 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
     """This rank's codes and scales of every weight of 4-bit ``group`` from the files, written to its shard."""
     fmt = group.four_bit
     assert fmt is not None
-    lo, bs, half = group.rank * group.shard_numel, fmt.blocksize, group.shard_numel // 2
+    lo, bs = group.rank * group.shard_numel, fmt.blocksize
 
     def fill(out: torch.Tensor) -> None:
-        codes, scales = out[:half], out[half:].view(torch.float32)
-        zero = {"nf4": 7, "fp4": 0}[fmt.quant_type]
-        codes.fill_(zero << 4 | zero)
-        scales.zero_()
+        codes, scales = fmt.cleared(out, group.shard_numel)
         for i, (p, slot) in enumerate(zip(group.params, group.slots)):
             a, b = group.layout.local_range(i)
             if p is None or a >= b:

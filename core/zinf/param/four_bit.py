@@ -107,11 +107,8 @@ class FourBitFormat:
         independent); with double quantization the scales are bitsandbytes' 8-bit codes of the whole weight's
         scales, decoded by bitsandbytes."""
         out = torch.empty(self.nbytes(shard_numel), dtype=torch.uint8)
-        half, bs = shard_numel // 2, self.blocksize
-        codes, scales = out[:half], out[half:].view(torch.float32)
-        zero = _ZERO_CODE[self.quant_type]
-        codes.fill_(zero << 4 | zero)
-        scales.zero_()
+        bs = self.blocksize
+        codes, scales = self.cleared(out, shard_numel)
         for slot, value in zip(slots, values):
             a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + shard_numel)
             if a >= b:
@@ -125,6 +122,15 @@ class FourBitFormat:
             codes[(a - lo) // 2 : (a - lo) // 2 + packed.numel()].copy_(packed)
             scales[(a - lo) // bs : (a - lo) // bs + scale.numel()].copy_(scale)
         return out
+
+    def cleared(self, shard: torch.Tensor, shard_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shard's codes (uint8) and scales (fp32) views, set to what decodes to zeros (the padding's values)."""
+        half = shard_numel // 2
+        codes, scales = shard[:half], shard[half:].view(torch.float32)
+        zero = _ZERO_CODE[self.quant_type]
+        codes.fill_(zero << 4 | zero)
+        scales.zero_()
+        return codes, scales
 
     @staticmethod
     def _double_quantized(absmax: torch.Tensor) -> torch.Tensor:
