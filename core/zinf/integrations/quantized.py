@@ -121,8 +121,9 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
         log.warning("zinf: bnb_4bit_compute_dtype=%s, but zinf computes the 4-bit layers in its own compute dtype, "
                     "%s (set zinf's precision to change it).", config.bnb_4bit_compute_dtype, compute_dtype)
     model.is_loaded_in_4bit = True  # as transformers marks a 4-bit model: peft and TRL prepare it as one
-    log.info("zinf: %d linear layers stored in 4 bits (%s%s) in %.1f s", converted, fmt.quant_type,
-             ", double quantization" if fmt.double_quant else "", time.monotonic() - start)
+    if converted:
+        log.info("zinf: %d linear layers stored in 4 bits (%s%s) in %.1f s", converted, fmt.quant_type,
+                 ", double quantization" if fmt.double_quant else "", time.monotonic() - start)
     return converted
 
 
@@ -150,6 +151,7 @@ def prepare_saved_four_bit(model: Any, fmt: FourBitFormat, config: Any, comm: Co
             if spill is not None and g is not None:
                 g.spill_to(spill, placeholders=True)
         made += 1
+    log.info("zinf: %d linear layers read in 4 bits (%s) from the checkpoint", made, fmt.quant_type)
     return made
 
 
