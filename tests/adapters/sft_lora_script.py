@@ -40,9 +40,10 @@ def texts(n: int) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(**load: object) -> None:
+    """``load``: more keyword arguments of ``from_pretrained`` (sft_qlora_script.py's 4-bit base)."""
     model_dir, output_dir, result = sys.argv[1], sys.argv[2], sys.argv[3]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"text": texts(64)})
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
