@@ -5,13 +5,15 @@
 transformers with bitsandbytes replaces each ``nn.Linear`` (but the output embedding, tied weights, the last module
 and ``llm_int8_skip_modules``) by a ``Linear4bit`` whose weight is bitsandbytes' codes. Under zinf the model keeps
 its ``nn.Linear`` layers and their weights are stored in 4 bits instead: after zinf's streaming loader has read each
-rank's slices, each such weight is gathered alone (one layer at a time: no rank ever holds the base), quantized by
-bitsandbytes and cut into 4-bit shards ([Note: 4-bit shards] in zinf/param/four_bit.py), so every gather decodes
-exactly bitsandbytes' dequantized weight and the layer computes ``F.linear`` on it, as ``Linear4bit`` does on the
-CPU. The layers to convert are chosen by transformers' own rule (``get_modules_to_not_convert``,
-``should_convert_module``). The model is marked ``is_loaded_in_4bit`` as transformers marks it, so peft's
-``prepare_model_for_kbit_training`` and TRL treat it as the quantized model it is; peft's LoRA wraps the plain
-``nn.Linear`` layers. The 4-bit weights are frozen: training or editing them is refused with the fix.
+rank's slices, each such weight is gathered alone (one layer at a time: no rank ever holds the base) and cut into
+4-bit shards, each rank quantizing its own blocks as bitsandbytes does ([Note: 4-bit shards] in
+zinf/param/four_bit.py). Every gather decodes exactly bitsandbytes' dequantized weight, and the layer computes
+``F.linear`` on it, as ``Linear4bit`` does on the CPU. A checkpoint saved in 4 bits is read as it is (empty 4-bit
+groups, filled by zinf/checkpoint/four_bit_files.py). The layers to convert are chosen by transformers' own rule
+(``get_modules_to_not_convert``, ``should_convert_module``). The model is marked ``is_loaded_in_4bit`` as
+transformers marks it, so peft's ``prepare_model_for_kbit_training`` and TRL treat it as the quantized model it is;
+peft's LoRA wraps the plain ``nn.Linear`` layers. The 4-bit weights are frozen: training or editing them is refused
+with the fix.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 [Note: 4-bit shards]
 A 4-bit group holds the weights of ``nn.Linear`` layers that ``from_pretrained(quantization_config=
 BitsAndBytesConfig(load_in_4bit=True))`` would turn into bitsandbytes' ``Linear4bit`` (zinf/integrations/
-quantized.py). Each weight is quantized whole by bitsandbytes itself (``quantize_4bit``: blocks of ``blocksize``
-elements from the tensor's start, a 4-bit code per element, the block's absolute maximum as its scale), so the codes
-and scales are bitsandbytes' own. The flat layout aligns every slot and the shard size to ``blocksize`` elements
-(``FlatLayout.of(align=...)``), so no block straddles two parameters or two ranks: each rank keeps its blocks'
-codes and scales, and the decoded values are those of the whole weight.
+quantized.py). Each weight is quantized as bitsandbytes' ``quantize_4bit`` does it on the CPU (blocks of
+``blocksize`` elements from the tensor's start, a 4-bit code per element, the block's absolute maximum as its scale;
+zinf/native/four_bit.py reproduces it bit for bit, and the tests compare the two). The flat layout aligns every slot
+and the shard size to ``blocksize`` elements (``FlatLayout.of(align=...)``), so no block straddles two parameters or
+two ranks: each rank encodes and keeps its own blocks' codes and scales, and the decoded values are those of the
+whole weight.
 
 A shard is ``shard_numel / 2`` bytes of codes (two per byte, the first element in the high nibble, as bitsandbytes
 packs them) followed by one fp32 scale per block. With ``bnb_4bit_use_double_quant`` the scales are stored decoded
@@ -21,7 +22,7 @@ all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -64,7 +65,7 @@ class WidenedShard:
         out.copy_(gathered)
 
 
-def refuse_change(group, what: str, values: torch.Tensor | None = None) -> None:
+def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
     """A 4-bit group refuses ``what`` (a change of its values; with ``values``, unless they are its own)."""
     if group.four_bit is not None and (values is None or not torch.equal(
             values.float().cpu(), group.shard_values(group.store.read(group)).cpu())):
