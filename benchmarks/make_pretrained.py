@@ -165,9 +165,9 @@ def _four_bit_parts(weight: TensorSpec, quant_type: str) -> list[TensorSpec]:
 
 def four_bit_weights(model: torch.nn.Module) -> set[str]:
     """The weights ``BitsAndBytesConfig(load_in_4bit=True)`` stores in 4 bits (transformers' own rule)."""
-    from zinf.plan.model import _four_bit_layers
+    from zinf.param.four_bit import convertible_linears
 
-    return {f"{n}.weight" for n in _four_bit_layers(model)}
+    return {f"{name}.weight" for name, _ in convertible_linears(model)}
 
 
 def _specs_of(model: torch.nn.Module, dtype: torch.dtype, four_bit: str | None = None) -> list[TensorSpec]:

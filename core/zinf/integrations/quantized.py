@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
-from zinf.param.four_bit import FourBitFormat
+from zinf.param.flat_group import FlatParamGroup
+from zinf.param.four_bit import FourBitFormat, convertible_linears
 from zinf.param.gathered import gather_full_master
 from zinf.param.partition import partition_module_params
 from zinf.param.registry import group_of, unregister
@@ -60,33 +61,12 @@ def four_bit_format(config: Any) -> tuple[FourBitFormat, Any]:
     return FourBitFormat(config.bnb_4bit_quant_type, 64, bool(config.bnb_4bit_use_double_quant)), config
 
 
-def _targets(model: Any, config: Any) -> list[tuple[str, nn.Linear]]:
-    """The layers transformers would turn into ``Linear4bit`` (its own rule)."""
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    skip = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules,
-                                                  getattr(model, "_keep_in_fp32_modules", None))
-    out = []
-    for name, module in model.named_modules():
-        if not name or not should_convert_module(name, skip):
-            continue
-        if type(module) is nn.Linear:
-            out.append((name, module))
-        elif type(module).__name__ == "Conv1D":
-            raise UnsupportedModelError(
-                f"zinf: {name} is a transformers Conv1D (the GPT-2 family), which zinf does not store in 4 bits. "
-                "Load this model without quantization_config (LoRA on a 16-bit base), or add it to "
-                "BitsAndBytesConfig(llm_int8_skip_modules=[...]).")
-    return out
-
-
 def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> int:
     """Store the weights of ``model``'s convertible ``nn.Linear`` layers in 4 bits (see [Note: a 4-bit base]);
     returns how many. Every rank calls it, in the same order (each layer is gathered through ``comm``)."""
     compute_dtype = None
     converted = 0
-    targets = _targets(model, config)
+    targets = convertible_linears(model, config.llm_int8_skip_modules)
     start = shown = time.monotonic()
     for name, module in targets:
         if time.monotonic() - shown > 10:  # long work shows progress
@@ -102,21 +82,7 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
         if group.residence.placed:
             raise UnsupportedModelError(f"zinf: {name} belongs to an engine already; load the model with "
                                         "quantization_config before building the engine.")
-        full = gather_full_master(comm, group)
-        members = [(p, slot) for p, slot in zip(group.params, group.slots) if p is not None]
-        for p, slot in members:
-            unregister(p)
-            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.dtype, copy=True)
-        del full
-        kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
-        made = [partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt)]
-        rest = {id(p) for p, _ in members if p is not weight}
-        if rest:  # the layer's bias, or anything else its group held, goes back to a group of its own
-            made.append(partition_module_params(module, group.name, **kw, only=rest, storage_dtype=group.storage_dtype))
-        spill = group.residence.spill  # built for NVMe under zinf.Init: the new shards wait there too, not in memory
-        for new in made:
-            if spill is not None and new is not None:
-                new.spill_to(spill, placeholders=False)
+        _regroup(module, name, group, fmt, comm, gather_full_master(comm, group))
         compute_dtype = group.compute_dtype
         converted += 1
     if compute_dtype is not None and config.bnb_4bit_compute_dtype not in (None, compute_dtype):
@@ -129,29 +95,41 @@ def quantize_base(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> in
     return converted
 
 
+def _regroup(module: nn.Linear, name: str, group: FlatParamGroup, fmt: FourBitFormat, comm: Comm,
+             full: torch.Tensor | None) -> None:
+    """``module``'s weight into a 4-bit group, and anything else ``group`` held (a bias) into a group of its own.
+    With ``full`` (``group``'s gathered values) the new groups are built from them; without, they are empty, for a
+    loader to fill. A group built for NVMe under ``zinf.Init`` waits in its spill, and so do the new ones."""
+    weight, spill = module.weight, group.residence.spill
+    members = [(p, slot) for p, slot in zip(group.params, group.slots) if p is not None]
+    for p, slot in members:
+        unregister(p)
+        if full is not None:
+            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.dtype, copy=True)
+        elif p is not weight and spill is None:  # a bias: a master cut from zeros, which the files replace
+            p.data = torch.zeros(p.shape, dtype=group.compute_dtype, device=group.device)
+    empty = full is None
+    del full  # the values are the parameters' now: one layer's full vector at a time
+    kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
+    made = [partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt, placeholders=empty)]
+    rest = {id(p) for p, _ in members if p is not weight}
+    if rest:
+        made.append(partition_module_params(module, group.name, **kw, only=rest, storage_dtype=group.storage_dtype,
+                                            placeholders=empty and spill is not None))
+    for new in made:
+        if spill is not None and new is not None:
+            new.spill_to(spill, placeholders=empty)
+
+
 def prepare_saved_four_bit(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> int:
     """Before a checkpoint saved in 4 bits is read: the layers it holds in 4 bits get empty 4-bit groups, which the
     loader fills with the files' codes and scales (zinf/checkpoint/four_bit_files.py). Nothing is gathered."""
     made = 0
-    for name, module in _targets(model, config):
-        weight, group = module.weight, group_of(module.weight)
+    for name, module in convertible_linears(model, config.llm_int8_skip_modules):
+        group = group_of(module.weight)
         if group is None or group.four_bit is not None:
             continue
-        members = [p for p in group.params if p is not None]
-        spill = group.residence.spill  # built for NVMe under zinf.Init: the new groups wait there, empty
-        for p in members:
-            unregister(p)
-            if p is not weight and spill is None:  # a bias: a master cut from zeros, which the files replace
-                p.data = torch.zeros(p.shape, dtype=group.compute_dtype, device=group.device)
-        kw = dict(comm=comm, compute_dtype=group.compute_dtype, device=group.device, agree=False)
-        new = [partition_module_params(module, name, **kw, only={id(weight)}, four_bit=fmt, placeholders=True)]
-        rest = {id(p) for p in members if p is not weight}
-        if rest:
-            new.append(partition_module_params(module, group.name, **kw, only=rest, storage_dtype=group.storage_dtype,
-                                               placeholders=spill is not None))
-        for g in new:
-            if spill is not None and g is not None:
-                g.spill_to(spill, placeholders=True)
+        _regroup(module, name, group, fmt, comm, None)
         made += 1
     log.info("zinf: %d linear layers read in 4 bits (%s) from the checkpoint", made, fmt.quant_type)
     return made

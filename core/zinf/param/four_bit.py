@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from zinf.errors import UnsupportedModelError
 from zinf.native import four_bit as native_four_bit
 
-__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change"]
+__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears"]
 
 # bitsandbytes' codebooks (bitsandbytes.functional.get_4bit_type), index = the 4-bit code
 CODES = {
@@ -58,11 +59,34 @@ class WidenedShard:
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         return shard.to(torch.float32)
 
-    def gather_buffer(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+    def empty_shards(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised."""
         return torch.empty(world * shard_numel, dtype=self.dtype, device=device)
 
     def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
         out.copy_(gathered)
+
+
+def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = None) -> list[tuple[str, nn.Linear]]:
+    """The layers ``BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=skip_modules)`` turns into
+    ``Linear4bit`` (transformers' own rule: ``get_modules_to_not_convert``, ``should_convert_module``). A transformers
+    ``Conv1D`` it would convert (the GPT-2 family) is refused: zinf does not store it in 4 bits."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, skip_modules, getattr(model, "_keep_in_fp32_modules", None))
+    out = []
+    for name, module in model.named_modules():
+        if not name or not should_convert_module(name, skip):
+            continue
+        if type(module) is nn.Linear:
+            out.append((name, module))
+        elif type(module).__name__ == "Conv1D":
+            raise UnsupportedModelError(
+                f"zinf: {name} is a transformers Conv1D (the GPT-2 family), which zinf does not store in 4 bits. "
+                "Load this model without quantization_config (LoRA on a 16-bit base), or add it to "
+                "BitsAndBytesConfig(llm_int8_skip_modules=[...]).")
+    return out
 
 
 def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
@@ -146,7 +170,8 @@ class FourBitFormat:
         return decoded.float()
 
     # -- decoding -------------------------------------------------------------------------------
-    def gather_buffer(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+    def empty_shards(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
+        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised."""
         return torch.empty(world * self.nbytes(shard_numel), dtype=torch.uint8, device=device)
 
     def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zinf.errors import ConfigError
+from zinf.param.four_bit import convertible_linears
 
 __all__ = ["PlanError", "GroupShape", "ModelSpec", "spec_from_module", "spec_from_hf", "spec_from_params",
            "spec_from_factory", "FOUR_BIT_BLOCK"]
@@ -152,7 +153,7 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
         model.tie_weights()
     spec = spec_from_module(model, source=f"transformers {type(model).__name__}")
     if qlora:
-        spec = spec.quantized(_four_bit_layers(model))
+        spec = spec.quantized({name for name, _ in convertible_linears(model)})
     layers = getattr(config, "num_hidden_layers", None)
     hidden = getattr(config, "hidden_size", None)
     positions = getattr(config, "max_position_embeddings", None)
@@ -231,12 +232,3 @@ def parse_json_kwargs(text: str, flag: str) -> dict[str, Any]:
         raise PlanError(f"zinf plan: {flag} must be a JSON object, found {type(value).__name__}.")
     return value
 
-
-def _four_bit_layers(model: nn.Module) -> set[str]:
-    """The ``nn.Linear`` layers transformers' bitsandbytes quantizer converts (``get_modules_to_not_convert``,
-    ``should_convert_module``), as zinf's 4-bit loading chooses them."""
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
-    return {n for n, m in model.named_modules() if n and type(m) is nn.Linear and should_convert_module(n, skip)}
