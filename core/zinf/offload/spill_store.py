@@ -163,7 +163,7 @@ class SpillStore:
         write is pending (a loader writes group after group; fresh pages would be faulted in for every one)."""
         nbytes = group.shard_nbytes
         if self._pending:
-            buf = torch.empty(group.shard_nbytes // group.storage_dtype.itemsize, dtype=group.storage_dtype)
+            buf = group.format.empty_shards(1, group.shard_numel, torch.device("cpu"))
         else:
             if self._scratch.numel() < nbytes:
                 self._scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -217,7 +217,7 @@ class SpillStore:
     def read(self, group: "FlatParamGroup") -> torch.Tensor:
         """``group``'s shard, read into memory (the record stays)."""
         offset, nbytes = self._where[id(group)]
-        out = torch.empty(group.shard_nbytes // group.storage_dtype.itemsize, dtype=group.storage_dtype)
+        out = group.format.empty_shards(1, group.shard_numel, torch.device("cpu"))
         record = self._in_place.get(id(group))
         if record is not None:
             buf = self._aligned(record.span)

@@ -66,8 +66,7 @@ class FlatParamGroup:
         master = None if placeholders or four_bit else MasterShard.cut(self.layout, values, device)
         self.shard: torch.Tensor | None = (
             four_bit.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if four_bit and not placeholders
-            else torch.empty(self.shard_nbytes // self.storage_dtype.itemsize, dtype=self.storage_dtype, device=device)
-            if master is None
+            else self.format.empty_shards(1, self.shard_numel, device) if master is None
             else master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype))
         self.residence = ShardResidence()  # [Note: placement]: the device tier until a placement moves the shard
         # the master goes when an offload placement takes it, or when the group is frozen ([Note: frozen groups])
@@ -228,7 +227,7 @@ class FlatParamGroup:
         elif self.world == 1:
             gathered = source
         else:
-            gathered = self.format.gather_buffer(self.world, self.shard_numel, self.device)
+            gathered = self.format.empty_shards(self.world, self.shard_numel, self.device)
         # one rank, the shard in device memory: nothing moves, nothing to order
         self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
         self._widen_from = None if gathered is self.full else gathered
@@ -258,7 +257,7 @@ class FlatParamGroup:
             self.finish_gather()
         assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
         lo = self.rank * self.shard_numel
-        scratch = self.format.gather_buffer(self.world, self.shard_numel, self.device)  # on compute
+        scratch = self.format.empty_shards(self.world, self.shard_numel, self.device)  # on compute
         # exact: widened from it. With a batch always a copy: the batch reads it after this call returns, and the full
         # buffer may be resharded (its storage freed) before that. 4-bit codes are not cut from decoded values: the
         # store's shard is sent
