@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from zinf.checkpoint import four_bit_files
-from zinf.checkpoint.four_bit_files import companions, load_four_bit_group
 from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.tensor_files import TensorFiles, open_weights
 from zinf.errors import CheckpointError
@@ -115,7 +114,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
         shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
         group = group_of(params[pid])
         if group is not None and group.four_bit is not None:  # bitsandbytes' saved codes and scales
-            used.update(companions(key, files))
+            used.update(four_bit_files.companions(key, files))
             why = four_bit_files.check(group, group.index_of(params[pid]), key, files)
             if why:
                 errors.append(why)
@@ -149,7 +148,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
     with torch.no_grad():
         for i, g in enumerate(groups, 1):
             if g.four_bit is not None:
-                load_four_bit_group(g, files, key_of)
+                four_bit_files.load_four_bit_group(g, files, key_of)
             else:
                 _load_group(g, files, key_of)
             heap.count(g.shard_numel * 8)  # the slices read and the fp32 shard built from them
