@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForLanguageModeling,
                           Trainer, TrainingArguments, set_seed)
 
-from sft_lora_script import PROMPTS, texts
+from sft_lora_script import probe, texts
 
 
 def quantization() -> BitsAndBytesConfig:
@@ -48,19 +48,12 @@ def main() -> None:
     trainer.train()
     trainer.save_model(os.path.join(output_dir, "adapter"))
 
-    model.eval()
-    prompt = tokenizer(PROMPTS[0], return_tensors="pt")
-    with torch.no_grad():
-        tuned = model(**prompt).logits[0, -1]
-        with model.disable_adapter():
-            base = model(**prompt).logits[0, -1]
-    trainable, total = model.get_nb_trainable_parameters()
+    looked = probe(model, tokenizer)
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(result, "w", encoding="utf-8") as f:
             json.dump({"losses": losses, "accelerator": type(trainer.accelerator).__module__,
-                       "world": trainer.accelerator.num_processes, "tuned_logits": tuned.tolist(),
-                       "base_logits": base.tolist(), "trainable": trainable, "total": total,
+                       "world": trainer.accelerator.num_processes, **looked,
                        "adapter": sorted(os.listdir(os.path.join(output_dir, "adapter")))}, f)
 
 

@@ -40,6 +40,19 @@ def texts(n: int) -> list[str]:
     return out
 
 
+def probe(model, tokenizer) -> dict:
+    """What the adapter did, as a user looks at it: the next-token logits of the first prompt with the adapter and
+    without it (``disable_adapter``), and the trainable / total parameter counts."""
+    model.eval()
+    prompt = tokenizer(PROMPTS[0], return_tensors="pt")
+    with torch.no_grad():
+        tuned = model(**prompt).logits[0, -1]
+        with model.disable_adapter():
+            base = model(**prompt).logits[0, -1]
+    trainable, total = model.get_nb_trainable_parameters()
+    return {"tuned_logits": tuned.tolist(), "base_logits": base.tolist(), "trainable": trainable, "total": total}
+
+
 def main(**load: object) -> None:
     """``load``: more keyword arguments of ``from_pretrained`` (sft_qlora_script.py's 4-bit base)."""
     model_dir, output_dir, result = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -54,13 +67,7 @@ def main(**load: object) -> None:
     trainer.train()
 
     model = trainer.model  # the PeftModel
-    model.eval()
-    prompt = tokenizer(PROMPTS[0], return_tensors="pt")
-    with torch.no_grad():
-        tuned = model(**prompt).logits[0, -1]
-        with model.disable_adapter():
-            base = model(**prompt).logits[0, -1]
-    trainable, total = model.get_nb_trainable_parameters()
+    looked = probe(model, tokenizer)
     with trainer.accelerator.split_between_processes(PROMPTS) as mine, torch.no_grad():
         completions = model.generate(**tokenizer(mine, return_tensors="pt"), max_new_tokens=8, do_sample=False)
     generated = gather_object(completions.tolist())
@@ -68,9 +75,7 @@ def main(**load: object) -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(result, "w", encoding="utf-8") as f:
             json.dump({"losses": losses, "accelerator": type(trainer.accelerator).__module__,
-                       "world": trainer.accelerator.num_processes, "tuned_logits": tuned.tolist(),
-                       "base_logits": base.tolist(), "generated": generated, "trainable": trainable,
-                       "total": total}, f)
+                       "world": trainer.accelerator.num_processes, "generated": generated, **looked}, f)
 
 
 if __name__ == "__main__":

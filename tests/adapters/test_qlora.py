@@ -18,6 +18,7 @@ pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
 from launching import EXAMPLES, accelerate_launch, assert_close, run_launcher, zinf_launch  # noqa: E402
+from sft_lora_script import PROMPTS  # noqa: E402
 from test_trl_peft import build_model_dir  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -47,7 +48,7 @@ def reference_logits(model_dir: Path) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  quantization_config=script.quantization())
     model.model.embed_tokens.weight.requires_grad_(True)  # inputs that need a gradient: the training path
-    prompt = AutoTokenizer.from_pretrained(model_dir)(script.PROMPTS[0], return_tensors="pt")
+    prompt = AutoTokenizer.from_pretrained(model_dir)(PROMPTS[0], return_tensors="pt")
     return model(**prompt).logits[0, -1].detach()
 
 
