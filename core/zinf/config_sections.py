@@ -68,6 +68,9 @@ class OverlapConfig(Checked):
     all-gather parameters and reduce-scatter gradients through shared memory (``/dev/shm``) instead of gloo's
     sockets, 16 MiB of it per rank (see [Note: same-host collectives] in zinf/runtime/same_host.py); "off": always
     through the process group.
+    ``gather_cache`` ("auto", "off"): with "auto" (default), gathers on the CPU take their buffers' memory from a
+    cache that keeps freed blocks mapped for the next gather of the same size, within the most ever gathered at once
+    (see [Note: gather buffer cache] in zinf/native/buffer_cache.py); "off": fresh memory each gather.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -78,6 +81,7 @@ class OverlapConfig(Checked):
     coalesce_gathers: str = "auto"
     reshard_after_forward: str = "auto"
     shared_memory: str = "auto"
+    gather_cache: str = "auto"
 
     def validate(self) -> None:
         check_types(self, "overlap.")
@@ -93,6 +97,8 @@ class OverlapConfig(Checked):
                  "gathered from its forward to its backward)")
         require(self.shared_memory in ("auto", "off"), "overlap.shared_memory", self.shared_memory,
                  "one of ['auto', 'off'] ('off': every collective through the process group)")
+        require(self.gather_cache in ("auto", "off"), "overlap.gather_cache", self.gather_cache,
+                 "one of ['auto', 'off'] ('off': fresh memory for every gather)")
         require(self.reduce_bucket_bytes >= 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes,
                  "an integer >= 0 (0: sized by the backend)")
 

@@ -35,7 +35,7 @@ from zinf.runtime.logs import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.compiling import compile_model
 from zinf.forward_pass import ForwardPass
-from zinf.placement import Placement, trims_host_heap
+from zinf.placement import Placement, gather_buffers, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.four_bit import refuse_change
@@ -102,7 +102,8 @@ class ZeroInfinityEngine:
         self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account
-        self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host)
+        self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host,
+                              gather_buffers(self.config.overlap, self.device))
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
         fp16 = self.config.precision == "fp16"
         self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
@@ -330,6 +331,8 @@ class ZeroInfinityEngine:
             if self.checkpointing is not None:
                 self.checkpointing.remove()
             self.placement.close()
+            if self.ctx.buffers is not None:
+                self.ctx.buffers.clear()
             self.comm.close()
             self.closed = True
 
@@ -344,6 +347,7 @@ class ZeroInfinityEngine:
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
+        counts.update(self.ctx.buffers.take_counts() if self.ctx.buffers is not None else {})
         floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
         if floor is not None:
             seconds["nvme_floor"] = floor

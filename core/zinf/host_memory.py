@@ -13,7 +13,8 @@ parameter's gradient before it is added into its group's flat gradient), the Pyt
 
 Freed memory only leaves the process's resident set when the allocator hands it back ([Note: heap growth] in
 zinf/heap.py): where the engine trims the heap (CPU compute, parameters offloaded) it trims during the step and once
-more at the end of every backward, so that between steps the resident set is what the engine accounts for.
+more at the end of a backward after which it grew by ``trim_heap_bytes``, so that between steps the resident set is what the
+engine accounts for, within that.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class HostMemory:
         self.total += nbytes
         self.peak = max(self.peak, self.total)
 
-    def freed(self, kind: str, nbytes: int, device: torch.device) -> None:
+    def freed(self, kind: str, nbytes: int, device: torch.device, kept: bool = False) -> None:
+        """``kept``: the block went to the gather buffer cache, not back to the heap (nothing there to trim)."""
         if device.type != "cpu" or not nbytes:
             return
         self.held[kind] -= nbytes
         self.total -= nbytes
-        self.heap.count_block(nbytes)
+        if not kept:
+            self.heap.count_block(nbytes)
 
     def take_peak(self) -> int:
         """The high-water mark since the last call; the next one starts from what is held now."""

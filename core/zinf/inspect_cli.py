@@ -51,6 +51,12 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
             f"  why: {built.error}",
             f"  fix: {native._BUILD_HINT}",
         ]
+    from zinf.native.buffer_cache import buffer_cache, unavailable_reason
+
+    cache = buffer_cache()
+    lines.append(f"gather buffer cache: built ({cache.path})" if cache is not None else
+                 f"gather buffer cache: MISSING (gathers on the CPU take fresh memory each time)\n  why: "
+                 f"{unavailable_reason()}")
     out.write("\n".join(lines) + "\n")
     status = 0
     for path in nvme_paths or []:

@@ -29,8 +29,9 @@ from typing import Sequence
 import torch
 
 from zinf import native
-from zinf.config_sections import OffloadConfig
+from zinf.config_sections import OffloadConfig, OverlapConfig
 from zinf.device_memory import device_is_apart
+from zinf.native.buffer_cache import BufferCache, buffer_cache
 from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
 from zinf.offload.nvme_param_store import NvmeShardStore
@@ -75,6 +76,13 @@ def trims_host_heap(cfg: OffloadConfig, device: torch.device) -> bool:
     [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute) and the parameters are offloaded,
     host memory being what the run is short of."""
     return device.type == "cpu" and cfg.params != "device"
+
+
+def gather_buffers(cfg: OverlapConfig, device: torch.device) -> BufferCache | None:
+    """The cache gathers on the CPU take their buffers from (``overlap.gather_cache``; [Note: gather buffer cache] in
+    zinf/native/buffer_cache.py); None on a GPU (its caching allocator does the same) or where it is off or
+    cannot be built."""
+    return buffer_cache() if cfg.gather_cache != "off" and device.type == "cpu" else None
 
 
 class Placement:

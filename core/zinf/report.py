@@ -3,6 +3,7 @@ tier."""
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ class StepTimers:
         self.counts: dict[str, int] = defaultdict(int)
         self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
         self._since = time.perf_counter()
+        self._faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     @contextmanager
     def time(self, category: str) -> Iterator[None]:
@@ -59,6 +61,8 @@ class StepTimers:
         self.counts.clear()
         self.intervals.clear()
         seconds["step_wall"], self._since = now - self._since, now
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages first touched (or faulted back) this step
+        counts["minor_faults"], self._faults = faults - self._faults, faults
         seconds.update(io_overlap(intervals))
         return seconds, counts
 

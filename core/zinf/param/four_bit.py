@@ -22,7 +22,7 @@ all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -59,9 +59,11 @@ class WidenedShard:
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         return shard.to(torch.float32)
 
-    def empty_shards(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
-        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised."""
-        return torch.empty(world * shard_numel, dtype=self.dtype, device=device)
+    def empty_shards(self, world: int, shard_numel: int, device: torch.device,
+                     empty: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
+        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised;
+        ``empty`` allocates it (``torch.empty``, or a run context's gather buffers)."""
+        return empty(world * shard_numel, dtype=self.dtype, device=device)
 
     def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
         out.copy_(gathered)
@@ -170,9 +172,11 @@ class FourBitFormat:
         return decoded.float()
 
     # -- decoding -------------------------------------------------------------------------------
-    def empty_shards(self, world: int, shard_numel: int, device: torch.device) -> torch.Tensor:
-        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised."""
-        return torch.empty(world * self.nbytes(shard_numel), dtype=torch.uint8, device=device)
+    def empty_shards(self, world: int, shard_numel: int, device: torch.device,
+                     empty: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
+        """``world`` shards end to end (1: a shard; the group's size: an all-gather's buffer), uninitialised;
+        ``empty`` allocates it (``torch.empty``, or a run context's gather buffers)."""
+        return empty(world * self.nbytes(shard_numel), dtype=torch.uint8, device=device)
 
     def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
         """Decode ``world`` shards laid end to end (an all-gather's buffer) into ``out`` (``world * shard_numel``

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zinf.host_memory import HostMemory
+from zinf.native.buffer_cache import BufferCache
 from zinf.report import StepTimers
 from zinf.runtime.comm import Comm
 from zinf.runtime.streams import Streams
@@ -23,12 +24,27 @@ __all__ = ["RunContext"]
 @dataclass(frozen=True)
 class RunContext:
     """The process group (with its host-side group and same-host transport), the four side streams of the compute
-    device, the step timers and the host-memory account of one engine."""
+    device, the step timers, the host-memory account of one engine and, on the CPU, the cache its gather buffers'
+    memory comes from (None: fresh memory each gather; [Note: gather buffer cache] in zinf/native/buffer_cache.py)."""
 
     comm: Comm
     streams: Streams
     timers: StepTimers
     host: HostMemory
+    buffers: BufferCache | None = None
+
+    def empty(self, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A gather buffer (``torch.empty``'s arguments): from the cache where there is one."""
+        if self.buffers is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self.buffers.empty(numel, dtype, device)
+
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Resize a full buffer's storage on the device (through the cache where there is one)."""
+        if self.buffers is None or self.device.type != "cpu":
+            storage.resize_(nbytes)
+        else:
+            self.buffers.resize(storage, nbytes)
 
     @property
     def device(self) -> torch.device:

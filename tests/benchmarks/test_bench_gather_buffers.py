@@ -1,0 +1,25 @@
+"""``benchmarks/bench_gather_buffers.py`` runs and prints its table; a buffer larger than glibc's largest mmap
+threshold (32 MiB) faults its pages in at every fresh allocation, and none through the gather buffer cache. No
+timing is checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gather_buffers.py"
+
+
+def test_the_cache_takes_no_fresh_pages_where_torch_takes_them_all() -> None:
+    numel = 12 << 20  # 48 MiB of fp32
+    done = subprocess.run([sys.executable, str(SCRIPT), "--numel", str(numel), "--repeats", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith(("| buffer |", "| ---"))}
+    faults = {name: float(cells[2].replace(",", "")) for name, cells in rows.items()}
+    assert set(faults) == {"fresh buffer (torch.empty)", "same storage, through the cache", "buffer kept (the copy alone)"}
+    pages = numel * 4 // 4096
+    assert faults["fresh buffer (torch.empty)"] >= pages * 0.9, done.stdout
+    assert faults["same storage, through the cache"] < pages / 100, done.stdout
