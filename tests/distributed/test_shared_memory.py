@@ -58,8 +58,23 @@ def _collectives(rank: int, world: int) -> dict:
         ref = torch.empty_like(o)
         _all_gather(ref, s)
         out[f"coalesced {i}"] = torch.equal(o, ref)
+    # widening gathers ([Note: a widening gather]): bf16 and fp16 shards into fp32, across chunks, coalesced with a
+    # plain one, equal to gloo's gather of the narrow values, widened
+    narrow = [torch.randn(chunk // 2 + 7, generator=g).to(torch.bfloat16), torch.randn(9, generator=g),
+              torch.randn(3 * chunk // 4 + 1, generator=g).half()]
+    wide = [torch.empty(world * s.numel(), dtype=torch.float32) for s in narrow]
+    assert shared.gathers_widening(wide[0])
+    shared.all_gather_coalesced(wide, narrow).wait()
+    single = torch.empty(world * narrow[0].numel())
+    shared.all_gather_into(single, narrow[0], async_op=False)
+    for i, (o, s) in enumerate(zip(wide, narrow)):
+        ref = torch.empty(world * s.numel(), dtype=s.dtype)
+        _all_gather(ref, s)
+        out[f"gather widened {i}"] = torch.equal(o, ref.float())
+    out["gather widened alone"] = torch.equal(single, wide[0])
     out["ops"] = shared.same_host.ops
     shared.close()
+    out["closed gathers as it is"] = not shared.gathers_widening(wide[0])
     out["closed falls back"] = shared._shared(torch.empty(1)) is None
     return out
 
@@ -72,7 +87,7 @@ def test_collectives_equal_gloos(world: int) -> None:
         for key, value in res.items():
             if key.startswith(("gather", "coalesced")) or key.endswith("gloo") and world == 2:
                 assert value is True, f"rank {rank}, world {world}: {key} differs from gloo's"
-        assert res["ops"] > 0 and res["closed falls back"]
+        assert res["ops"] > 0 and res["closed falls back"] and res["closed gathers as it is"]
     for key in [k for k in results[0] if k.endswith("rank order")]:
         n = int(key.split()[1])
         full = torch.stack([res[key.replace("rank order", "input")] for res in results]).view(world, world, n)

@@ -222,8 +222,8 @@ class FlatParamGroup:
         source = self.store.fetch(self)
         # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
         # one rank read as it is; finish_gather widens it into the full buffer
-        if self.storage_dtype == self.compute_dtype:
-            gathered = self.full
+        if self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full)):
+            gathered = self.full  # or widened into it as it is gathered ([Note: a widening gather])
         elif self.world == 1:
             gathered = source
         else:

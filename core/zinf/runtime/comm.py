@@ -115,6 +115,11 @@ class Comm:
         t = self.same_host
         return t if t is not None and t.is_open and tensor.device.type == "cpu" else None
 
+    def gathers_widening(self, out: torch.Tensor) -> bool:
+        """Whether an all-gather into ``out`` may take shards of a narrower dtype and widen them as it copies (through
+        shared memory: [Note: a widening gather] in zinf/runtime/same_host.py); the same on every rank."""
+        return self.world > 1 and self._shared(out) is not None
+
     def close(self) -> None:
         """Unmap the shared memory; the collectives go through the process group from then on."""
         if self.same_host is not None:

@@ -180,13 +180,18 @@ class SameHostTransport:
 
     def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
         """Every ``outs[i]`` (world * shards[i].numel() elements, contiguous) receives every rank's ``shards[i]``,
-        rank-major; every rank passes the same sizes in the same order."""
+        rank-major; every rank passes the same sizes in the same order. An ``outs[i]`` of a wider dtype than its
+        shard (fp32 from bf16) receives the values widened, in the one copy out of the shared buffers (see [Note: a
+        widening gather])."""
         self._check_open()
         pending: list[tuple[torch.Tensor, torch.Tensor, int, int, int]] = []  # (out rows, shard, start, bytes, at)
         used = 0
         for out, shard in zip(outs, shards):
             src = _bytes(shard)
-            rows = _bytes(out).view(self.world, src.numel())
+            if out.dtype != shard.dtype:  # rows of elements: the chunks' byte ranges are read as the shard's dtype
+                rows = _Widened(out.reshape(self.world, shard.numel()), shard.dtype)
+            else:
+                rows = _bytes(out).view(self.world, src.numel())
             start = 0
             while start < src.numel():
                 if used >= CHUNK_BYTES:
@@ -244,6 +249,9 @@ class SameHostTransport:
         for r in range(self.world):
             buf = self._buffer(r)
             for rows, src, start, n, at in pending:
+                if isinstance(rows, _Widened):
+                    rows.write(r, start, buf[at : at + n] if r != self.rank else src[start : start + n])
+                    continue
                 dst = rows[r, start : start + n]
                 if r != self.rank:
                     dst.copy_(buf[at : at + n])
@@ -271,6 +279,26 @@ class SameHostTransport:
 
     def _advance(self) -> None:
         self._seq += 1
+
+
+class _Widened:
+    """[Note: a widening gather]
+    A group stored narrower than it computes (bf16 shards, fp32 compute: ``param_storage``) used to be gathered into a
+    buffer of shards and widened from there into its full buffer: the gathered bytes written once more and read once
+    more. Through shared memory the copy out of each rank's buffer writes the full buffer's rows directly, widening as
+    it copies: the same values (widening is exact), one pass fewer over them. A chunk's byte range of a shard always
+    holds whole elements: chunks are cut at 64-byte boundaries of a shard's bytes."""
+
+    __slots__ = ("rows", "dtype", "size")
+
+    def __init__(self, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rows, self.dtype = rows, dtype
+        self.size = torch.empty((), dtype=dtype).element_size()
+
+    def write(self, r: int, start: int, raw: torch.Tensor) -> None:
+        """Rank r's shard bytes ``raw``, from byte ``start`` of the shard, into its row, widened."""
+        first = start // self.size
+        self.rows[r, first : first + raw.numel() // self.size].copy_(raw.view(self.dtype))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
