@@ -66,7 +66,8 @@ def test_gathers_reuse_their_memory_and_train_the_same(tier: str, tmp_path) -> N
         faults = [c["minor_faults"] for c in on["counts"]]
         assert all(f < pages / 10 for f in faults[3:]), (rank, faults, pages)
         assert all(r is not None and r > 0 for r in on["resident"]), on["resident"]
-        # the measure sees what the cache saves: fresh buffers fault most gathered pages in again (glibc's heap keeps
-        # some blocks under its mmap threshold, up to 32 MiB)
         assert all("gather_cache_misses" not in c for c in off["counts"])
-        assert all(c["minor_faults"] >= pages / 4 for c in off["counts"][1:]), [c["minor_faults"] for c in off["counts"]]
+        if tier == "nvme":  # the measure sees what the cache saves where the heap is trimmed during the step (parameters
+            # offloaded): fresh buffers fault most gathered pages in again. In memory glibc's heap keeps blocks under
+            # its mmap threshold (up to 32 MiB: every group of this model) for the next gather by itself
+            assert all(c["minor_faults"] >= pages / 4 for c in off["counts"][1:]), [c["minor_faults"] for c in off["counts"]]
