@@ -1,8 +1,10 @@
 """[Note: gather buffer cache] in zinf/native/buffer_cache.py, on 2 gloo ranks: a LoRA fine-tune of a transformers
 Llama (peft adapters on ``q_proj`` and ``v_proj``, fp32 compute from bf16 shards), with the parameters in memory
-and on NVMe, trains bit for bit as with ``overlap.gather_cache: off``; after the first step no gather takes fresh
-memory (no cache miss), and the process's minor page faults per step stay under a tenth of the pages the forward
-alone gathers, where without the cache they are at least a quarter of them."""
+and on NVMe, trains bit for bit as with ``overlap.gather_cache: off``. Once a step has run as every later one does
+(step 1 records the module order, step 2 is the first to gather ahead), no gather takes fresh memory (no cache miss),
+and from step 4 (the heap trim after a backward settles) the process's minor page faults per step stay under a tenth
+of the pages the forward alone gathers; without the cache, with the parameters on NVMe (the heap trimmed during the
+step), they are at least a quarter of them."""
 
 from __future__ import annotations
 
