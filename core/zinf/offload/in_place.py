@@ -32,6 +32,7 @@ from zinf.errors import ZinfError
 __all__ = ["Extent", "InPlaceRecord", "CheckpointChangedError", "aligned_empty", "file_identity", "why_read_failed"]
 
 _ALIGN = 4096
+_KEEP_ALIGN = 16  # a shard used where it landed starts at a multiple of this: a view of any dtype is aligned
 
 
 def _align_up(n: int) -> int:
@@ -96,7 +97,10 @@ class InPlaceRecord:
     block-aligned file offsets and buffer addresses. So each extent is read as the blocks that cover it, to a
     block-aligned place of the buffer at or above where its bytes belong (``_Read.at``), and moved down into place
     when the reads are done (``compact``), in shard order: every move goes down, and never over bytes not moved yet.
-    The buffer (``span``) is the shard plus at most two blocks an extent.
+    The buffer (``span``) is the shard plus at most two blocks an extent. A shard that is one extent (one tensor's
+    slice: most groups of a transformer) is not moved at all: it is used where it landed, ``start`` bytes into the
+    buffer (when that keeps any dtype's alignment), its padding zeroed after it. Moving it cost a pass over every
+    byte of the base at each gather (a 13B base, 12 GB a rank, twice a step).
     """
 
     name: str  # the group's, for messages
@@ -106,6 +110,7 @@ class InPlaceRecord:
     reads: list[_Read]
     identities: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     crc: int | None = None  # CRC32C of the whole shard (gaps as zeros); None without the native build
+    start: int = 0  # where the shard starts in the buffer it is read into (0: compacted there)
 
     @classmethod
     def of(cls, name: str, nbytes: int, extents: list[Extent]) -> "InPlaceRecord":
@@ -134,13 +139,19 @@ class InPlaceRecord:
             place = _align_up(max(end, e.dest - head))
             reads.append(_Read(e.path, first, last - first, place, head))
             end = place + _align_up(last - first)
-        return cls(name, nbytes, merged, gaps, reads, identities)
+        # one extent, its first byte aligned for any dtype: used where it lands (see [Note: reading extents directly])
+        start = reads[0].head if len(merged) == 1 and merged[0].dest == 0 and reads[0].head % _KEEP_ALIGN == 0 else 0
+        return cls(name, nbytes, merged, gaps, reads, identities, start=start)
 
     @property
     def span(self) -> int:
         """Bytes of the (block-aligned) buffer it is read into."""
         end = self.reads[-1].at + self.reads[-1].nbytes if self.reads else 0
-        return max(_ALIGN, _align_up(max(self.nbytes, end)))
+        return max(_ALIGN, _align_up(max(self.start + self.nbytes, end)))
+
+    def shard_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """The shard's bytes in ``buf`` (uint8), once read and compacted."""
+        return buf.view(torch.uint8)[self.start : self.start + self.nbytes]
 
     @property
     def path(self) -> str:
@@ -150,7 +161,7 @@ class InPlaceRecord:
     def seal(self, data: torch.Tensor) -> None:
         """Take the checksum of ``data``, the shard's bytes as the loader read them."""
         if native.checksum_backend() != "python":
-            self.crc = native.crc32c(data.view(torch.uint8)[: self.nbytes])
+            self.crc = native.crc32c(self.shard_of(data))
 
     # -- reads -------------------------------------------------------------------------------------
     def submit(self, aio: Any, buf: torch.Tensor) -> list[int]:
@@ -160,12 +171,17 @@ class InPlaceRecord:
         return [aio.submit_read(buf[r.at : r.at + r.nbytes], r.path, r.offset) for r in self.reads]
 
     def compact(self, buf: torch.Tensor) -> None:
-        """After the reads: each extent's bytes moved down to where the shard has them, the gaps zeroed."""
+        """After the reads: each extent's bytes moved down to where the shard has them, the gaps zeroed (a shard used
+        where it landed: only its gaps)."""
+        raw = buf.view(torch.uint8)
+        if self.start:
+            for a, b in self.gaps:
+                raw[self.start + a : self.start + b].zero_()
+            return
         base = buf.data_ptr()
         for r, e in zip(self.reads, self.extents):
             if r.at + r.head != e.dest:
                 ctypes.memmove(base + e.dest, base + r.at + r.head, e.nbytes)  # overlapping ranges: memmove
-        raw = buf.view(torch.uint8)
         for a, b in self.gaps:
             raw[a:b].zero_()
 
@@ -199,7 +215,7 @@ class InPlaceRecord:
                     if now[2] != seen[2] else "modified"
                 raise self.changed(path, f"it was {what} since loading")
         if self.crc is not None:
-            actual = native.crc32c(buf.view(torch.uint8)[: self.nbytes])
+            actual = native.crc32c(self.shard_of(buf))
             if actual != self.crc:
                 raise self.changed(self.path, f"the bytes read have CRC32C {actual:#010x}, {self.crc:#010x} at loading")
 

@@ -223,7 +223,7 @@ class SpillStore:
             buf = self._aligned(record.span)
             record.read_with(self._reader(), buf)
             record.check(buf)
-            out.view(torch.uint8).copy_(buf[:nbytes])
+            out.view(torch.uint8).copy_(record.shard_of(buf))
             return out
         got = read_at(self._fd, out, offset)
         if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros

@@ -77,6 +77,11 @@ class Record:
         """Bytes the record occupies on disk (data, padding, trailer), a multiple of 4096."""
         return align_up(self.nbytes + TRAILER_BYTES)
 
+    @property
+    def start(self) -> int:
+        """Where the data starts in the buffer it is read into (as a frozen shard read in place says)."""
+        return 0
+
 
 def _release(fds: list[int]) -> None:
     for fd in fds:

@@ -63,8 +63,26 @@ def test_extents_land_where_the_shard_has_them(files, reader: int) -> None:
         buf = aligned_empty(rec.span)
         buf.fill_(0xAB)  # anything left unwritten shows
         rec.read_with(aio, buf)
-        assert bytes(buf[:nbytes].numpy().tobytes()) == bytes(expect), (case, extents)
+        assert bytes(rec.shard_of(buf).numpy().tobytes()) == bytes(expect), (case, extents)
         assert rec.span <= max(4096, nbytes) + 2 * 4096 * len(rec.extents) + 4096
+        rec.seal(buf)
+        rec.check(buf)
+    aio.close()
+
+
+@pytest.mark.parametrize("reader", range(len(_readers())), ids=lambda i: type(_readers()[i]).__name__)
+def test_a_shard_of_one_extent_is_used_where_it_lands(files, reader: int) -> None:
+    """One tensor's slice, 16-byte aligned in its file: read as the blocks that cover it and not moved (``start``),
+    its padding zeroed after it; a slice at an odd offset is moved into place as before."""
+    aio = _readers()[reader]
+    path, data = next((p, d) for p, d in files.items() if len(d) > 20_000)
+    for offset, n, pad, kept in ((4096 + 48, 9000, 0, True), (160, 7000, 3000, True), (4096 + 7, 9000, 16, False)):
+        rec = InPlaceRecord.of("g", n + pad, [Extent(path, offset, n, 0)])
+        assert (rec.start == offset % 4096) if kept else rec.start == 0, (offset, rec.start)
+        buf = aligned_empty(rec.span)
+        buf.fill_(0xAB)
+        rec.read_with(aio, buf)
+        assert bytes(rec.shard_of(buf).numpy().tobytes()) == data[offset : offset + n] + bytes(pad)
         rec.seal(buf)
         rec.check(buf)
     aio.close()
