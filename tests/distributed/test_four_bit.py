@@ -227,11 +227,13 @@ def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
     for n in all_four_bit(model) + ["model.norm.weight", "lm_head.weight"]:
         with zinf.GatheredParameters(params[n]):
             weights[n] = params[n].detach().clone()
+    nvme_bytes = engine.resident_bytes().get("nvme", {})
+    four_bit = sum(g.shard_nbytes for g in engine.groups if g.four_bit is not None)
     engine.close()
-    return weights
+    return {"weights": weights, "nvme": nvme_bytes, "four_bit_bytes": four_bit}
 
 
-@pytest.mark.parametrize("quant_type,double,nvme", [("nf4", True, False), ("fp4", False, True)])
+@pytest.mark.parametrize("quant_type,double,nvme", [("nf4", True, False), ("fp4", False, True), ("nf4", True, True)])
 def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
                                                                        quant_type: str, double: bool, nvme: bool) -> None:
     import bitsandbytes as bnb
@@ -243,7 +245,13 @@ def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoi
     expected = {f"{n}.weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
                 for n, m in saved.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     expected.update({"model.norm.weight": saved.model.norm.weight.detach(), "lm_head.weight": saved.lm_head.weight.detach()})
-    for got in run_distributed(_load_saved, 2, str(tmp_path / "four_bit"), str(tmp_path / "nvme") if nvme else None):
+    for result in run_distributed(_load_saved, 2, str(tmp_path / "four_bit"), str(tmp_path / "nvme") if nvme else None):
+        got = result["weights"]
         assert set(got) == set(expected) and len(expected) == 16
         for n, w in expected.items():
             assert torch.equal(got[n], w), n
+        if nvme and not double:  # codes and fp32 scales read where they lie: nothing of the base in swap
+            assert result["nvme"].get("frozen_in_checkpoint", 0) >= result["four_bit_bytes"] > 0, result
+            assert result["nvme"].get("param_shards", 0) == 0, result
+        elif nvme:  # double-quantized scales are decoded first: the 4-bit shards go to swap
+            assert result["nvme"]["param_shards"] >= result["four_bit_bytes"] > 0, result

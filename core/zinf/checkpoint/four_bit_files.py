@@ -7,16 +7,23 @@ quantization ``W.nested_absmax`` and ``W.nested_quant_map`` (the scales' own blo
 values), and ``W.quant_state.bitsandbytes__<type>`` (JSON bytes: the type, block size, shape, and the scales' offset).
 Double-quantized scales are decoded as bitsandbytes' ``dequantize_4bit`` decodes them: ``code[q] * nested_absmax`` in
 fp32, then the offset added.
+
+Without double quantization a rank's shard is two byte ranges of the files per weight (its blocks' codes, then their
+fp32 scales), so with the parameters on NVMe it stays where it lies, as any frozen shard at its storage width ([Note:
+frozen shards in place] in zinf/offload/in_place.py): nothing is written, and each gather reads it from the files.
+Double-quantized scales must be decoded first: those shards are written to the spill, then to swap.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
 from zinf.checkpoint.tensor_files import TensorFiles
 from zinf.errors import CheckpointError
+from zinf.offload.in_place import Extent, InPlaceRecord
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.four_bit import CODES
 
@@ -67,6 +74,11 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
     fmt = group.four_bit
     assert fmt is not None
     lo, bs = group.rank * group.shard_numel, fmt.blocksize
+    record = _in_place(group, files, key_of)
+    if record is not None:
+        group.residence.keep_in_place(group, record)
+        files.count_read(sum(e.nbytes for e in record.extents))  # read by the store, not through ``files``
+        return
 
     def fill(out: torch.Tensor) -> None:
         codes, scales = fmt.cleared(out, group.shard_numel)
@@ -80,6 +92,36 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
             scales[a // bs : a // bs + -(-eb // bs) - ea // bs].copy_(_scales(key, files, ea // bs, -(-eb // bs)))
 
     group.residence.write(group, fill)
+
+
+def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> InPlaceRecord | None:
+    """Where this rank's codes and scales of ``group`` lie in the files, when the shard may stay there: the spill
+    takes shards in place, the files are safetensors, and no scale is double-quantized; None otherwise."""
+    fmt = group.four_bit
+    assert fmt is not None
+    params = group.params
+    if not group.residence.may_load_in_place(group) or group.persistent or files.from_state_dict:
+        return None
+    keys = [key_of[id(p)] for p in params if p is not None]
+    if not keys or any("nested_offset" in _quant_state(k, files) for k in keys):
+        return None
+    if any(files.tensors[k].offset < 0 or files.tensors[f"{k}.absmax"].offset < 0
+           or files.tensors[f"{k}.absmax"].dtype != torch.float32 for k in keys):
+        return None
+    lo, bs, half = group.rank * group.shard_numel, fmt.blocksize, group.shard_numel // 2
+    extents = []
+    for i, (p, slot) in enumerate(zip(params, group.slots)):
+        a, b = group.layout.local_range(i)
+        if p is None or a >= b:
+            continue
+        key = key_of[id(p)]
+        codes, scales = files.tensors[key], files.tensors[f"{key}.absmax"]
+        ea, eb = a + lo - slot.offset, b + lo - slot.offset  # as load_four_bit_group reads them
+        extents.append(Extent(os.path.abspath(codes.file), codes.offset + ea // 2, (eb + 1) // 2 - ea // 2, a // 2))
+        nblocks = -(-eb // bs) - ea // bs
+        extents.append(Extent(os.path.abspath(scales.file), scales.offset + ea // bs * 4, nblocks * 4,
+                              half + a // bs * 4))
+    return InPlaceRecord.of(group.name, group.shard_nbytes, extents)
 
 
 def _scales(key: str, files: TensorFiles, first: int, end: int) -> torch.Tensor:
