@@ -69,8 +69,9 @@ class OverlapConfig(Checked):
     sockets, 16 MiB of it per rank (see [Note: same-host collectives] in zinf/runtime/same_host.py); "off": always
     through the process group.
     ``gather_cache`` ("auto", "off"): with "auto" (default), gathers on the CPU take their buffers' memory from a
-    cache that keeps freed blocks mapped for the next gather of the same size, within the most ever gathered at once
-    (see [Note: gather buffer cache] in zinf/native/buffer_cache.py); "off": fresh memory each gather.
+    cache that keeps freed blocks mapped for the next gather of the same size, within 1.25 times the most ever
+    gathered at once and one block; with the parameters offloaded, frozen groups' gathers only (see [Note: gather
+    buffer cache] in zinf/native/buffer_cache.py); "off": fresh memory each gather.
     """
 
     prefetch_bytes: int = 64 * 2**20

@@ -14,12 +14,10 @@ backward, its gradients after their reduce-scatter. The engine counts those into
 (``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, when the compute device
 is the CPU (on a GPU they are device memory) and the parameters are offloaded: handing pages back costs page faults
 when they are touched again, a price paid where host memory is what the run is short of. It trims once more at
-the end of a backward where the resident set grew by ``trim_heap_bytes`` since the last trim (``after_backward``: the
-activations and the last gradients were freed; what a step frees and takes again, less than that, stays), which
-lowers RSS between steps to the engine's own account ([Note: host bytes
-accounted] in zinf/host_memory.py) within that, not the peak. Gathered parameters are not counted where the gather
-buffer cache keeps their memory ([Note: gather buffer cache] in zinf/native/buffer_cache.py): it never goes back
-to the heap. What
+the end of every backward (``after_backward``: the activations and the last gradients were freed), which lowers RSS
+between steps to the engine's own account ([Note: host bytes accounted] in zinf/host_memory.py), not the peak.
+Gathers whose memory the gather buffer cache keeps are not counted ([Note: gather buffer cache] in
+zinf/native/buffer_cache.py): it never goes back to the heap. What
 it saves on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer full
 fine-tune". ``MALLOC_MMAP_THRESHOLD_`` returns every large block at once instead, at the cost of a fresh mapping (and
 its page faults) for every gather; it does not help once the heap is large and sparse (after loading a model): glibc
@@ -30,11 +28,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 from zinf.report import StepTimers
 
-__all__ = ["HeapTrimmer", "resident_bytes", "trim_heap"]
+__all__ = ["HeapTrimmer", "trim_heap"]
 
 _TRIM_EVERY_BYTES = 64 << 20
 # glibc's mmap threshold grows with the blocks freed, but never past 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit):
@@ -42,20 +39,9 @@ _TRIM_EVERY_BYTES = 64 << 20
 HEAP_BLOCK_MAX = 32 << 20
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    _trim = _libc.malloc_trim
+    _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
 except (OSError, AttributeError):  # pragma: no cover - not glibc
-    _libc, _trim = None, None
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def resident_bytes() -> int | None:
-    """This process's resident set now (``/proc/self/statm``; None where there is none)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
+    _trim = None
 
 
 def trim_heap() -> None:
@@ -73,7 +59,6 @@ class HeapTrimmer:
         self.timers = timers
         self.trims = 0
         self._since = 0
-        self._rss_at_trim: int | None = None
 
     def count_block(self, nbytes: int) -> None:
         """One block of ``nbytes`` was freed: counted unless it was large enough to go back by itself."""
@@ -89,12 +74,9 @@ class HeapTrimmer:
 
     def after_backward(self) -> None:
         """The end of a backward: its activations and the last gradients were freed, which the next forward would
-        find in the heap; where the resident set grew by ``every_bytes`` since the last trim, they go back, so that
-        between steps the resident set is the engine's account within that ([Note: host bytes accounted] in
-        zinf/host_memory.py); less stays for the next step, which would otherwise fault it in again. Timed as
-        ``heap_trim``."""
-        rss = resident_bytes()
-        if self.every_bytes and (rss is None or self._rss_at_trim is None or rss - self._rss_at_trim >= self.every_bytes):
+        find in the heap, and between steps the resident set is the engine's account ([Note: host bytes accounted]
+        in zinf/host_memory.py). Timed as ``heap_trim``."""
+        if self.every_bytes:
             self.trim()
 
     def flush(self) -> None:
@@ -108,7 +90,6 @@ class HeapTrimmer:
         self.trims += 1
         if not timed or self.timers is None:
             trim_heap()
-        else:
-            with self.timers.time("heap_trim"):
-                trim_heap()
-        self._rss_at_trim = resident_bytes()
+            return
+        with self.timers.time("heap_trim"):
+            trim_heap()

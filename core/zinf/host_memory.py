@@ -13,8 +13,7 @@ parameter's gradient before it is added into its group's flat gradient), the Pyt
 
 Freed memory only leaves the process's resident set when the allocator hands it back ([Note: heap growth] in
 zinf/heap.py): where the engine trims the heap (CPU compute, parameters offloaded) it trims during the step and once
-more at the end of a backward after which it grew by ``trim_heap_bytes``, so that between steps the resident set is what the
-engine accounts for, within that.
+more at the end of every backward, so that between steps the resident set is what the engine accounts for.
 """
 
 from __future__ import annotations

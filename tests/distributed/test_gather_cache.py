@@ -1,10 +1,11 @@
 """[Note: gather buffer cache] in zinf/native/buffer_cache.py, on 2 gloo ranks: a LoRA fine-tune of a transformers
 Llama (peft adapters on ``q_proj`` and ``v_proj``, fp32 compute from bf16 shards), with the parameters in memory
 and on NVMe, trains bit for bit as with ``overlap.gather_cache: off``. Once a step has run as every later one does
-(step 1 records the module order, step 2 is the first to gather ahead), no gather takes fresh memory (no cache miss),
-and from step 4 (the heap trim after a backward settles) the process's minor page faults per step stay under a tenth
-of the pages the forward alone gathers; without the cache, with the parameters on NVMe (the heap trimmed during the
-step), they are at least a quarter of them."""
+(step 1 records the module order, step 2 is the first to gather ahead), no gather of the frozen base takes fresh
+memory (no cache miss). In memory, the process's minor page faults per step stay under a tenth of the pages the
+forward alone gathers. With the parameters on NVMe the engine hands the heap's free pages back after every backward
+(``trim_heap_bytes``: the activations' pages are faulted in again each step), and the faults are under a fifth of
+those of the same run without the cache, which are at least a quarter of the gathered pages."""
 
 from __future__ import annotations
 
@@ -66,7 +67,11 @@ def test_gathers_reuse_their_memory_and_train_the_same(tier: str, tmp_path) -> N
             assert c["gather_cache_misses"] == 0, (rank, step, c)
             assert c["gather_cache_hits"] > 0, (rank, step, c)
         faults = [c["minor_faults"] for c in on["counts"]]
-        assert all(f < pages / 10 for f in faults[3:]), (rank, faults, pages)
+        fresh_faults = [c["minor_faults"] for c in off["counts"]]
+        if tier == "memory":
+            assert all(f < pages / 10 for f in faults[3:]), (rank, faults, pages)
+        else:
+            assert all(f < min(fresh_faults[1:]) / 5 for f in faults[3:]), (rank, faults, fresh_faults)
         assert all(r is not None and r > 0 for r in on["resident"]), on["resident"]
         assert all("gather_cache_misses" not in c for c in off["counts"])
         if tier == "nvme":  # the measure sees what the cache saves where the heap is trimmed during the step (parameters

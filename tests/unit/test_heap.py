@@ -3,8 +3,6 @@ freed) and when it trims."""
 
 from __future__ import annotations
 
-import torch
-
 from zinf.heap import HEAP_BLOCK_MAX, HeapTrimmer
 from zinf.report import StepTimers
 
@@ -41,15 +39,3 @@ def test_after_backward_trims_once_timed_when_it_trims_at_all() -> None:
     off.after_backward()
     assert off.trims == 0 and "heap_trim" not in timers.take()[1]
 
-
-def test_after_backward_trims_again_only_once_the_resident_set_grew_by_its_bytes() -> None:
-    """What a step frees and takes again stays mapped; growth by ``every_bytes`` since the last trim goes back."""
-    trimmer = HeapTrimmer(64 << 20)
-    trimmer.after_backward()
-    assert trimmer.trims == 1
-    trimmer.after_backward()  # nothing grew since
-    assert trimmer.trims == 1
-    grown = torch.ones(80 << 20, dtype=torch.uint8)  # 80 MiB touched and kept: the resident set grew
-    trimmer.after_backward()
-    assert trimmer.trims == 2
-    del grown

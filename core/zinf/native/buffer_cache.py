@@ -24,7 +24,10 @@ It is the one part of zinf that links torch: c10's allocator interface is C++, s
 installed torch's headers, once per torch version, into ``ZINF_CACHE_DIR`` (default ``~/.cache/zinf``) with the
 system C++ compiler (under a second), and called through a plain C interface. Where that cannot be done (no
 compiler, not Linux) gathers allocate as torch does and the run is the same, slower; ``zinf info`` says which, and
-``ZINF_REQUIRE_NATIVE=1`` makes it an error. ``overlap.gather_cache: off`` turns it off.
+``ZINF_REQUIRE_NATIVE=1`` makes it an error. ``overlap.gather_cache: off`` turns it off. Where the engine trims the
+host heap (CPU compute, parameters offloaded: host memory is what the run is short of), only frozen groups' gathers
+use it (``RunContext.gather_cache``): a frozen base's gathers are most of a LoRA step, while a full fine-tune there
+would hold up to a quarter more gather memory at its peak, and the cache's blocks between steps.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class BufferCache:
             raise ValueError("zinf: the gather buffer cache was handed a storage that cannot be resized")
         storage.resize_(nbytes)
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(self, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``torch.empty(numel, dtype=dtype, device=device)``, its memory from the cache (on the CPU)."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)

@@ -218,7 +218,7 @@ class FlatParamGroup:
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
         self.residence.fence.wait(self)
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
-            ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size())
+            ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
         source = self.store.fetch(self)
         # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
         # one rank read as it is; finish_gather widens it into the full buffer
@@ -227,7 +227,7 @@ class FlatParamGroup:
         elif self.world == 1:
             gathered = source
         else:
-            gathered = self.format.empty_shards(self.world, self.shard_numel, self.device, ctx.empty)
+            gathered = self.format.empty_shards(self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
         # one rank, the shard in device memory: nothing moves, nothing to order
         self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
         self._widen_from = None if gathered is self.full else gathered
@@ -257,7 +257,7 @@ class FlatParamGroup:
             self.finish_gather()
         assert self.state is GroupState.GATHERED, f"{self.name}: serve_gather from {self.state}"
         lo = self.rank * self.shard_numel
-        scratch = self.format.empty_shards(self.world, self.shard_numel, self.device, ctx.empty)  # on compute
+        scratch = self.format.empty_shards(self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
         # exact: widened from it. With a batch always a copy: the batch reads it after this call returns, and the full
         # buffer may be resharded (its storage freed) before that. 4-bit codes are not cut from decoded values: the
         # store's shard is sent

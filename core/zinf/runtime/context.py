@@ -9,6 +9,7 @@ groups, which ``zinf.Init`` builds before any engine exists, receive it in the v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -33,18 +34,27 @@ class RunContext:
     host: HostMemory
     buffers: BufferCache | None = None
 
-    def empty(self, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A gather buffer (``torch.empty``'s arguments): from the cache where there is one."""
-        if self.buffers is None:
-            return torch.empty(numel, dtype=dtype, device=device)
-        return self.buffers.empty(numel, dtype, device)
+    def gather_cache(self, trainable: bool) -> BufferCache | None:
+        """The cache a group's gather buffers come from: None without one, and for a group that trains where the
+        engine trims the host heap (CPU compute, parameters offloaded: a full fine-tune there is short of host memory,
+        and the cache keeps up to 1.25 times the gathers' high-water mark). A frozen base's gathers (LoRA, QLoRA) are
+        most of such a step: they always use it. [Note: gather buffer cache] in zinf/native/buffer_cache.py."""
+        if self.buffers is None or self.device.type != "cpu" or (trainable and self.host.heap.every_bytes):
+            return None
+        return self.buffers
 
-    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Resize a full buffer's storage on the device (through the cache where there is one)."""
-        if self.buffers is None or self.device.type != "cpu":
+    def empty_for(self, trainable: bool) -> Callable[..., torch.Tensor]:
+        """``torch.empty`` for a group's gather buffers: from its cache where it has one (``gather_cache``)."""
+        cache = self.gather_cache(trainable)
+        return torch.empty if cache is None else cache.empty
+
+    def resize(self, storage: torch.UntypedStorage, nbytes: int, trainable: bool) -> None:
+        """Resize a group's full buffer's storage: through its cache where it has one (``gather_cache``)."""
+        cache = self.gather_cache(trainable)
+        if cache is None:
             storage.resize_(nbytes)
         else:
-            self.buffers.resize(storage, nbytes)
+            cache.resize(storage, nbytes)
 
     @property
     def device(self) -> torch.device:

@@ -239,7 +239,7 @@ class ParamFetcher:
             return  # one rank gathering in place (the "full" buffer is the shard itself), or gathered for the run
         self.gathered_bytes += sign * g.nbytes_full
         if sign < 0:
-            self.host.freed("gathered", g.nbytes_full, g.device, kept=self.ctx.buffers is not None)
+            self.host.freed("gathered", g.nbytes_full, g.device, kept=self.ctx.gather_cache(g.trainable) is not None)
         else:
             self.host.allocated("gathered", g.nbytes_full, g.device)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

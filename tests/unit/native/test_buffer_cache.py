@@ -99,11 +99,11 @@ def test_kept_blocks_stay_within_the_bound(cache) -> None:
 
 
 def test_empty_takes_its_memory_from_the_cache(cache) -> None:
-    t = cache.empty(1000, torch.bfloat16, torch.device("cpu"))
+    t = cache.empty(1000, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert t.shape == (1000,) and t.dtype == torch.bfloat16 and t.untyped_storage().nbytes() == 2000
     ptr = t.data_ptr()
     del t
-    u = cache.empty(1000, torch.bfloat16, torch.device("cpu"))
+    u = cache.empty(1000, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert u.data_ptr() == ptr
 
 
