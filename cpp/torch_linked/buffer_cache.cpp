@@ -22,8 +22,8 @@ struct Cached {
 };
 
 // Blocks come from posix_memalign and go back to free; a freed block is kept while the blocks in use and the blocks
-// kept together stay within the bound: a quarter more than the most ever in use at once, plus the largest block (or
-// the cap, when one is set). The least recently freed kept blocks make room for a newly freed one.
+// kept together stay within the bound: a quarter more than the most ever in use at once, plus the largest block.
+// The least recently freed kept blocks make room for a newly freed one.
 class BufferCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
@@ -49,12 +49,6 @@ class BufferCache final : public c10::Allocator {
     return cache;
   }
 
-  void set_cap(uint64_t cap) {
-    std::lock_guard<std::mutex> lock(mu_);
-    cap_ = cap;
-    trim_to(bound());
-  }
-
   // gives every kept block back and starts counting the most in use at once again (an engine closed)
   void clear() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -71,7 +65,6 @@ class BufferCache final : public c10::Allocator {
     out[3] = hits_;
     out[4] = misses_;
     out[5] = dropped_;
-    out[6] = cap_;
   }
 
  private:
@@ -97,7 +90,7 @@ class BufferCache final : public c10::Allocator {
   }
 
   // without the slack, blocks of the sizes a step needs next are evicted at its peak (measured: a few misses a step)
-  uint64_t bound() const { return cap_ ? cap_ : peak_live_ + peak_live_ / 4 + largest_; }
+  uint64_t bound() const { return peak_live_ + peak_live_ / 4 + largest_; }
 
   void give_back(void* ptr) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -149,7 +142,7 @@ class BufferCache final : public c10::Allocator {
   std::list<Cached> lru_;
   std::unordered_map<size_t, std::vector<std::list<Cached>::iterator>> by_size_;
   std::unordered_map<void*, size_t> sizes_;
-  uint64_t cap_ = 0, cached_bytes_ = 0, live_bytes_ = 0, peak_live_ = 0, largest_ = 0;
+  uint64_t cached_bytes_ = 0, live_bytes_ = 0, peak_live_ = 0, largest_ = 0;
   uint64_t hits_ = 0, misses_ = 0, dropped_ = 0;
 };
 
@@ -165,11 +158,9 @@ int zinf_buffer_cache_attach(void* storage_impl) {
   return 0;
 }
 
-void zinf_buffer_cache_set_cap(uint64_t cap) { BufferCache::instance()->set_cap(cap); }
-
 void zinf_buffer_cache_clear() { BufferCache::instance()->clear(); }
 
-// cached bytes, live bytes, peak live bytes, hits, misses, blocks freed, cap
+// cached bytes, live bytes, peak live bytes, hits, misses, blocks freed
 void zinf_buffer_cache_stats(uint64_t* out) { BufferCache::instance()->stats(out); }
 
 }  // extern "C"

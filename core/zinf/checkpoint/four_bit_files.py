@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -73,7 +74,7 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
     """This rank's codes and scales of every weight of 4-bit ``group`` from the files, written to its shard."""
     fmt = group.four_bit
     assert fmt is not None
-    lo, bs = group.rank * group.shard_numel, fmt.blocksize
+    bs = fmt.blocksize
     record = _in_place(group, files, key_of)
     if record is not None:
         group.residence.keep_in_place(group, record)
@@ -82,12 +83,7 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
 
     def fill(out: torch.Tensor) -> None:
         codes, scales = fmt.cleared(out, group.shard_numel)
-        for i, (p, slot) in enumerate(zip(group.params, group.slots)):
-            a, b = group.layout.local_range(i)
-            if p is None or a >= b:
-                continue
-            key = key_of[id(p)]
-            ea, eb = a + lo - slot.offset, b + lo - slot.offset  # the weight's elements here; ea is block-aligned
+        for key, a, ea, eb in _weights(group, key_of):
             files.read_into(key, ea // 2, (eb + 1) // 2, codes[a // 2 : a // 2 + (eb + 1) // 2 - ea // 2])
             scales[a // bs : a // bs + -(-eb // bs) - ea // bs].copy_(_scales(key, files, ea // bs, -(-eb // bs)))
 
@@ -108,20 +104,24 @@ def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str])
     if any(files.tensors[k].offset < 0 or files.tensors[f"{k}.absmax"].offset < 0
            or files.tensors[f"{k}.absmax"].dtype != torch.float32 for k in keys):
         return None
-    lo, bs, half = group.rank * group.shard_numel, fmt.blocksize, group.shard_numel // 2
+    bs, half = fmt.blocksize, group.shard_numel // 2
     extents = []
-    for i, (p, slot) in enumerate(zip(params, group.slots)):
-        a, b = group.layout.local_range(i)
-        if p is None or a >= b:
-            continue
-        key = key_of[id(p)]
+    for key, a, ea, eb in _weights(group, key_of):
         codes, scales = files.tensors[key], files.tensors[f"{key}.absmax"]
-        ea, eb = a + lo - slot.offset, b + lo - slot.offset  # as load_four_bit_group reads them
         extents.append(Extent(os.path.abspath(codes.file), codes.offset + ea // 2, (eb + 1) // 2 - ea // 2, a // 2))
         nblocks = -(-eb // bs) - ea // bs
         extents.append(Extent(os.path.abspath(scales.file), scales.offset + ea // bs * 4, nblocks * 4,
                               half + a // bs * 4))
     return InPlaceRecord.of(group.name, group.shard_nbytes, extents)
+
+
+def _weights(group: FlatParamGroup, key_of: dict[int, str]) -> Iterator[tuple[str, int, int, int]]:
+    """(file key, start in this rank's shard, first and end of the weight's elements there) for every weight of
+    ``group`` this rank holds a part of; the first element is block-aligned (the layout aligns slots to blocks)."""
+    params = group.params
+    for i, a, b, first in group.layout.local_slices():
+        if params[i] is not None:
+            yield key_of[id(params[i])], a, first, first + (b - a)
 
 
 def _scales(key: str, files: TensorFiles, first: int, end: int) -> torch.Tensor:

@@ -220,11 +220,8 @@ def _rank_slices(g: FlatParamGroup, params: list[nn.Parameter | None]
                  ) -> Iterator[tuple[nn.Parameter | None, int, int, int]]:
     """(parameter, start, end in this rank's shard, the first of its flattened elements there) for every parameter
     slot of ``g`` that this rank's shard covers."""
-    lo = g.rank * g.shard_numel
-    for i, (p, slot) in enumerate(zip(params, g.slots)):
-        a, b = g.layout.local_range(i)
-        if a < b:
-            yield p, a, b, a + lo - slot.offset
+    for i, a, b, first in g.layout.local_slices():
+        yield params[i], a, b, first
 
 
 def _read_slices(g: FlatParamGroup, params: list[nn.Parameter | None], files: TensorFiles, key_of: dict[int, str],

@@ -87,9 +87,9 @@ class BufferCache:
         return out.set_(out.untyped_storage(), 0, (numel,))
 
     def stats(self) -> CacheStats:
-        out = (ctypes.c_uint64 * 7)()
+        out = (ctypes.c_uint64 * 6)()
         self._lib.zinf_buffer_cache_stats(out)
-        return CacheStats(*[int(v) for v in out[:6]])
+        return CacheStats(*[int(v) for v in out])
 
     def take_counts(self) -> dict[str, int]:
         """Hits and misses since the last call and the bytes kept now (a step report's ``gather_cache_hits``,

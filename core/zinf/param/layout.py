@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -83,6 +83,14 @@ class FlatLayout:
         slot, lo = self.slots[index], self.lo
         a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + self.shard_numel)
         return (a - lo, b - lo) if a < b else (0, 0)
+
+    def local_slices(self) -> Iterator[tuple[int, int, int, int]]:
+        """(slot index, start, end in this rank's shard, the first of the parameter's flattened elements there) for
+        every slot this rank's shard covers."""
+        for i, slot in enumerate(self.slots):
+            a, b = self.local_range(i)
+            if a < b:
+                yield i, a, b, a + self.lo - slot.offset
 
     def placeholders(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         """Each parameter's stand-in while released: one NaN element expanded (stride 0) to its shape (see [Note:

@@ -39,7 +39,7 @@ class RunContext:
         engine trims the host heap (CPU compute, parameters offloaded: a full fine-tune there is short of host memory,
         and the cache keeps up to 1.25 times the gathers' high-water mark). A frozen base's gathers (LoRA, QLoRA) are
         most of such a step: they always use it. [Note: gather buffer cache] in zinf/native/buffer_cache.py."""
-        if self.buffers is None or self.device.type != "cpu" or (trainable and self.host.heap.every_bytes):
+        if self.buffers is None or (trainable and self.host.heap.every_bytes):  # built for CPU compute only
             return None
         return self.buffers
 

@@ -184,10 +184,12 @@ class SameHostTransport:
         shard (fp32 from bf16) receives the values widened, in the one copy out of the shared buffers (see [Note: a
         widening gather])."""
         self._check_open()
-        pending: list[tuple[torch.Tensor, torch.Tensor, int, int, int]] = []  # (out rows, shard, start, bytes, at)
+        # (out rows, shard, start, bytes, at)
+        pending: list[tuple[torch.Tensor | _Widened, torch.Tensor, int, int, int]] = []
         used = 0
         for out, shard in zip(outs, shards):
             src = _bytes(shard)
+            rows: torch.Tensor | _Widened
             if out.dtype != shard.dtype:  # rows of elements: the chunks' byte ranges are read as the shard's dtype
                 rows = _Widened(out.reshape(self.world, shard.numel()), shard.dtype)
             else:
@@ -289,16 +291,15 @@ class _Widened:
     it copies: the same values (widening is exact), one pass fewer over them. A chunk's byte range of a shard always
     holds whole elements: chunks are cut at 64-byte boundaries of a shard's bytes."""
 
-    __slots__ = ("rows", "dtype", "size")
+    __slots__ = ("rows", "dtype")
 
     def __init__(self, rows: torch.Tensor, dtype: torch.dtype) -> None:
         self.rows, self.dtype = rows, dtype
-        self.size = torch.empty((), dtype=dtype).element_size()
 
     def write(self, r: int, start: int, raw: torch.Tensor) -> None:
         """Rank r's shard bytes ``raw``, from byte ``start`` of the shard, into its row, widened."""
-        first = start // self.size
-        self.rows[r, first : first + raw.numel() // self.size].copy_(raw.view(self.dtype))
+        first = start // self.dtype.itemsize
+        self.rows[r, first : first + raw.numel() // self.dtype.itemsize].copy_(raw.view(self.dtype))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
