@@ -167,15 +167,17 @@ def place_offload(zdict: dict, model_cfg: GPTConfig, world: int) -> str | None:
         nvme_dir = tempfile.mkdtemp(prefix="zinf_nvme_", dir=os.environ.get("ZINF_NVME_DIR"))  # one per rank
         atexit.register(shutil.rmtree, nvme_dir, ignore_errors=True)  # after the engine's own clean-up (LIFO)
         offload["nvme_paths"] = [nvme_dir]
-        measure_disk(nvme_dir)
+        measure_disk(nvme_dir, offload.get("aio_bytes_per_s", 0))
         return nvme_dir
     return None
 
 
-def measure_disk(path: str) -> None:
-    """What ``zinf info --nvme PATH`` does, on 64 MiB: the step reports then say how busy the disk was (nvme_floor)."""
+def measure_disk(path: str, bytes_per_s: int) -> None:
+    """What ``zinf info --nvme PATH`` does, on 64 MiB (under a cap, what the cap moves in a second, at least 4 MiB):
+    the step reports then say how busy the disk was (nvme_floor)."""
+    size = min(64 << 20, max(4 << 20, bytes_per_s)) if bytes_per_s else 64 << 20
     try:
-        write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, 64 << 20)
+        write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, size, bytes_per_s)
     except (OSError, ValueError):
         return  # no measurement: the summary says nothing of the disk
     save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs)

@@ -59,6 +59,8 @@ def _main(argv: list[str]) -> int:
     info.add_argument("--nvme", nargs="+", metavar="PATH", default=[],
                       help="directories to measure (sequential write and read through zinf's AsyncIO)")
     info.add_argument("--size-mib", type=int, default=256, help="test file size per path (default 256)")
+    info.add_argument("--bytes-per-s", type=int, default=0, metavar="N",
+                      help="measure under the cap offload.aio_bytes_per_s=N puts on a run's disk traffic (default: none)")
     rep = sub.add_parser("report", help="summarise the 'zinf: step ...' lines of a training log")
     rep.add_argument("logfile")
     _consolidate_arguments(sub)
@@ -77,7 +79,7 @@ def _main(argv: list[str]) -> int:
     if args.command == "info":
         from zinf.inspect_cli import info as run_info
 
-        return run_info(sys.stdout, args.nvme, args.size_mib * 2**20)
+        return run_info(sys.stdout, args.nvme, args.size_mib * 2**20, args.bytes_per_s)
     if args.command == "report":
         from zinf.inspect_cli import report
 

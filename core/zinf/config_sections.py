@@ -151,6 +151,9 @@ class OffloadConfig(Checked):
         never copied to the swap files: loading writes nothing for them and the drive holds the model once. The
         files are never written; a file changed under a run is an error. See [Note: frozen shards in place] in
         zinf/offload/in_place.py.
+    aio_bytes_per_s: a cap on the bytes per second the offload's reads and writes move together (0, the default: none),
+        to leave a shared drive's bandwidth to other work or to see how a run would go on a slower drive; ``zinf info
+        --nvme`` and the step report's ``nvme_floor`` measure the capped speed when given the same cap.
     """
 
     params: str = "device"
@@ -166,6 +169,7 @@ class OffloadConfig(Checked):
     aio_block_bytes: int = 1 << 20
     aio_queue_depth: int = 32
     aio_threads: int = 2
+    aio_bytes_per_s: int = 0
 
     def validate(self) -> None:
         check_types(self, "offload.")
@@ -188,6 +192,8 @@ class OffloadConfig(Checked):
         require(self.max_cpu_bytes >= 0, "offload.max_cpu_bytes", self.max_cpu_bytes, "an integer >= 0 (0 = available RAM)")
         for key in ("aio_block_bytes", "aio_queue_depth", "aio_threads"):
             require(getattr(self, key) >= 1, f"offload.{key}", getattr(self, key), "a positive integer")
+        require(self.aio_bytes_per_s >= 0, "offload.aio_bytes_per_s", self.aio_bytes_per_s,
+                 "an integer >= 0 (0: no cap on the offload's disk traffic)")
         require(self.aio_block_bytes % 4096 == 0, "offload.aio_block_bytes", self.aio_block_bytes, "a multiple of 4096")
 
     @property

@@ -23,7 +23,8 @@ __all__ = ["ParsedStep", "info", "parse_log", "parse_summary", "report"]
 
 
 # -- zinf info ------------------------------------------------------------------------------------------
-def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256 * 2**20) -> int:
+def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256 * 2**20,
+         bytes_per_s: float = 0.0) -> int:
     import torch
 
     import zinf
@@ -61,12 +62,14 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
     status = 0
     for path in nvme_paths or []:
         try:
-            write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, size_bytes)
+            write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, size_bytes, bytes_per_s)
         except (OSError, ImportError, ValueError) as exc:
             out.write(f"nvme {path}: not measured: {exc}\n")
             status = 1
             continue
         mode = "O_DIRECT" if direct else "buffered: the file system refused O_DIRECT, so reads may come from the page cache"
+        if bytes_per_s:
+            mode += f", capped at {bytes_per_s / 1e9:.3g} GB/s"
         out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s, both at once {mixed_gbs:.2f} "
                   f"GB/s ({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
         # an engine's step report compares its NVMe bytes with it
@@ -131,7 +134,7 @@ def parse_log(path: str) -> list[ParsedStep]:
 
 
 _WHERE = {"nvme_read": "inside all_gather / optimizer", "nvme_write": "inside all_gather / optimizer",
-          "optimizer_wait": "inside all_gather", "background_nvme_read": "background thread",
+          "optimizer_wait": "inside all_gather / optimizer", "background_nvme_read": "background thread",
           "background_nvme_write": "background thread"}
 
 

@@ -122,7 +122,7 @@ class Placement:
             native.require()
             param_reserve, backward_reserve = self._check_pool(grads_on_nvme)
             self.aio = native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
-                                      num_threads=cfg.aio_threads, direct=True)
+                                      num_threads=cfg.aio_threads, direct=True, bytes_per_s=cfg.aio_bytes_per_s)
             self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio, timers=self.timers)
             self.pool = native.PinnedBufferPool(cfg.pinned_pool_bytes)
             if self.pool.pin_with_cuda():  # pragma: no cover - CUDA only

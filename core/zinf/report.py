@@ -107,7 +107,8 @@ INTERVAL_CATEGORIES = frozenset(NVME_CATEGORIES + ("optimizer_wait",))
 #     io_busy    = the time any thread waited for NVMe I/O (the training thread's nvme_read / nvme_write, the
 #                  background optimizer's background_nvme_read / _write), each instant counted once
 #     io_stalled = the time the training thread stood still for it: its own NVMe waits, and the part of its waits
-#                  for the background optimizer step (optimizer_wait) during which that step waited for I/O
+#                  for the background optimizer step (optimizer_wait: a gather waiting for its group's update, the
+#                  next step waiting for the last one to finish) during which that step waited for I/O
 #     io         = max(io_busy, nvme_floor)  (nvme_floor: the step's bytes at the measured disk speed, where known:
 #                  I/O that finished before anyone waited for it still took the disk that long)
 #     io_hidden_share = 1 - io_stalled / io
@@ -137,7 +138,8 @@ class StepReport:
     with NVMe offload, ``nvme_read`` / ``nvme_write`` are the training thread's waits for swap-file I/O
     (reads of parameter shards fall inside the all-gather waits; optimizer-state I/O inside
     ``optimizer``), ``background_nvme_read`` / ``background_nvme_write`` the background optimizer step's
-    (hidden unless a gather waits for that step: ``optimizer_wait``, inside ``all_gather``), and counts hold
+    (hidden unless the training thread waits for that step: ``optimizer_wait``, inside ``all_gather`` where a gather
+    waits for its group's update, inside ``optimizer`` where the next step waits for the last one), and counts hold
     ``nvme_read_bytes`` / ``nvme_written_bytes``. ``broadcast_buffers`` (with several ranks and a model with
     buffers) is the forward's wait for rank 0's buffers (see [Note: buffers like DDP] in zinf/schedule/buffers.py),
     outside ``compute`` like the other waits. With the optimizer offloaded, ``adam`` is the CPU-Adam's own time

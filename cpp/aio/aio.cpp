@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -89,7 +90,21 @@ void fail_block(const Block& b, int err, int64_t file_offset, bool short_read, s
   }
 }
 
+void RateLimit::pass(size_t nbytes) {
+  using clock = std::chrono::steady_clock;
+  clock::time_point until;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const auto span = std::chrono::duration_cast<clock::duration>(
+        std::chrono::duration<double>(static_cast<double>(nbytes) / bytes_per_s_));
+    next_free_ = std::max(clock::now(), next_free_) + span;
+    until = next_free_;
+  }
+  std::this_thread::sleep_until(until);
+}
+
 void finish_block(const Block& b) {
+  if (b.req->limit != nullptr && b.len > 0 && !b.req->failed.load()) b.req->limit->pass(b.len);
   if (b.req->blocks_left.fetch_sub(1) == 1) complete_request(*b.req);
 }
 
@@ -121,8 +136,14 @@ std::unique_ptr<Backend> make_thread_backend(int num_threads) {
 }
 
 // ---------------------------------------------------------------- engine
-Engine::Engine(size_t block_size, unsigned queue_depth, int num_threads, bool direct, const std::string& backend)
-    : block_size_(block_size), queue_depth_(queue_depth), num_threads_(num_threads), direct_(direct) {
+Engine::Engine(size_t block_size, unsigned queue_depth, int num_threads, bool direct, const std::string& backend,
+               double bytes_per_s)
+    : block_size_(block_size), queue_depth_(queue_depth), num_threads_(num_threads), direct_(direct),
+      bytes_per_s_(bytes_per_s) {
+  if (!(bytes_per_s >= 0.0) || std::isinf(bytes_per_s))
+    throw std::invalid_argument("bytes_per_s must be a finite number >= 0 (0: no cap), got " +
+                                std::to_string(bytes_per_s));
+  if (bytes_per_s > 0.0) limit_ = std::make_unique<RateLimit>(bytes_per_s);
   if (block_size == 0 || block_size % kDirectAlignBytes != 0)
     throw std::invalid_argument("block_size must be a positive multiple of 4096 bytes, got " +
                                 std::to_string(block_size));
@@ -153,6 +174,7 @@ int64_t Engine::submit(Op op, uintptr_t addr, size_t nbytes, const std::string& 
   req->buf = reinterpret_cast<char*>(addr);
   req->nbytes = nbytes;
   req->offset = offset;
+  req->limit = limit_.get();
 
   const int flags = (op == Op::kRead) ? O_RDONLY : (O_WRONLY | O_CREAT);
   const bool aligned = addr % kDirectAlignBytes == 0 && static_cast<size_t>(offset) % kDirectAlignBytes == 0;

@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -27,8 +28,24 @@ constexpr size_t kDirectAlignBytes = 4096;
 
 enum class Op : int { kRead = 0, kWrite = 1 };
 
+// Caps the bytes per second an Engine moves, reads and writes together (a drive shared with other work, or a
+// slower drive's behaviour seen on a fast one): each block's completion is held until its bytes fit under the rate,
+// on one clock of the next free moment that every block of the engine advances.
+class RateLimit {
+ public:
+  explicit RateLimit(double bytes_per_s) : bytes_per_s_(bytes_per_s) {}
+  // Blocks the calling thread until `nbytes` more fit under the rate.
+  void pass(size_t nbytes);
+
+ private:
+  double bytes_per_s_;
+  std::mutex mu_;
+  std::chrono::steady_clock::time_point next_free_{};
+};
+
 struct Request {
   Op op = Op::kRead;
+  RateLimit* limit = nullptr;  // the engine's cap, or none
   std::string path;
   char* buf = nullptr;
   size_t nbytes = 0;
@@ -88,8 +105,10 @@ bool uring_available();
 
 class Engine {
  public:
-  // backend: "auto" (io_uring if available, else threads), "io_uring" or "threads".
-  Engine(size_t block_size, unsigned queue_depth, int num_threads, bool direct, const std::string& backend);
+  // backend: "auto" (io_uring if available, else threads), "io_uring" or "threads"; bytes_per_s: a cap on the
+  // bytes moved per second (RateLimit), 0 for none.
+  Engine(size_t block_size, unsigned queue_depth, int num_threads, bool direct, const std::string& backend,
+         double bytes_per_s = 0.0);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -109,6 +128,7 @@ class Engine {
   unsigned queue_depth() const { return queue_depth_; }
   int num_threads() const { return num_threads_; }
   bool direct_requested() const { return direct_; }
+  double bytes_per_s() const { return limit_ ? bytes_per_s_ : 0.0; }
   size_t num_pending() const;
 
  private:
@@ -116,6 +136,8 @@ class Engine {
   unsigned queue_depth_;
   int num_threads_;
   bool direct_;
+  double bytes_per_s_;
+  std::unique_ptr<RateLimit> limit_;  // declared before backend_: blocks in flight use it until the backend is gone
   std::unique_ptr<Backend> backend_;
   std::atomic<bool> last_direct_{false};
   mutable std::mutex mu_;

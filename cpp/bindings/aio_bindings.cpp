@@ -23,8 +23,9 @@ void bind_aio(py::module_& m) {
       .def_readonly("path", &WaitResult::path)
       .def_readonly("unlinked", &WaitResult::unlinked);
   py::class_<Engine>(m, "Engine")
-      .def(py::init<size_t, unsigned, int, bool, const std::string&>(), py::arg("block_size"),
-           py::arg("queue_depth"), py::arg("num_threads"), py::arg("direct"), py::arg("backend") = "auto")
+      .def(py::init<size_t, unsigned, int, bool, const std::string&, double>(), py::arg("block_size"),
+           py::arg("queue_depth"), py::arg("num_threads"), py::arg("direct"), py::arg("backend") = "auto",
+           py::arg("bytes_per_s") = 0.0)
       .def(
           "submit",
           [](Engine& e, bool write, uintptr_t addr, size_t nbytes, const std::string& path, int64_t offset) {
@@ -41,6 +42,7 @@ void bind_aio(py::module_& m) {
       .def_property_readonly("block_size", &Engine::block_size)
       .def_property_readonly("queue_depth", &Engine::queue_depth)
       .def_property_readonly("num_threads", &Engine::num_threads)
+      .def_property_readonly("bytes_per_s", &Engine::bytes_per_s)
       .def_property_readonly("num_pending", &Engine::num_pending);
 }
 

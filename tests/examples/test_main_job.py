@@ -59,3 +59,29 @@ def test_main_job(tmp_path: Path) -> None:
     assert not any(nvme.iterdir()), "the temporary NVMe directories are removed at the end"
     assert "zinf: zinf:" not in proc.stderr + text
     assert not re.search(r"^step \d+", proc.stderr, re.M), "no per-step log lines besides the bar"
+
+
+def _overlap(tmp_path: Path, bytes_per_s: int) -> tuple[int, int]:
+    """The job's summary under ``offload.aio_bytes_per_s`` (0: the drive as it is): the I/O hidden and the disk busy
+    (%)."""
+    out, nvme = tmp_path / f"run{bytes_per_s}", tmp_path / f"nvme{bytes_per_s}"
+    nvme.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZINF_NVME_DIR": str(nvme)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "train_gpt.py"), *SMALL, "train.steps=10", f"train.out_dir={out}",
+           f"zinf.offload.aio_bytes_per_s={bytes_per_s}"]
+    proc = processes.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    found = re.search(r"(\d+)% of the I/O hidden behind compute, the disk busy (\d+)%", proc.stdout)
+    assert found, proc.stdout
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_overlap_figures_follow_the_disk(tmp_path: Path) -> None:
+    """A disk slowed far below the job's needs (2 MB/s through ``offload.aio_bytes_per_s``, measured by the job like
+    any other) makes the step wait for it: busy nearly all the time, little of the I/O hidden. The drive as it is
+    serves this small model's bytes with time to spare: mostly hidden, the disk mostly idle."""
+    slow_hidden, slow_busy = _overlap(tmp_path, 2_000_000)
+    fast_hidden, fast_busy = _overlap(tmp_path, 0)
+    assert slow_busy >= 80 and slow_hidden <= 30, (slow_hidden, slow_busy)
+    assert fast_busy <= 50 and fast_hidden >= 60, (fast_hidden, fast_busy)

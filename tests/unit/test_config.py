@@ -31,6 +31,8 @@ def test_bad_value_names_key_value_and_allowed(key: str, value: object, allowed:
 def test_nested_bad_value() -> None:
     with pytest.raises(ConfigError, match=r"'loss_scale.backoff_factor' = 2.0"):
         ZeroConfig.from_dict({"loss_scale": {"backoff_factor": 2.0}})
+    with pytest.raises(ConfigError, match=r"'offload.aio_bytes_per_s' = -1 .*0: no cap"):
+        ZeroConfig.from_dict({"offload": {"aio_bytes_per_s": -1}})
 
 
 def test_shared_memory_names_its_values() -> None:

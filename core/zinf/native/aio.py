@@ -96,14 +96,15 @@ class AsyncIO(_AsyncIOBase):
     whose buffer address and offset are 4096-aligned uses O_DIRECT; file systems without O_DIRECT
     (tmpfs) fall back to buffered I/O, reported by ``.direct`` and logged once.
     A failed write unlinks its target file. The tensor must stay alive and untouched until waited;
-    this object keeps a reference to it until then.
+    this object keeps a reference to it until then. ``bytes_per_s`` > 0 caps the bytes moved per second, reads and
+    writes together: each block completes no sooner than its bytes fit under the rate.
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, num_threads: int = 2, direct: bool = True,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", bytes_per_s: float = 0.0) -> None:
         if _native is None:
             raise ImportError(f"AsyncIO needs the zinf C++ extension; use PythonAsyncIO instead, or {_BUILD_HINT}")
-        self._engine = _native.aio.Engine(block_size, queue_depth, num_threads, direct, backend)
+        self._engine = _native.aio.Engine(block_size, queue_depth, num_threads, direct, backend, float(bytes_per_s))
         self._direct_requested = direct
         self._tensors: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -112,6 +113,11 @@ class AsyncIO(_AsyncIOBase):
     @property
     def backend(self) -> str:
         return str(self._engine.backend)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The cap on bytes moved per second (0: none)."""
+        return float(self._engine.bytes_per_s)
 
     @property
     def direct(self) -> bool:

@@ -65,11 +65,11 @@ def load_speed(paths: Sequence[str]) -> DiskSpeed | None:
     return DiskSpeed(read, write, mixed if every_mixed else 0.0) if paths else None
 
 
-def measure_path(path: str, size_bytes: int) -> tuple[float, float, float, bool]:
+def measure_path(path: str, size_bytes: int, bytes_per_s: float = 0.0) -> tuple[float, float, float, bool]:
     """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
-    offload engine's settings, then its first half read while as many bytes are written to a second file; returns
-    (write GB/s, read GB/s, reads and writes at once GB/s, whether O_DIRECT was in effect). The files are removed
-    afterwards."""
+    offload engine's settings (``bytes_per_s``: its ``offload.aio_bytes_per_s`` cap), then its first half read while
+    as many bytes are written to a second file; returns (write GB/s, read GB/s, reads and writes at once GB/s,
+    whether O_DIRECT was in effect). The files are removed afterwards."""
     from zinf import native
     from zinf.config_sections import OffloadConfig
 
@@ -92,7 +92,7 @@ def measure_path(path: str, size_bytes: int) -> tuple[float, float, float, bool]
     second = directory / f"zinf-info-{os.getpid()}-2.tmp"
     try:
         with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
-                            num_threads=cfg.aio_threads, direct=True) as aio:
+                            num_threads=cfg.aio_threads, direct=True, bytes_per_s=bytes_per_s) as aio:
             start = time.perf_counter()
             aio.wait(aio.submit_write(buf, target))
             _fsync(target)

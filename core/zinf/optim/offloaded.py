@@ -189,6 +189,9 @@ class OffloadedAdam(OffloadedAdamState):
         """Block until a background step has finished; raise its error here (and on every later call:
         after a failed step the model is half updated and must not be trained on)."""
         if self._job is not None:
+            if not self._job.done():  # the training thread stands still for the step (an interval of the I/O note)
+                with self.timers.time("optimizer_wait"):
+                    futures.wait([self._job])
             self._job.result()  # _background keeps its error in self._error
             self._job = None
         if self._error is not None:

@@ -242,3 +242,24 @@ def test_invalid_settings() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         with native.AsyncIO() as aio:
             aio.submit_write(torch.zeros(10, 10).t(), "/tmp/x")
+
+
+@pytest.mark.parametrize("backend", [b for b in _backends() if b != "python"])
+def test_a_capped_engine_moves_no_more_than_its_rate(backend: str, tmp_path: Path) -> None:
+    """``bytes_per_s`` (``offload.aio_bytes_per_s``): reads and writes together complete no faster than the cap, and
+    the bytes are the same as uncapped."""
+    import time
+
+    data = _rand(1 << 20, 5)
+    back = _aligned(1 << 20)
+    rate = 8e6
+    with native.AsyncIO(backend=backend, block_size=64 * 1024, bytes_per_s=rate) as aio:
+        assert aio.bytes_per_s == rate
+        start = time.perf_counter()
+        aio.wait(aio.submit_write(data, tmp_path / "capped"))
+        aio.wait(aio.submit_read(back, tmp_path / "capped"))
+        took = time.perf_counter() - start
+    assert took >= 2 * data.numel() / rate * 0.99  # the limit is a lower bound on time, whatever the machine
+    assert torch.equal(back, data)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        native.AsyncIO(backend=backend, bytes_per_s=-1.0)
