@@ -52,7 +52,7 @@ class Settings:
     ranks_systems: tuple[str, ...] = ("zinf-mem", "zinf-optcpu")
     # the rows the goals are judged on first: what is cut short when time runs out is the last
     systems: tuple[str, ...] = ("plain", "fsdp2", "zinf-mem", "zinf-mem+compile", "fsdp2+compile", "fsdp2-offload",
-                                "zinf-optcpu", "zinf-nvme", "zinf-nvme-gradcpu", "zinf-cpu")
+                                "zinf-optcpu", "zinf-optcpu-share", "zinf-nvme", "zinf-nvme-gradcpu", "zinf-cpu")
 
 
 # zinf's first step records the trace and its second is the first to prefetch: two warm-up steps for zinf, one on
@@ -64,7 +64,7 @@ _COMPILED = (6, 3)
 GPU = Settings(smoke=False, model="gpt:xl:L18", global_batch=32,  # 0.97B parameters, 5.95 GFLOP a token
                steps={"plain": _FAST, "fsdp2": _FAST, "zinf-mem": _FAST, "zinf-mem+compile": _COMPILED,
                       "fsdp2+compile": _COMPILED, "fsdp2-offload": (3, 1),
-                      "zinf-optcpu": _OFFLOADED, "zinf-cpu": _OFFLOADED, "zinf-nvme": (2, 1),
+                      "zinf-optcpu": _OFFLOADED, "zinf-optcpu-share": _OFFLOADED, "zinf-cpu": _OFFLOADED, "zinf-nvme": (2, 1),
                       "zinf-nvme-gradcpu": (2, 1)},
                ranks_model="gpt:small", ranks_batch=8, ranks_steps=6, profile_model="gpt:large", profile_batch=8,
                profile_steps=(3, 3), peak_n=8192, nvme_test_mib=1024, rss_limit_gib=100.0, test_timeout_s=120,

@@ -46,13 +46,15 @@ SYSTEMS: dict[str, System] = {
     "zinf-mem": System("zinf in memory", "zinf"),
     "zinf-optcpu": System("zinf, optimizer on CPU", "zinf"),
     "zinf-optcpu-early": System("zinf, optimizer on CPU, stepped during the backward", "zinf"),
+    "zinf-optcpu-share": System("zinf, optimizer on CPU, three quarters of it on the device", "zinf"),
     "zinf-cpu": System("zinf, params+optimizer on CPU", "zinf"),
     "zinf-nvme": System("zinf, params+optimizer on NVMe", "zinf", nvme=True),
     "zinf-nvme-gradcpu": System("zinf, params+optimizer on NVMe, gradients on the host", "zinf", nvme=True),
 }
 
 ZINF_OFFLOAD = {"zinf-mem": {}, "zinf-optcpu": {"optimizer": "cpu"},
-                "zinf-optcpu-early": {"optimizer": "cpu", "step_during_backward": True}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
+                "zinf-optcpu-early": {"optimizer": "cpu", "step_during_backward": True},
+                "zinf-optcpu-share": {"optimizer": "cpu", "optimizer_device_fraction": 0.75}, "zinf-cpu": {"params": "cpu", "optimizer": "cpu"},
                 "zinf-nvme": {"params": "nvme", "optimizer": "nvme", "grads": "nvme"},
                 "zinf-nvme-gradcpu": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}}
 

@@ -151,6 +151,10 @@ class OffloadConfig(Checked):
         never copied to the swap files: loading writes nothing for them and the drive holds the model once. The
         files are never written; a file changed under a run is an error. See [Note: frozen shards in place] in
         zinf/offload/in_place.py.
+    optimizer_device_fraction: with the optimizer on "cpu" or "nvme" and the parameters on "device", the share of
+        the trained parameters (whole groups, the first built) whose fp32 master and moments stay on the compute
+        device and are stepped there, while the CPU-Adam sweeps the rest: 0 (the default) steps everything on the
+        CPU. See [Note: the device share] in zinf/offload/device_states.py.
     aio_bytes_per_s: a cap on the bytes per second the offload's reads and writes move together (0, the default: none),
         to leave a shared drive's bandwidth to other work or to see how a run would go on a slower drive; ``zinf info
         --nvme`` and the step report's ``nvme_floor`` measure the capped speed when given the same cap.
@@ -170,6 +174,7 @@ class OffloadConfig(Checked):
     aio_queue_depth: int = 32
     aio_threads: int = 2
     aio_bytes_per_s: int = 0
+    optimizer_device_fraction: float = 0.0
 
     def validate(self) -> None:
         check_types(self, "offload.")
@@ -192,6 +197,12 @@ class OffloadConfig(Checked):
         require(self.max_cpu_bytes >= 0, "offload.max_cpu_bytes", self.max_cpu_bytes, "an integer >= 0 (0 = available RAM)")
         for key in ("aio_block_bytes", "aio_queue_depth", "aio_threads"):
             require(getattr(self, key) >= 1, f"offload.{key}", getattr(self, key), "a positive integer")
+        require(0.0 <= self.optimizer_device_fraction < 1.0, "offload.optimizer_device_fraction",
+                 self.optimizer_device_fraction, "a number in [0, 1) (0: every group's optimizer state off the device)")
+        require(self.optimizer_device_fraction == 0 or (self.optimizer != "device" and self.params == "device"),
+                 "offload.optimizer_device_fraction", self.optimizer_device_fraction,
+                 "0 unless offload.optimizer is 'cpu' or 'nvme' and offload.params is 'device' (the share's shards stay "
+                 "on the device it steps them on)")
         require(self.aio_bytes_per_s >= 0, "offload.aio_bytes_per_s", self.aio_bytes_per_s,
                  "an integer >= 0 (0: no cap on the offload's disk traffic)")
         require(self.aio_block_bytes % 4096 == 0, "offload.aio_block_bytes", self.aio_block_bytes, "a multiple of 4096")

@@ -32,6 +32,7 @@ from zinf import native
 from zinf.config_sections import OffloadConfig, OverlapConfig
 from zinf.device_memory import device_is_apart
 from zinf.native.buffer_cache import BufferCache, buffer_cache
+from zinf.offload.device_states import DeviceStateStore, device_share
 from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
 from zinf.offload.nvme_param_store import NvmeShardStore
@@ -39,7 +40,7 @@ from zinf.offload.param_store import CpuShardStore
 from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
-from zinf.offload.state_store import CpuStateStore
+from zinf.offload.state_store import CpuStateStore, StateStore
 from zinf.offload.state_layout import StateLayout, allocate_records
 from zinf.offload.subgroups import SubGroup, plan_subgroups
 from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
@@ -108,8 +109,11 @@ class Placement:
             if optimizer is None:
                 raise OffloadSpaceError("zinf offload: offload.optimizer is set but no optimizer was given to the engine.")
             check_offloadable(optimizer)
-        self.subgroups: list[SubGroup] = (plan_subgroups(self.groups, optimizer, cfg.sub_group_numel)  # type: ignore[arg-type]
-                                          if offloaded_opt else [])
+        # [Note: the device share] in zinf/offload/device_states.py: groups whose optimizer state stays on the device
+        self.on_device = device_share(self.groups, cfg.optimizer_device_fraction) if offloaded_opt else set()
+        subgroups: list[SubGroup] = (plan_subgroups(self.groups, optimizer, cfg.sub_group_numel)  # type: ignore[arg-type]
+                                     if offloaded_opt else [])
+        self.subgroups = [sg for sg in subgroups if id(sg.group) not in self.on_device]  # the host's (or NVMe's)
         self.grads_tier = self._choose_grads_tier()
         grads_on_nvme = self.grads_tier == "nvme"
         self._check_host_memory()
@@ -133,7 +137,7 @@ class Placement:
         # shards on a device apart from the host, updated by the host's CPU-Adam: staged (see [Note: staged updates])
         staged = bool(self.groups) and device_is_apart(self.groups[0].device)
         if cfg.params == "device" and offloaded_opt and staged:
-            self.store = StagedDeviceStore(self.groups, ctx.streams)
+            self.store = StagedDeviceStore([g for g in self.groups if id(g) not in self.on_device], ctx.streams)
         elif cfg.params == "cpu":
             self.store = CpuShardStore(self.groups, ctx.streams)
         elif cfg.params == "nvme":
@@ -151,13 +155,17 @@ class Placement:
             self.stash = NvmeGradStash(self.swap, room, self.subgroups, records) if grads_on_nvme else None
             self.states = NvmeStateStore(self.subgroups, self.fence, self.swap, room, records, self.stash,
                                          param_reserve, backward_reserve, self.layout)
+        self.device_states = DeviceStateStore([sg for sg in subgroups if id(sg.group) in self.on_device], self.fence,
+                                              self.groups[0].device) if self.on_device else None
         if cfg.enabled:
             for g in self.groups:
-                device = torch.device("cpu") if offloaded_opt else g.device
+                off_host = offloaded_opt and id(g) not in self.on_device  # the CPU-Adam steps it
+                device = torch.device("cpu") if off_host else g.device
                 grad = GradShard(g, [g.layout.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
-                                 eager_stats=eager_grad_stats and offloaded_opt, check_finite=check_finite,
-                                 off_device=offloaded_opt and staged)
-                g.place(self.store, grad, self.fence, self.states if g.trainable else None)
+                                 eager_stats=eager_grad_stats and off_host, check_finite=check_finite,
+                                 off_device=off_host and staged)
+                g.place(DEVICE_STORE if id(g) in self.on_device else self.store, grad, self.fence,
+                        self._master_home(g))
         self._deferred: dict[int, Record] = self._spill_returns() if isinstance(self.store, NvmeShardStore) else {}
         if self.swap is not None:
             self.swap.open(deferred=list(self._deferred.values()))
@@ -170,9 +178,15 @@ class Placement:
         if self.states is not None:
             self.optimizer = OffloadedAdam(optimizer, self.groups, self.states, self.fence, self.stash,  # type: ignore[arg-type]
                                            background=cfg.overlap_optimizer, timers=self.timers,
-                                           early=cfg.step_during_backward)
+                                           early=cfg.step_during_backward, device_states=self.device_states)
         elif optimizer is not None:
             self.optimizer = ShardedOptimizer(optimizer, self.groups)
+
+    def _master_home(self, group: FlatParamGroup) -> "StateStore | None":
+        """Where a trained group's fp32 master lives with an offloaded optimizer (None: in the group)."""
+        if not group.trainable or self.states is None:
+            return None
+        return self.device_states if id(group) in self.on_device else self.states
 
     def _host_fp32_shards(self, staged: bool) -> dict[int, torch.Tensor]:
         """The trained groups' parameter shards that are fp32 tensors in host memory, which the CPU-Adam can step
@@ -206,8 +220,9 @@ class Placement:
         for i, g in enumerate(self.groups, 1):
             if nvme_params:
                 self.store.write_initial(g, self._deferred.get(id(g)))  # type: ignore[union-attr]
-            if self.states is not None and g.trainable:  # a frozen group has no master (see flat_group.py)
-                self.states.take_initial(g)
+            home = self._master_home(g)  # a frozen group has no master (see flat_group.py)
+            if home is not None:
+                home.take_initial(g)
             if self.swap is not None and (i % step == 0 or i == len(self.groups)):
                 log.info("zinf offload: initial state of %d/%d groups written to NVMe (%.2f GiB, %.1f s)", i,
                          len(self.groups), self.swap.bytes_written / 2**30, time.perf_counter() - start)
@@ -269,7 +284,8 @@ class Placement:
     def _host_bytes(self, grads_tier: str) -> int:
         """Host memory this placement keeps during training, with the gradient shards on ``grads_tier``."""
         cfg = self.cfg
-        trained_numel = sum(g.shard_numel for g in self.groups if g.trainable)  # frozen: the shard alone
+        # frozen: the shard alone; the device share's gradients stay on the device
+        trained_numel = sum(g.shard_numel for g in self.groups if g.trainable and id(g) not in self.on_device)
         host = 0
         if cfg.params == "cpu":
             host += sum(g.shard_nbytes for g in self.groups)

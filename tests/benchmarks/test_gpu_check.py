@@ -13,7 +13,7 @@ import processes
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-GOALS = 10  # tests/gpu, five step ratios (two of them compiled), MFU, two NVMe bounds, two ranks
+GOALS = 11  # tests/gpu, six step ratios (two of them compiled), MFU, two NVMe bounds, two ranks
 
 
 def test_gpu_check_smoke(tmp_path: Path) -> None:
@@ -30,7 +30,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert parts[key]["status"] == "passed", (key, parts[key]["note"])
     rows = parts["side_by_side"]["rows"]
     assert sorted(r["system"] for r in rows) == sorted(["plain", "fsdp2", "fsdp2-offload", "zinf-mem", "zinf-optcpu",
-                                                        "zinf-cpu", "zinf-nvme", "zinf-mem+compile", "fsdp2+compile",
+                                                        "zinf-optcpu-share", "zinf-cpu", "zinf-nvme", "zinf-mem+compile", "fsdp2+compile",
                                                         "zinf-nvme-gradcpu"])
     assert all(r["precision"] == "bf16" and r["tokens_per_s"] > 0 for r in rows)
     assert parts["nvme"]["read_gbs"] > 0 and parts["host"]["profile"]["top_host_ops"]

@@ -175,18 +175,20 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
-def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None, fn: str) -> None:
+def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None, fn: str,
+           device: torch.device | None = None) -> None:
+    """``device``: the one device every tensor of the call must be on (the torch twin); None: host memory (native)."""
+    on_device = (t.device.type == "cpu" and not is_device_memory(t)) if device is None else t.device == device
     ok = (
         isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
-        and not is_device_memory(t)
+        and on_device
         and t.dtype in dtypes
         and t.is_contiguous()
         and (numel is None or t.numel() == numel)
     )
     if ok:
         return
-    want = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+    want = "/".join(str(d).removeprefix("torch.") for d in dtypes) + ("" if device is None else f" ({device})")
     if not isinstance(t, torch.Tensor):
         found = f"type {type(t).__name__}"
     else:
@@ -195,10 +197,11 @@ def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: i
             f"contiguous={t.is_contiguous()}, numel={t.numel()}"
         )
     size = f" with {numel} elements" if numel is not None else ""
-    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and is_device_memory(t):
+    if device is None and isinstance(t, torch.Tensor) and t.device.type == "cpu" and is_device_memory(t):
         found += " (device memory: ZINF_STAGED_DEVICE=1 stands the CPU in for a GPU)"
     raise ValueError(
-        f"{fn}: expected `{name}` to be a contiguous CPU {want} tensor{size}, found {found}; "
+        f"{fn}: expected `{name}` to be a contiguous {'CPU ' if device is None else ''}{want} tensor{size}, "
+        f"found {found}; "
         f"pass e.g. `{name}.detach().contiguous()` of the right dtype and size"
     )
 
@@ -211,20 +214,21 @@ def _check_adam(
     param_out: torch.Tensor | None,
     step: int,
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    device: torch.device | None = None,
 ) -> None:
-    _check("param", param, (torch.float32,), None, "adam_step")
+    _check("param", param, (torch.float32,), None, "adam_step", device)
     n = param.numel()
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step")
-    _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step")
-    _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step")
+    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step", device)
+    _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step", device)
+    _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step", device)
     if exp_avg.dtype == torch.uint8:
         for name, t in (("exp_avg_scale", scales[0]), ("exp_avg_sq_scale", scales[1])):
             if t is None:
                 raise ValueError(f"adam_step: int8 moments (uint8 codes) need `{name}`: an int8 tensor of "
                                  f"{moment_codes.blocks(n)} block exponents")
-            _check(name, t, (torch.int8,), moment_codes.blocks(n), "adam_step")
+            _check(name, t, (torch.int8,), moment_codes.blocks(n), "adam_step", device)
     if param_out is not None:
-        _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step")
+        _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step", device)
     if int(step) < 1:
         raise ValueError(f"adam_step: expected step >= 1 (the step count after this update), found {step}")
 
@@ -265,8 +269,10 @@ def adam_step_torch(
     weight_decay: float | None = None,
     decoupled: bool | None = None,
 ) -> None:
-    """Pure-PyTorch Adam/AdamW step with the signature and semantics of :func:`adam_step` (see module note)."""
-    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step, (exp_avg_scale, exp_avg_sq_scale))
+    """Pure-PyTorch Adam/AdamW step with the signature and semantics of :func:`adam_step` (see module note), on
+    tensors of any one device (the offloaded optimizer's device share steps with it: [Note: the device share] in
+    zinf/offload/device_states.py)."""
+    _check_adam(param, grad, exp_avg, exp_avg_sq, param_out, step, (exp_avg_scale, exp_avg_sq_scale), param.device)
     h = _hyper_of("adam_step_torch", hyper, lr, beta1, beta2, eps, weight_decay, decoupled)
     lr_, beta1_, beta2_, eps_, wd = float(h.lr), float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay)
     with torch.no_grad():

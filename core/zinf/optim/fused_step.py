@@ -40,12 +40,14 @@ def moment_rounding(sg: SubGroup, offset: int, step: int) -> dict[str, int]:
 def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor | None,
                    out: torch.Tensor | None, hyper: Sequence[AdamHyper], stepped: Sequence[bool],
                    steps: Sequence[int | None], factor: float, *, fp32: bool, stashed: bool,
-                   scales: Callable[[int], dict[str, torch.Tensor]] = lambda j: {}) -> None:
+                   scales: Callable[[int], dict[str, torch.Tensor]] = lambda j: {},
+                   step_fn: Callable[..., None] = native.adam_step) -> None:
     """Step the segments of ``sg`` whose parameters have a gradient this step (see [Note: fused step]) and copy the
     others and the gaps unchanged into ``out`` (the group's new parameter shard; None where the master is that
     shard). ``grad`` is the resident gradient, zeroed as it is read, or with ``stashed`` one read from NVMe with
     the states (left as it is); None where no gradient memory was written yet. ``scales(j)``: segment ``j``'s block
-    exponents of int8 moments (``StateLayout.segment_scales``)."""
+    exponents of int8 moments (``StateLayout.segment_scales``). ``step_fn``: the CPU-Adam, or its torch twin for
+    states on the device ([Note: the device share] in zinf/offload/device_states.py)."""
     g = sg.group
     for j, (lo, hi, k, i) in enumerate(sg.segments):
         a, b = lo - sg.lo, hi - sg.lo
@@ -57,7 +59,7 @@ def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch
             continue
         if grad is None:  # stepped with no gradient memory yet (zeros): only when nothing wrote one
             grad = g.grad.tensor()[sg.lo : sg.hi]
-        native.adam_step(master[a:b], grad[a:b], m[a:b], v[a:b], hyper[k], step=steps[i],
+        step_fn(master[a:b], grad[a:b], m[a:b], v[a:b], hyper[k], step=steps[i],
                          clip_coef=factor, param_out=None if fp32 or out is None else out[lo:hi],
                          zero_grad=not stashed, **moment_rounding(sg, a, steps[i]), **scales(j))
         if fp32 and out is not None:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError
 from zinf.offload.grad_stash import NvmeGradStash
@@ -54,8 +55,9 @@ from zinf.param.store import UpdateFence
 from zinf.report import StepTimers
 
 if TYPE_CHECKING:
+    from zinf.offload.device_states import DeviceStateStore
     from zinf.offload.nvme_state_store import NvmeStateStore
-    from zinf.offload.state_store import CpuStateStore
+    from zinf.offload.state_store import CpuStateStore, StateStore
     from zinf.param.flat_group import FlatParamGroup
     from zinf.param.store import ShardStore
 
@@ -85,9 +87,13 @@ def _power_of_two(f: float) -> bool:
 class OffloadedAdam(OffloadedAdamState):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
                  states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
-                 background: bool = False, timers: StepTimers | None = None, early: bool = False) -> None:
+                 background: bool = False, timers: StepTimers | None = None, early: bool = False,
+                 device_states: "DeviceStateStore | None" = None) -> None:
         check_offloadable(optimizer)
         self.optimizer, self.states, self.fence, self.stash = optimizer, states, fence, stash
+        # the groups stepped on the device ([Note: the device share] in zinf/offload/device_states.py)
+        self.device_states = device_states
+        self._on_device = {id(sg.group) for sg in device_states.subgroups} if device_states is not None else set()
         self.groups = list(groups)
         self.background = background
         self.timers = timers or StepTimers()
@@ -141,6 +147,9 @@ class OffloadedAdam(OffloadedAdamState):
         self.states.begin_step()
         for store in self._stores():  # on the training thread: a device store orders its copies after compute
             store.begin_update()
+        if self.device_states is not None:  # the device share, before the CPU's sweep: the forward needs it first
+            for sg, states in self.device_states.sweep():
+                self._step(sg, states)
         if not self.background:
             self._run()
             return
@@ -260,6 +269,13 @@ class OffloadedAdam(OffloadedAdamState):
             for store in self._stores():
                 store.end_update()
 
+    def home(self, group: "FlatParamGroup") -> "StateStore":
+        """The store holding ``group``'s master and moments."""
+        if id(group) in self._on_device:
+            assert self.device_states is not None
+            return self.device_states
+        return self.states
+
     def _stores(self) -> list["ShardStore"]:
         return list({id(g.store): g.store for g in self.groups}.values())
 
@@ -295,13 +311,17 @@ class OffloadedAdam(OffloadedAdamState):
             return
         if kept is False:
             self.early.roll_back(sg)  # type: ignore[union-attr]
+        store = self.home(g)
         adam_sub_group(sg, master, m, v, grad, out, self._hyper, stepped, steps, factor, fp32=fp32, stashed=stashed,
-                       scales=lambda j: self.states.layout.segment_scales(sg, states, j))
+                       scales=lambda j: store.layout.segment_scales(sg, states, j),
+                       step_fn=native.adam_step_torch if store is self.device_states else native.adam_step)
         if sg.last_of_group:
             self._finish_group(g)
 
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         out = {self.states.tier: {"optimizer_state": self.states.state_bytes()}}
+        if self.device_states is not None:
+            out.setdefault("device", {})["optimizer_state"] = self.device_states.state_bytes()
         if self.stash is not None:
             stashed = sum(g.grad.nbytes_on_nvme() for g in self.groups)
             out.setdefault("nvme", {})["grad_shards"] = stashed

@@ -13,7 +13,7 @@ from zinf.offload.subgroups import hyper_index
 
 if TYPE_CHECKING:
     from zinf.offload.nvme_state_store import NvmeStateStore
-    from zinf.offload.state_store import CpuStateStore
+    from zinf.offload.state_store import CpuStateStore, StateStore
     from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["OffloadedAdamState", "MOMENTS"]
@@ -33,10 +33,13 @@ class OffloadedAdamState:
     def wait(self) -> None:
         raise NotImplementedError
 
+    def home(self, group: "FlatParamGroup") -> "StateStore":
+        raise NotImplementedError
+
     # -- state for checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         self.wait()
-        moments = [self.states.read_states(g) for g in self.groups]
+        moments = [self.home(g).read_states(g) for g in self.groups]
         # the hyper-parameters too, as torch's optimizers do: an LR scheduler restored on its own does not set the
         # optimizer's current lr, so a resumed run would take its first step with the lr the optimizer was built with
         hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
@@ -61,7 +64,7 @@ class OffloadedAdamState:
                 self.steps[id(g)] = [None if n is None else int(state["steps"][hyper[id(p)]])
                                      for n, p in zip(self.steps[id(g)], g.params)]
         for g, m, v in zip(self.groups, state["exp_avg"], state["exp_avg_sq"]):
-            self.states.write_states(g, {"exp_avg": m, "exp_avg_sq": v})
+            self.home(g).write_states(g, {"exp_avg": m, "exp_avg_sq": v})
 
     # -- portable state (see [Note: portable optimizer state] in zinf/optim/protocol.py) ----------------
     def state_meta(self) -> dict[str, Any]:
@@ -77,7 +80,7 @@ class OffloadedAdamState:
         if not self.state_keys(group):
             return {}
         self.wait()
-        states = self.states.read_states(group)
+        states = self.home(group).read_states(group)
         return {k: states[k] for k in MOMENTS}  # the master is saved with the parameters
 
     def load_state_meta(self, meta: dict[str, Any]) -> None:
@@ -105,7 +108,7 @@ class OffloadedAdamState:
             raise ValueError(f"zinf: the checkpoint's optimizer state {unknown} is not Adam's; the offloaded CPU-Adam "
                              "cannot continue it. Load it with the optimizer that wrote it (offload.optimizer='device').")
         zeros = torch.zeros(group.shard_numel, dtype=torch.float32)
-        self.states.write_states(group, {k: states.get(k, zeros) for k in MOMENTS})
+        self.home(group).write_states(group, {k: states.get(k, zeros) for k in MOMENTS})
 
     def finish_load(self) -> None:
         return None

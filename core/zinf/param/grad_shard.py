@@ -34,7 +34,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from zinf.device_memory import host_empty, host_zeros
+from zinf.device_memory import host_empty, host_zeros, mark_device
 from zinf.runtime.streams import BufferFence, Streams
 from zinf.runtime.logs import region
 from zinf.param.keys import GroupKey
@@ -109,7 +109,10 @@ class GradShard:
     def _zeros(self) -> torch.Tensor:
         if self.off_device:  # pinned with CUDA: the copies off the device run without the host
             return host_zeros(self.numel, torch.float32, self._group.device)
-        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        if self.device == self._group.device:
+            mark_device(out)  # on the compute device ([Note: staged device] in zinf/device_memory.py)
+        return out
 
     def add_reduced(self, part: torch.Tensor, world: int, reduced: BufferFence, streams: Streams) -> BufferFence | None:
         """Add this rank's reduce-scattered slice (``part``: the sum over ranks, on the compute device; the

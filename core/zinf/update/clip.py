@@ -32,7 +32,8 @@ def grad_norm(params: Sequence[nn.Parameter], comm: Comm) -> torch.Tensor:
         norms.append(by_group[id(g)][g.index_of(p)])
     if not norms:
         return torch.zeros(())
-    per_param = torch.stack(norms)
+    # with a device share of the optimizer some shards are on the device, the others on the host
+    per_param = torch.stack([n.to(norms[0].device) for n in norms])
     if comm.world > 1:
         per_param = comm.all_reduce(per_param.square(), op="sum").sqrt()
     return torch.linalg.vector_norm(per_param)

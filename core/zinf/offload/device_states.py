@@ -1,0 +1,83 @@
+"""The device share of an offloaded optimizer: the masters and moments of the groups the next forward needs first,
+kept on the compute device and stepped there (``offload.optimizer_device_fraction``).
+
+[Note: the device share]
+With the optimizer on the CPU, the step is bound by the CPU-Adam's pass over host memory, while the device, which
+has just finished the backward, sits idle; the next forward's first groups wait for their update. A share of the
+trained groups, the first ones built (for a model built in order, the first the forward needs), keeps its fp32
+master and moments on the compute device, its gradient shard where the reduce-scatter left it, and its parameter
+shard on the device tier: the training thread steps them there (``adam_step_torch``: the CPU-Adam's math in torch
+operations, per parameter with its own step count, gradient factor and hyper-parameters) before the CPU sweeps the
+rest in the background, so the forward starts on groups already updated and the CPU sweeps ``1 - fraction`` of the
+parameters. The share is decided from the groups' shard sizes alone, identical on every rank. Its moments are kept in
+fp32 whatever ``optimizer_storage`` says (that setting is the host's bytes); checkpoints hold them like any other
+optimizer state, so a run resumes with another share or none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+
+from zinf.device_memory import mark_device
+from zinf.offload.state_store import StateStore
+from zinf.offload.subgroups import STATES, SubGroup
+from zinf.param.store import UpdateFence
+
+if TYPE_CHECKING:
+    from zinf.param.flat_group import FlatParamGroup
+
+__all__ = ["DeviceStateStore", "device_share"]
+
+
+def device_share(groups: Sequence["FlatParamGroup"], fraction: float) -> set[int]:
+    """The ids of the trained groups whose optimizer state stays on the device: the first built, while the elements
+    taken so far are under ``fraction`` of every trained group's (see [Note: the device share])."""
+    trained = [g for g in groups if g.trainable]
+    target = fraction * sum(g.shard_numel for g in trained)
+    taken, out = 0, set()
+    for g in trained:
+        if taken >= target or fraction <= 0:
+            break
+        out.add(id(g))
+        taken += g.shard_numel
+    return out
+
+
+class DeviceStateStore(StateStore):
+    """fp32 master and moments of the device share's sub-groups, on ``device`` (see [Note: the device share])."""
+
+    tier = "device"
+
+    def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence, device: torch.device) -> None:
+        super().__init__(subgroups, fence)
+        self._tensors = {id(sg): {n: torch.zeros(sg.numel, dtype=torch.float32, device=device) for n in STATES}
+                         for sg in self.subgroups}
+        for states in self._tensors.values():
+            mark_device(*states.values())  # [Note: staged device] in zinf/device_memory.py
+
+    def begin_step(self) -> None:
+        return None
+
+    def on_background_thread(self) -> None:
+        return None
+
+    def quiesce(self) -> None:
+        return None
+
+    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor]]]:
+        for sg in self.subgroups:
+            yield sg, self._tensors[id(sg)]
+
+    def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
+        out = self._outputs(group)
+        for sg in self.of(group):
+            for name, value in self._tensors[id(sg)].items():
+                out[name][sg.lo : sg.hi].copy_(value)
+        return out
+
+    def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
+        for sg in self.of(group):
+            for name, value in states.items():
+                self._tensors[id(sg)][name].copy_(value[sg.lo : sg.hi])
