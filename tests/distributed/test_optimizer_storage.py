@@ -1,6 +1,6 @@
 """Compact optimizer states (``optimizer_storage``): the offloaded CPU-Adam's moments in bf16 or int8 on the host and
 on NVMe train like fp32 ones, on 1 and 2 ranks; the optimizer hands a checkpoint bf16 moments as stored and int8
-ones decoded (exactly), and a resume is exact; a checkpoint of one storage loads into an engine of another
+ones decoded (exactly), the checkpoint's files keep them so, and a resume is exact; a checkpoint of one storage loads into an engine of another
 (converted on load)."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch
 
 import zinf
 from dist_utils import run_distributed
+from zinf.checkpoint.part_file import PartReader
+from zinf.checkpoint.sharded import FORMAT
 from models import batches, build, make_optimizer
 from training import Recipe, reference, train_global, zinf_worker
 
@@ -65,6 +67,9 @@ def _resume(rank: int, world: int, ckpt: str, tier: str, saved: str, loaded: str
     train_global(first, data[:6], rank, world)
     first.save_checkpoint(ckpt)
     moments = {str(v.dtype) for g in first.groups for k, v in first.optimizer.group_state(g).items()}
+    files = sorted(Path(ckpt).glob("*.safetensors"))
+    with PartReader(files[rank], FORMAT) as part:  # the file keeps them as the optimizer hands them over
+        in_file = {str(part.read(n).dtype) for n in part.names() if n.startswith("optim.")}
     straight = train_global(first, data[6:], rank, world)
     first.close()
     second = _engine(loaded, tier, nvme)
@@ -72,7 +77,7 @@ def _resume(rank: int, world: int, ckpt: str, tier: str, saved: str, loaded: str
     stored = {str(v.dtype) for g in second.groups for k, v in second.optimizer.group_state(g).items()}
     resumed = train_global(second, data[6:], rank, world)
     second.close()
-    return {"straight": straight, "resumed": resumed, "saved": moments, "stored": stored}
+    return {"straight": straight, "resumed": resumed, "saved": moments, "stored": stored, "in_file": in_file}
 
 
 @pytest.mark.parametrize("tier,storage", [("cpu", "bf16"), ("nvme", "bf16"), ("cpu", "int8"), ("nvme", "int8")])
@@ -82,7 +87,7 @@ def test_a_compact_checkpoint_resumes_exactly(tier: str, storage: str, tmp_path:
     resumed run equals the straight one."""
     saved = {"bf16": "torch.bfloat16", "int8": "torch.float32"}[storage]
     for r in run_distributed(_resume, 2, str(tmp_path / "ckpt"), tier, storage, storage):
-        assert r["saved"] == {saved} == r["stored"], r
+        assert r["saved"] == {saved} == r["stored"] == r["in_file"], r
         assert r["resumed"] == r["straight"], f"resumed {r['resumed']}\nstraight {r['straight']}"
 
 

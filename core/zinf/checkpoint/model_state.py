@@ -180,7 +180,7 @@ def write_part(engine: ModelSource, file: Any, record: dict[str, Any], client_st
     specs = []
     for gi, g in enumerate(engine.groups):
         specs.append(TensorSpec(_master(gi), torch.float32, (g.shard_numel,)))
-        specs += [TensorSpec(_state(gi, k), torch.float32, (g.shard_numel,)) for k in keys[gi]]
+        specs += [TensorSpec(_state(gi, k), optimizer.state_dtype(g, k), (g.shard_numel,)) for k in keys[gi]]
     specs += [TensorSpec(_buffer(n), b.dtype, b.shape) for n, b in buffers.items()]
     meta = {
         "world": engine.comm.world, "rank": engine.comm.rank, "layout": shard_layout(engine),
@@ -194,8 +194,8 @@ def write_part(engine: ModelSource, file: Any, record: dict[str, Any], client_st
         for gi, g in enumerate(engine.groups):
             writer.write(_master(gi), g.master_shard.read().detach().to("cpu", torch.float32))
             if keys[gi]:
-                for k, v in optimizer.group_state(g).items():
-                    writer.write(_state(gi, k), v.detach().to("cpu", torch.float32).reshape(-1))
+                for k, v in optimizer.group_state(g).items():  # as the optimizer keeps them (bf16 moments in bf16)
+                    writer.write(_state(gi, k), v.detach().to("cpu", optimizer.state_dtype(g, k)).reshape(-1))
         for n, b in buffers.items():
             writer.write(_buffer(n), b.detach().cpu())
         writer.finish()

@@ -83,6 +83,10 @@ class OffloadedAdamState:
         states = self.home(group).read_states(group)
         return {k: states[k] for k in MOMENTS}  # the master is saved with the parameters
 
+    def state_dtype(self, group: "FlatParamGroup", key: str) -> torch.dtype:
+        """bf16 moments as bf16, int8 ones decoded to fp32 (``StateLayout.checkpoint_dtype``)."""
+        return self.home(group).layout.checkpoint_dtype(key)
+
     def load_state_meta(self, meta: dict[str, Any]) -> None:
         self.wait()
         saved = meta["param_groups"]

@@ -60,7 +60,8 @@ class ShardOptimizer(Protocol):
 
     # [Note: portable optimizer state]
     # What a sharded checkpoint stores, the same for every optimizer and placement so that it loads on another
-    # world size or placement: per group, each state tensor as one flat fp32 vector over the group's shard
+    # world size or placement: per group, each state tensor as one flat vector over the group's shard (fp32, or
+    # bf16 where the optimizer keeps it so: ``state_dtype``)
     # (``group_state``: zeros where a parameter has no state), and per parameter its scalars (``state_meta``:
     # ``{"step": n}`` for Adam; ``None`` where the optimizer never stepped it), which every rank holds alike.
     def state_meta(self) -> dict[str, Any]:
@@ -72,7 +73,12 @@ class ShardOptimizer(Protocol):
         ...
 
     def group_state(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
-        """This rank's state of ``group``: name -> fp32 tensor of ``group.shard_numel`` elements."""
+        """This rank's state of ``group``: name -> tensor of ``group.shard_numel`` elements."""
+        ...
+
+    def state_dtype(self, group: "FlatParamGroup", key: str) -> torch.dtype:
+        """The dtype a checkpoint keeps ``group``'s state ``key`` in: fp32, or the narrower dtype the optimizer keeps
+        it in where that holds its values exactly (bf16 moments); read back widened to fp32."""
         ...
 
     def load_state_meta(self, meta: dict[str, Any]) -> None:

@@ -179,6 +179,9 @@ class ShardedOptimizer:
                     out[k][a:b] = v.detach().reshape(-1).to("cpu", torch.float32)
         return out
 
+    def state_dtype(self, group: FlatParamGroup, key: str) -> torch.dtype:
+        return torch.float32
+
     def load_state_meta(self, meta: dict[str, Any]) -> None:
         saved = meta["param_groups"]
         if len(saved) != len(self.optimizer.param_groups):
