@@ -14,7 +14,6 @@ import zinf.plan
 from zinf.cli import main
 from zinf.plan import Machine, PlanError, parse_placement, plan
 from zinf.offload.swap import ALIGN
-from zinf.plan.memory import state_bytes
 from zinf.plan.placements import ALL_PLACEMENTS
 
 GiB = 2**30
@@ -414,3 +413,32 @@ def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) ->
     assert shards.get("nvme", 0) == expected["nvme"]
     four_bit = 14 * 64 * 128 // 2 + 8 * 64 * 64 // 2 + (14 * 64 * 128 + 8 * 64 * 64) // 64 * 4
     assert sum(expected.values()) >= four_bit  # the 4-bit linear layers, and the embeddings, head and norms in fp32
+
+
+def test_device_share_hides_the_cpu_adam_behind_the_forward() -> None:
+    """``cost.device_share``: the smallest share (in 0.05 steps) that leaves the CPU-Adam no longer than the next
+    forward, within the device memory left; none when the CPU-Adam is already hidden or nothing fits."""
+    from zinf.plan.cost import SHARE_BYTES, device_share
+
+    assert device_share(0.2, 0.05, 10**9, 10**12) == 0.75  # (1 - f) x 0.2 <= 0.05
+    assert device_share(0.04, 0.05, 10**9, 10**12) == 0.0
+    assert device_share(0.2, 0.05, 10**9, SHARE_BYTES * 10**9 // 2) == 0.5  # room for half
+    assert device_share(0.2, 0.05, 10**9, 0) == 0.0
+    assert device_share(100.0, 0.001, 10**9, 10**12) == 0.95  # never the whole optimizer
+
+
+def test_the_plan_keeps_a_share_of_the_optimizer_on_a_gpu() -> None:
+    """On a GPU with room, device/cpu moves the chosen share's states and gradients to the device (16 bytes a
+    parameter), the CPU-Adam's time shrinks with it, and the config names the share."""
+    gpu = Machine(device="cuda", device_name="test GPU", device_bytes=80 * GiB, host_bytes=200 * GiB, cores=8,
+                  flops={"fp32": 50e12, "bf16": 400e12}, host_bw=10e9, device_bw=2e12, h2d_bw=20e9)
+    p = zinf.plan.plan(params=1.3e9, layers=24, hidden=2048, machine=gpu, precision="bf16",
+                       placements=["device/cpu", "device/device"])
+    est = {e.placement.name: e for e in p.estimates}
+    share = est["device/cpu"]
+    assert 0 < share.device_fraction < 1
+    assert est["device/device"].device_fraction == 0
+    assert share.bytes["device"]["optimizer_state"] > 0 and share.bytes["device"]["grad_shards"] > 0
+    assert p.config(share)["offload"]["optimizer_device_fraction"] == share.device_fraction
+    assert zinf.ZeroConfig.from_dict(p.config(share)).offload.optimizer_device_fraction == share.device_fraction
+    assert f"({share.device_fraction:.2f} on device)" in p.table()

@@ -42,7 +42,10 @@ Data moved per step and rank:
   and bookkeeping). The constants are in :class:`zinf.plan.cost.Calibration`, each with where it comes from.
 - optimizer: torch AdamW over device shards ~80 bytes/param, zinf's CPU-Adam ~20 (it moves 30-34 bytes per
   parameter, docs/offload.md, but reads cost less than a copy; ~17.9 with bf16 moments, ~37.7 with int8 ones), both
-  in host-copy time at the measured bandwidth.
+  in host-copy time at the measured bandwidth. With CUDA, the parameters on the device and the optimizer offloaded,
+  the planner keeps the share of the optimizer on the device (``optimizer_device_fraction``) that hides the rest of
+  the CPU-Adam behind the next forward, where the device's memory allows (``cost.device_share``): its states and
+  gradients move to the device (16 bytes a parameter), its step at torch AdamW's rate adds to the step.
 - NVMe: parameters are read in the forward and again in the backward (the paper's ``2 x pb``), less what the
   pinned pool keeps (the engine keeps forward shards for the backward and updated shards for the next forward
   while there is room: the pool less its reserve, the largest shard and twice the largest trained one, and the
@@ -110,6 +113,8 @@ class Plan:
             cfg["param_storage"] = est.storage
         if est.placement.moments != "fp32":
             cfg["optimizer_storage"] = est.placement.moments
+        if est.device_fraction:
+            cfg["offload"]["optimizer_device_fraction"] = est.device_fraction
         if "nvme" in (est.placement.params, est.placement.optimizer):
             cfg["offload"].update(nvme_paths=list(self.nvme_paths), pinned_pool_bytes=est.pinned_pool_bytes,
                                   sub_group_numel=est.sub_group_numel)
@@ -126,7 +131,7 @@ class Plan:
         def row(e: Estimate) -> dict[str, Any]:
             return {"placement": e.placement.name, "params": e.placement.params, "optimizer": e.placement.optimizer,
                     "grads": e.placement.grads, "precision": e.precision, "param_storage": e.storage,
-                    "optimizer_storage": e.placement.moments,
+                    "optimizer_storage": e.placement.moments, "optimizer_device_fraction": e.device_fraction,
                     "bytes": {t: dict(k) for t, k in e.bytes.items()},
                     "bytes_per_tier": {t: e.tier_bytes(t) for t in e.bytes},
                     "disk_bytes": e.disk_bytes, "io_bytes": dict(e.io_bytes),
@@ -171,7 +176,8 @@ class Plan:
             s = e.seconds
             mark = "  <- recommended" if e is self.recommended else ""
             fits = "yes" if e.fits else "no: " + "; ".join(e.why_not)
-            rows.append([e.placement.name, f"{e.precision}/{e.storage}", _num(e.tier_bytes("device") / gib),
+            name = e.placement.name + (f" ({e.device_fraction:.2f} on device)" if e.device_fraction else "")
+            rows.append([name, f"{e.precision}/{e.storage}", _num(e.tier_bytes("device") / gib),
                          _num(e.tier_bytes("cpu") / gib), _num(e.tier_bytes("nvme") / gib),
                          _num(sum(e.io_bytes.values()) / gib), _num(s["compute"]), _num(s["optimizer"]),
                          _num(s.get("nvme", 0.0)), _num(s["step"]), f"{fits}{mark}"])

@@ -13,6 +13,7 @@ data moved per step and the time it takes, and checks what fits the machine.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -93,6 +94,7 @@ class Estimate:
     pinned_pool_bytes: int
     sub_group_numel: int
     why_not: list[str] = field(default_factory=list)  # what this placement lacks on this machine; empty: it fits
+    device_fraction: float = 0.0  # offload.optimizer_device_fraction the planner picks (see ``device_share``)
 
     @property
     def fits(self) -> bool:
@@ -237,6 +239,15 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     else:
         per = {"fp32": cal.cpu_adam_bytes, "bf16": cal.cpu_adam_bytes_bf16, "int8": cal.cpu_adam_bytes_int8}[pl.moments]
         sec["optimizer"] = trainable * per / host_bw
+    fraction = 0.0
+    if machine.device == "cuda" and pl.optimizer != "device" and pl.params == "device":
+        headroom = int(machine.device_bytes * 0.9) - sum(nbytes["device"].values())
+        fraction = device_share(sec["optimizer"], sec["compute"] / (3 * recompute), trainable, headroom)
+        if fraction:
+            _move_share(nbytes, pl, trainable, fraction)
+            sec["optimizer_device"] = fraction * trainable * cal.torch_adam_bytes / mem_bw
+            sec["optimizer"] *= 1 - fraction
+            io["d2h"] -= int(fraction * trainable * 4)  # its gradients stay on the device
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
         read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)
@@ -259,7 +270,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         streams = [sec["compute"] + sec["optimizer"] + sec.get("checksum", 0.0) + _finite(sec.get("allgather", 0.0)),
                    sec.get("nvme", 0.0)]
     else:  # pragma: no cover - CUDA only
-        opt_visible = sec["optimizer"] if pl.optimizer == "device" else max(0.0, sec["optimizer"] - sec["compute"] / (3 * recompute))
+        opt_visible = sec["optimizer"] if pl.optimizer == "device" else \
+            sec.get("optimizer_device", 0.0) + max(0.0, sec["optimizer"] - sec["compute"] / (3 * recompute))
         streams = [sec["compute"] + opt_visible, sec.get("nvme", 0.0) + sec.get("checksum", 0.0),
                    sec.get("pcie", 0.0), _finite(sec.get("allgather", 0.0))]
     streams = [_finite(x) for x in streams]
@@ -267,9 +279,41 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     sec["step"] = longest + (1 - cal.hidden_fraction) * (sum(streams) - longest)
     if (world > 1 and not machine.allgather_bw) or sec.get("nvme", 0.0) != sec.get("nvme", 0.0):
         sec["step"] = float("nan")  # a bandwidth it needs is unknown
-    est = Estimate(pl, precision, storage, nbytes, disk, io, sec, pool, wl.sub_group_numel)
+    est = Estimate(pl, precision, storage, nbytes, disk, io, sec, pool, wl.sub_group_numel, device_fraction=fraction)
     _check_fit(est, spec, machine, wl, nvme_paths)
     return est
+
+
+SHARE_STEP = 0.05  # the device shares the planner picks from
+SHARE_BYTES = 16  # device bytes per parameter of the share: fp32 master and moments, and its gradient shard
+
+
+def device_share(cpu_adam_s: float, forward_s: float, trainable: int, headroom_bytes: int) -> float:
+    """The share of the optimizer to keep on the device ([Note: the device share] in zinf/offload/device_states.py):
+    the CPU-Adam runs beside the next forward, so the step waits for ``cpu_adam_s x (1 - f) - forward_s`` plus the
+    device's own step of the share (tens of times faster); the smallest ``f`` that hides the rest behind the forward,
+    within the device memory left (``SHARE_BYTES`` a parameter), in steps of ``SHARE_STEP`` (0: none needed or no
+    room)."""
+    if cpu_adam_s <= forward_s or trainable <= 0 or headroom_bytes <= 0:
+        return 0.0
+    wanted = 1.0 - forward_s / cpu_adam_s
+    room = headroom_bytes / (SHARE_BYTES * trainable)
+    steps = math.ceil(min(wanted, 1.0 - SHARE_STEP) / SHARE_STEP)
+    while steps > 0 and steps * SHARE_STEP > room:
+        steps -= 1
+    return round(steps * SHARE_STEP, 2)
+
+
+def _move_share(nbytes: dict[str, dict[str, int]], pl: PlanPlacement, trainable: int, fraction: float) -> None:
+    """The share's master, moments and gradients leave the host (or NVMe) tiers for the device, in fp32."""
+    numel = int(fraction * trainable)
+    host_states = nbytes[pl.optimizer].get("optimizer_state", 0)
+    nbytes[pl.optimizer]["optimizer_state"] = host_states - int(host_states * fraction)
+    grads = nbytes[pl.grads].get("grad_shards", 0)
+    nbytes[pl.grads]["grad_shards"] = grads - int(grads * fraction)
+    device = nbytes["device"]
+    device["optimizer_state"] = device.get("optimizer_state", 0) + 12 * numel
+    device["grad_shards"] = device.get("grad_shards", 0) + 4 * numel
 
 
 def _finite(x: float) -> float:
