@@ -20,7 +20,6 @@ the one in flight. The free-space check at opening counts everything else.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -34,16 +33,18 @@ from zinf.device_memory import device_is_apart
 from zinf.native.buffer_cache import BufferCache, buffer_cache
 from zinf.offload.device_states import DeviceStateStore, device_share
 from zinf.offload.disk_speed import load_speed
-from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT, NvmeGradStash
+from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.nvme_param_store import NvmeShardStore
 from zinf.offload.param_store import CpuShardStore
-from zinf.offload.pool_room import PoolRoom, block_bytes
+from zinf.offload.pool_room import PoolRoom
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore, StateStore
 from zinf.offload.state_layout import StateLayout, allocate_records
 from zinf.offload.subgroups import SubGroup, plan_subgroups
-from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, Record, SwapSpace, align_up
+from zinf.offload.swap import OffloadSpaceError, Record, SwapSpace
+from zinf.offload.whole_reads import whole_records
+from zinf.offload.pool_needs import PoolNeeds
 from zinf.optim.offloaded import OffloadedAdam, check_offloadable
 from zinf.optim.protocol import ShardOptimizer
 from zinf.optim.sharded import ShardedOptimizer
@@ -65,11 +66,6 @@ def _available_ram() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
-
-
-def _span(nbytes: int) -> int:
-    """Bytes a record of ``nbytes`` occupies on disk and stages through in the pool (see swap.py)."""
-    return align_up(nbytes + TRAILER_BYTES)
 
 
 def trims_host_heap(cfg: OffloadConfig, device: torch.device) -> bool:
@@ -122,9 +118,15 @@ class Placement:
         self.pool: native.PinnedBufferPool | None = None
         room: PoolRoom | None = None
         param_reserve = backward_reserve = 0
+        self.pool_needs = PoolNeeds(cfg, self.groups, self._in_place, self.subgroups, self.layout, grads_on_nvme)
+        # frozen groups every rank reads whole, outside the collectives ([Note: frozen groups read whole] in
+        # zinf/offload/whole_reads.py): their records hold every rank's shard, where the pool can stage them
+        self.whole = self.pool_needs.that_fit(whole_records(self.groups, self._in_place, comm)) \
+            if reads_in_place and cfg.frozen_reads == "auto" else {}
+        self._in_place.update(self.whole)
         if "nvme" in (cfg.params, cfg.optimizer):
             native.require()
-            param_reserve, backward_reserve = self._check_pool(grads_on_nvme)
+            param_reserve, backward_reserve = self.pool_needs.check()
             self.aio = native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
                                       num_threads=cfg.aio_threads, direct=True, bytes_per_s=cfg.aio_bytes_per_s)
             self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio, timers=self.timers)
@@ -165,7 +167,7 @@ class Placement:
                                  eager_stats=eager_grad_stats and off_host, check_finite=check_finite,
                                  off_device=off_host and staged)
                 g.place(DEVICE_STORE if id(g) in self.on_device else self.store, grad, self.fence,
-                        self._master_home(g))
+                        self._master_home(g), whole=id(g) in self.whole)
         self._deferred: dict[int, Record] = self._spill_returns() if isinstance(self.store, NvmeShardStore) else {}
         if self.swap is not None:
             self.swap.open(deferred=list(self._deferred.values()))
@@ -229,57 +231,9 @@ class Placement:
         if self.swap is not None:
             self.swap.take_counts()  # start-up I/O is not part of the first step
 
-    def _check_pool(self, grads_on_nvme: bool) -> tuple[int, int]:
-        """Check the pool can hold what must never wait for room; return the room the parameter store's
-        read-ahead leaves free (the reserve below) and the room the optimizer's read-ahead of the next step's
-        states leaves for the backward.
-
-        Never waits: the offloaded optimizer's pipeline (three states each, and the gradient when it is on
-        NVMe, for the sub-groups read ahead, stepped and written behind) and, with parameters on NVMe, the
-        reserve: the largest shard once (a read for a gather) and the largest trained shard twice (an updated
-        shard staged, one being written; a frozen shard is never rewritten), in the pool's power-of-two block
-        sizes; plus room to read one shard ahead. Everything beyond that is opportunistic and given back on
-        demand (the pool room's evictors)."""
-        cfg = self.cfg
-        pipeline = largest = trained = 0
-        if cfg.optimizer == "nvme" and self.subgroups:
-            biggest = max(self.subgroups, key=lambda sg: sg.numel)
-            spans = [_span(self.layout.nbytes(biggest, n)) for n in self.layout.names]
-            spans += [_span(biggest.numel * 4)] if grads_on_nvme else []
-            pipeline = 3 * sum(block_bytes(span) for span in spans)
-        if cfg.params == "nvme" and self.groups:
-            largest = self._largest_staged
-            trained = max((self._staged_bytes(g) for g in self.groups if g.trainable), default=0)
-        reserve = largest + 2 * trained
-        need = pipeline + reserve + largest
-        grad_writes = 0
-        if grads_on_nvme and self.subgroups:
-            grad_writes = (GRAD_WRITES_IN_FLIGHT + 1) * block_bytes(max(_span(sg.numel * 4) for sg in self.subgroups))
-        if need > cfg.pinned_pool_bytes:
-            raise OffloadSpaceError(
-                f"zinf offload: offload.pinned_pool_bytes = {cfg.pinned_pool_bytes} is too small for this model; "
-                f"staging the largest groups and optimizer sub-groups needs about {need} bytes. Raise "
-                "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
-        return reserve, reserve + grad_writes + cfg.pinned_pool_bytes // 4
-
-    def _staged_bytes(self, group: FlatParamGroup) -> int:
-        """A group's pool block: its swap record's span, or the larger span of a frozen shard read from checkpoint
-        files (see [Note: reading extents directly] in zinf/offload/in_place.py)."""
-        rec = self._in_place.get(id(group))
-        return block_bytes(max(_span(group.shard_nbytes), rec.span if rec else 0))
-
-    @functools.cached_property
-    def _largest_staged(self) -> int:
-        """The pool bytes staging the largest group takes (its power-of-two block)."""
-        return max(self._staged_bytes(g) for g in self.groups)
-
     def stages_like_one_group(self, groups: Sequence[FlatParamGroup]) -> bool:
-        """Whether gathering ``groups`` at once (a unit, see [Note: blocks as units] in zinf/schedule/units.py)
-        stages no more in the pinned pool than the largest single group does, which is what ``_check_pool``
-        keeps room for. Always true with the parameters off NVMe (nothing is staged)."""
-        if self.cfg.params != "nvme" or not self.groups:
-            return True
-        return sum(self._staged_bytes(g) for g in groups) <= self._largest_staged
+        """See ``PoolNeeds.stages_like_one_group``; always true with the parameters off NVMe (nothing is staged)."""
+        return self.cfg.params != "nvme" or not self.groups or self.pool_needs.stages_like_one_group(groups)
 
     def _host_bytes(self, grads_tier: str) -> int:
         """Host memory this placement keeps during training, with the gradient shards on ``grads_tier``."""

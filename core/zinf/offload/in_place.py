@@ -111,6 +111,7 @@ class InPlaceRecord:
     identities: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     crc: int | None = None  # CRC32C of the whole shard (gaps as zeros); None without the native build
     start: int = 0  # where the shard starts in the buffer it is read into (0: compacted there)
+    ranks: int = 1  # the ranks' shards it holds end to end (more than one: [Note: frozen groups read whole])
 
     @classmethod
     def of(cls, name: str, nbytes: int, extents: list[Extent]) -> "InPlaceRecord":
@@ -150,8 +151,13 @@ class InPlaceRecord:
         return max(_ALIGN, _align_up(max(self.start + self.nbytes, end)))
 
     def shard_of(self, buf: torch.Tensor) -> torch.Tensor:
-        """The shard's bytes in ``buf`` (uint8), once read and compacted."""
+        """The shard's bytes in ``buf`` (uint8), once read and compacted (of a whole group: every rank's)."""
         return buf.view(torch.uint8)[self.start : self.start + self.nbytes]
+
+    def rank_of(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard in ``buf`` (uint8): the record's own, or that rank's part of a whole group's."""
+        size = self.nbytes // self.ranks
+        return self.shard_of(buf)[rank * size : (rank + 1) * size] if self.ranks > 1 else self.shard_of(buf)
 
     @property
     def path(self) -> str:

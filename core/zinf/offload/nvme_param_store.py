@@ -95,11 +95,15 @@ class NvmeShardStore:
 
     def in_place_bytes(self) -> int:
         """Bytes of this rank's frozen shards read from checkpoint files (see [Note: frozen shards in place])."""
-        return sum(r.nbytes for r in self.records.values() if isinstance(r, InPlaceRecord))
+        return sum(r.nbytes // r.ranks for r in self.records.values() if isinstance(r, InPlaceRecord))
 
-    def _data(self, group: "FlatParamGroup", buf: torch.Tensor) -> torch.Tensor:
+    def _data(self, group: "FlatParamGroup", buf: torch.Tensor, own: bool = False) -> torch.Tensor:
+        """The shard in ``buf`` (a frozen one where it landed); of a group read whole, every rank's, or with ``own``
+        this rank's alone ([Note: frozen groups read whole] in zinf/offload/whole_reads.py)."""
         rec = self.records[id(group)]
-        return buf[rec.start : rec.start + rec.nbytes].view(group.storage_dtype)  # a frozen shard where it landed
+        if isinstance(rec, InPlaceRecord) and rec.ranks > 1 and own:
+            return rec.rank_of(buf, group.rank).view(group.storage_dtype)
+        return buf[rec.start : rec.start + rec.nbytes].view(group.storage_dtype)
 
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         """Start reading ``group``'s shard; False when the pool has no room. Read-ahead (not ``demand``)
@@ -198,7 +202,7 @@ class NvmeShardStore:
                 assert not slot.staged, f"{group.name}: read while its update is being staged"
                 if slot.read is not None:
                     self._finish_read(key, slot)
-                return self._data(group, slot.buf).clone()
+                return self._data(group, slot.buf, own=True).clone()
         # no slot: the file holds the shard (a slot is dropped only once its write has finished)
         rec = self.records[key]
         buf = self.room.acquire_waiting(rec.span)
@@ -206,14 +210,19 @@ class NvmeShardStore:
             with region("nvme_read", group.name):
                 self.swap.wait(self.swap.submit_read(rec, buf), rec)
             self.swap.verify(rec, buf)
-            return self._data(group, buf).clone()
+            return self._data(group, buf, own=True).clone()
         finally:
             self.pool.release(buf)
 
     def writer(self, group: "FlatParamGroup") -> torch.Tensor:
         key = id(group)
-        if isinstance(self.records[key], InPlaceRecord):  # new values (a load into the engine): a swap record of its own
-            self.records[key] = self.swap.allocate_late(self.records[key].nbytes)
+        rec = self.records[key]
+        if isinstance(rec, InPlaceRecord):  # new values (a load into the engine): a swap record of its own
+            with self._lock:
+                if key in self._slots:  # what was read from the files is stale
+                    self._drop(key)
+            self.records[key] = self.swap.allocate_late(rec.nbytes // rec.ranks)
+            group.residence.gather_own()  # every rank loads alike: all-gathered again on every rank
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None and slot.staged:  # the next sub-group of the same update

@@ -54,10 +54,7 @@ class FlatParamGroup:
         self.layout = FlatLayout.of(names, values, rank, world, align=self.format.align)
         self.slots, self.numel, self.rank, self.world = list(self.layout.slots), self.layout.numel, rank, world
         self.shard_numel, self.padded_numel = self.layout.shard_numel, self.layout.padded_numel
-        self.persistent = False
-        self.state = GroupState.SHARDED
-        self.holds = 0
-        self.backward_held = False
+        self.persistent, self.state, self.holds, self.backward_held = False, GroupState.SHARDED, 0, False
         self._work: InFlight | None = None
         self._placeholders = self.layout.placeholders(compute_dtype, device)  # [Note: releasing memory]
         self._slot_of = {id(p): i for i, p in enumerate(params)}
@@ -117,13 +114,14 @@ class FlatParamGroup:
     def shard_only(self) -> bool:
         return self.master_shard.shard_only
 
-    def place(self, store: ShardStore, grad: GradShard, fence: UpdateFence, master_home: MasterHome | None) -> None:
+    def place(self, store: ShardStore, grad: GradShard, fence: UpdateFence, master_home: MasterHome | None,
+              whole: bool = False) -> None:
         """[Note: placement] Move the group to an offload placement, once: ``store`` takes its parameter shard
         (see ``hand_over_shard``), ``grad`` is its gradient shard there, ``fence`` tells whether a background
         step is still producing its new shard, and ``master_home`` (when the optimizer is offloaded) holds its
         fp32 master. The group is built on the device tier (by zinf.Init, before any engine exists), so this is
-        the one transition its placement makes."""
-        self.residence.place(self, store, fence)
+        the one transition its placement makes; ``whole``: the store reads every rank's shard (whole_reads.py)."""
+        self.residence.place(self, store, fence, whole)
         self.grad = grad
         self.master_shard.lives_with(master_home)
 
@@ -220,6 +218,9 @@ class FlatParamGroup:
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
         source = self.store.fetch(self)
+        if self.residence.whole:  # every rank's shard, read here: no collective ([Note: frozen groups read whole])
+            self._work, self._widen_from, self.state = None, source, GroupState.GATHERING
+            return
         # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
         # one rank read as it is; finish_gather widens it into the full buffer
         if self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full)):

@@ -45,12 +45,19 @@ class ShardResidence:
         self.spill: ShardSpill | None = None  # [Note: construction spill]: the shard waits there for the placement
         self.fence = _NO_FENCE
         self.placed = False
+        # the store reads every rank's shard: gathered without a collective ([Note: frozen groups read whole] in
+        # zinf/offload/whole_reads.py)
+        self.whole = False
 
-    def place(self, group: GroupKey, store: ShardStore, fence: UpdateFence) -> None:
+    def place(self, group: GroupKey, store: ShardStore, fence: UpdateFence, whole: bool = False) -> None:
         if self.placed:
             raise RuntimeError(f"zinf: {group.name} is already placed by another engine; build a new model for a "
                                "second engine with offload, or close() the first and rebuild the model.")
-        self.store, self.fence, self.placed = store, fence, True
+        self.store, self.fence, self.placed, self.whole = store, fence, True, whole
+
+    def gather_own(self) -> None:
+        """The store keeps this rank's shard alone from now on (new values written): all-gathered again."""
+        self.whole = False
 
     def spill_to(self, group: GroupKey, spill: ShardSpill, shard: torch.Tensor | None) -> None:
         """The shard (None: placeholders a loader replaces) waits in ``spill`` from now on."""

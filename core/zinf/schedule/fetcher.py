@@ -132,7 +132,9 @@ class ParamFetcher:
             chosen = []
         if chosen:
             self.num_prefetched += len(chosen)
-            if self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch"):
+            if self.rounds is not None:
+                chosen = self._read_whole(chosen, ahead=True)
+            if chosen and (self.rounds is None or not self.rounds.post_deferred(chosen, "prefetch")):
                 self.gather_wanted(chosen, "prefetch", ahead=True)
 
     def _check_budget(self, todo: Sequence[FlatParamGroup], groups: Sequence[FlatParamGroup], label: str,
@@ -173,10 +175,19 @@ class ParamFetcher:
         if self.rounds is None:
             union = list(wanted)
         else:  # acquire and prefetch have applied a pending round already
+            wanted = self._read_whole(wanted, ahead)
             if not wanted:
                 return  # nothing to post: rounds pair with rounds, so skipping one is always safe
             union = self.rounds.post_work(wanted, label)
         self.gather_union(union, wanted, ahead)
+
+    def _read_whole(self, wanted: Sequence[FlatParamGroup], ahead: bool) -> list[FlatParamGroup]:
+        """Start the gathers of the groups this rank reads whole (no round, no collective: [Note: frozen groups read
+        whole] in zinf/offload/whole_reads.py); the others, to be agreed on in a round."""
+        whole = [g for g in wanted if g.residence.whole]
+        if whole:
+            self.gather_union(whole, whole, ahead)
+        return [g for g in wanted if not g.residence.whole]
 
     def gather_union(self, union: Sequence[FlatParamGroup], wanted: Sequence[FlatParamGroup] = (),
                      ahead: bool = True) -> None:
@@ -206,7 +217,7 @@ class ParamFetcher:
     def _batch(self, union: Sequence[FlatParamGroup]) -> GatherBatch | None:
         """One collective for the union's gathers ([Note: one collective per round]); None where one would do."""
         comm = self.ctx.comm
-        if len(union) < 2 or comm.world == 1 or not self.config.coalesces(comm.backend):
+        if sum(not g.residence.whole for g in union) < 2 or comm.world == 1 or not self.config.coalesces(comm.backend):
             return None
         return GatherBatch(self.ctx.comm, self.ctx.streams)
 
