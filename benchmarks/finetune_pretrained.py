@@ -63,6 +63,9 @@ def main() -> None:
     p.add_argument("--copy-frozen", action="store_true",
                    help="offload.frozen_in_place: false (copy the frozen base to the swap files instead of reading it "
                         "from the checkpoint's files)")
+    p.add_argument("--frozen-reads", default="gathered", choices=["gathered", "whole"],
+                   help="offload.frozen_reads: each rank reads its own shards of the frozen base, all-gathered, or "
+                        "the whole base (ranks on one host)")
     p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
                    help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
@@ -81,7 +84,7 @@ def main() -> None:
         "offload": {"params": "nvme", "optimizer": "nvme" if args.full else "cpu",
                     "grads": "nvme" if args.full else "auto", "nvme_paths": [args.nvme],
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
-                    "frozen_in_place": not args.copy_frozen},
+                    "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -146,11 +149,12 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.1f} s" for k, v in rec["breakdown_s"].items()), flush=True)
     peak_after = _rank_peak(compute_dtype) if args.steps else None
     resident = engine.resident_bytes()
+    read_whole = len(engine.placement.whole)  # frozen groups read whole, without a collective
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
-            "steps": steps, "resident": resident,
+            "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
             "four_bit_bytes_per_parameter": four_bit[0] * world / four_bit[1] if four_bit[1] else None}
     every: list = [None] * world
     dist.all_gather_object(every, mine)

@@ -155,10 +155,10 @@ class OffloadConfig(Checked):
         the trained parameters (whole groups, the first built) whose fp32 master and moments stay on the compute
         device and are stepped there, while the CPU-Adam sweeps the rest: 0 (the default) steps everything on the
         CPU. See [Note: the device share] in zinf/offload/device_states.py.
-    frozen_reads: how the frozen groups read in place are gathered: "auto" (the default: where every rank runs on
-        one host and sees the same files, each rank reads every rank's shard and gathers them without a collective,
-        world times the disk bytes; see [Note: frozen groups read whole] in zinf/offload/whole_reads.py) or
-        "gathered" (each rank reads its own shard; they are all-gathered).
+    frozen_reads: how the frozen groups read in place reach every rank: "gathered" (the default: each rank reads its
+        own shard; they are all-gathered) or "whole" (where every rank runs on one host and sees the same files,
+        each rank reads every rank's shard and gathers the group without a collective: world times the disk bytes;
+        see [Note: frozen groups read whole] in zinf/offload/whole_reads.py, measured in docs/pretrained.md).
     aio_bytes_per_s: a cap on the bytes per second the offload's reads and writes move together (0, the default: none),
         to leave a shared drive's bandwidth to other work or to see how a run would go on a slower drive; ``zinf info
         --nvme`` and the step report's ``nvme_floor`` measure the capped speed when given the same cap.
@@ -179,7 +179,7 @@ class OffloadConfig(Checked):
     aio_threads: int = 2
     aio_bytes_per_s: int = 0
     optimizer_device_fraction: float = 0.0
-    frozen_reads: str = "auto"
+    frozen_reads: str = "gathered"
 
     def validate(self) -> None:
         check_types(self, "offload.")
@@ -208,8 +208,8 @@ class OffloadConfig(Checked):
                  "offload.optimizer_device_fraction", self.optimizer_device_fraction,
                  "0 unless offload.optimizer is 'cpu' or 'nvme' and offload.params is 'device' (the share's shards stay "
                  "on the device it steps them on)")
-        require(self.frozen_reads in ("auto", "gathered"), "offload.frozen_reads", self.frozen_reads,
-                 "one of ['auto', 'gathered']")
+        require(self.frozen_reads in ("gathered", "whole"), "offload.frozen_reads", self.frozen_reads,
+                 "one of ['gathered', 'whole']")
         require(self.aio_bytes_per_s >= 0, "offload.aio_bytes_per_s", self.aio_bytes_per_s,
                  "an integer >= 0 (0: no cap on the offload's disk traffic)")
         require(self.aio_block_bytes % 4096 == 0, "offload.aio_block_bytes", self.aio_block_bytes, "a multiple of 4096")

@@ -122,7 +122,7 @@ class Placement:
         # frozen groups every rank reads whole, outside the collectives ([Note: frozen groups read whole] in
         # zinf/offload/whole_reads.py): their records hold every rank's shard, where the pool can stage them
         self.whole = self.pool_needs.that_fit(whole_records(self.groups, self._in_place, comm)) \
-            if reads_in_place and cfg.frozen_reads == "auto" else {}
+            if reads_in_place and cfg.frozen_reads == "whole" else {}
         self._in_place.update(self.whole)
         if "nvme" in (cfg.params, cfg.optimizer):
             native.require()

@@ -2,7 +2,7 @@
 loaded under ``zinf.Init`` with the parameters on NVMe in bf16 storage (fp32 compute), most of it frozen and read in
 place, groups of odd sizes (norms, an embedding of 96 rows, 48-wide projections):
 
-- each rank reading every rank's shard (``offload.frozen_reads: auto``) trains bit for bit as all-gathering them
+- each rank reading every rank's shard (``offload.frozen_reads: whole``) trains bit for bit as all-gathering them
   (``gathered``) and as a base copied to the swap files (``frozen_in_place: false``);
 - no all-gather is issued for a frozen group read whole (every collective counted by the group it gathers), and
   the bytes the ranks' transport moves are those of the trained groups' gathers alone;
@@ -89,7 +89,7 @@ class _Counted:
 def _train(rank: int, world: int, path: str, root: str) -> dict:
     counted = _Counted()
     out = {}
-    for name, in_place, reads in (("whole", True, "auto"), ("gathered", True, "gathered"), ("copied", False, "auto")):
+    for name, in_place, reads in (("whole", True, "whole"), ("gathered", True, "gathered"), ("copied", False, "whole")):
         model, engine = _build(path, os.path.join(root, name), in_place, reads)
         frozen = {id(g) for g in engine.groups if not g.trainable}
         read_whole = {id(g) for g in engine.groups if g.residence.whole}

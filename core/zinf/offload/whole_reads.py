@@ -3,20 +3,21 @@
 [Note: frozen groups read whole]
 A frozen group read in place (see [Note: frozen shards in place] in zinf/offload/in_place.py) lies in files every rank
 on one host can read. All-gathering it moves the whole base through the ranks' transport twice a step and ties the
-ranks together at every module (a round, then the gather's chunks), so a rank that runs ahead waits for the others
-at each of the base's modules. Each rank can instead read every rank's shard from the same files: its gathers of
-such a group are reads and a widening copy (or the 4-bit decode) of its own, with no round and no collective; the
-ranks meet only where a trained group is gathered or reduced. The price is the disk bytes: each rank reads the whole
-base, ``world`` times the bytes of the gathered path, which the step hides where the disk is fast beside the
-compute (a 13B LoRA step on 2 ranks: 52 GB a step against 30 s of compute at 3.9 GB/s).
+ranks together at every module (a round, then the gather's chunks). With ``offload.frozen_reads: whole`` each rank
+reads every rank's shard from the same files instead: its gathers of such a group are reads and a widening copy (or
+the 4-bit decode) of its own, with no round and no collective; the ranks meet only where a trained group is
+gathered or reduced. The price is the disk bytes: each rank reads the whole base, ``world`` times the bytes of the
+gathered path. On a 2-core host with a 3.8 GB/s drive that price is the larger one (docs/pretrained.md: a 13B LoRA
+step 56.3 s whole against 53.4 s gathered, a 1.1B 5.45 against 5.08 s; the gathers' waits there are the widening,
+not the transport), so it is not the default; it is for hosts where the ranks' transport is the slower path.
 
-Decided once, at the placement, from what every rank sees: every rank's records are exchanged, and the groups are
-read whole only where every rank runs on this host, every rank holds a record of the group, and every file has the
-same identity (device, inode, size, modification time) for every rank. The decision is then the same on every
-rank, as the collectives that remain require. A group's whole record is every rank's extents end to end (rank
-``r``'s at ``r`` times the shard's bytes), checked against the CRC32C of the ranks' checksums combined; the store
-stages it like a shard (``offload.pinned_pool_bytes`` must hold the largest group whole). A group given new values
-(a checkpoint loaded into the engine) gets a swap record of its own shard and is all-gathered again.
+Decided once, at the placement, from what every rank sees: every rank's records are exchanged, and a group is read
+whole only where every rank runs on this host, every rank holds a record of the group, every file has the same
+identity (device, inode, size, modification time) for every rank, and the pool can stage the group whole beside what
+never waits for room (``PoolNeeds.that_fit``). The decision is then the same on every rank, as the collectives that
+remain require. A group's whole record is every rank's extents end to end (rank ``r``'s at ``r`` times the shard's
+bytes), checked against the CRC32C of the ranks' checksums combined. A group given new values (a checkpoint loaded
+into the engine) gets a swap record of its own shard and is all-gathered again.
 """
 
 from __future__ import annotations
