@@ -69,12 +69,18 @@ def main() -> None:
     p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
                    help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
+    p.add_argument("--ddp", action="store_true",
+                   help="the same steps under plain PyTorch DDP instead, every rank holding the whole model in memory "
+                        "in the compute dtype (no zinf): the baseline a step on NVMe is compared with")
     p.add_argument("--out", default=None, help="write the figures as JSON here (rank 0)")
     args = p.parse_args()
 
     sampler = RssSampler()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.ddp:
+        mine = _ddp(args, rank, world, sampler)
+        _finish(args, rank, world, mine, "ddp", mine.pop("parameters"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -156,12 +162,16 @@ def main() -> None:
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
             "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
             "four_bit_bytes_per_parameter": four_bit[0] * world / four_bit[1] if four_bit[1] else None}
+    _finish(args, rank, world, mine, "zinf", sum(q.numel() for q in engine.params))
+
+
+def _finish(args: argparse.Namespace, rank: int, world: int, mine: dict, system: str, parameters: int) -> None:
+    """Every rank's figures to rank 0, printed and written as JSON; then the processes end."""
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        n = sum(q.numel() for q in engine.params) if hasattr(engine, "params") else None
-        summary = {"model": args.model, "parameters": n, "world": world, "mode": "full" if args.full else "lora",
-                   "ranks": every}
+        summary = {"model": args.model, "system": system, "parameters": parameters, "world": world,
+                   "mode": "full" if args.full else "lora", "ranks": every}
         print(json.dumps(summary, indent=1, default=str))
         if args.out:
             Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
@@ -169,6 +179,48 @@ def main() -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -> dict:
+    """The same model, adapters, data and steps under DistributedDataParallel, the whole model in memory on every
+    rank (``--ddp``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from torch.nn.parallel import DistributedDataParallel
+
+    if args.qlora or args.full:
+        raise SystemExit("--ddp compares the LoRA run: drop --qlora and --full")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    hf_config = AutoConfig.from_pretrained(args.model)
+    dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.precision])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    model.train()
+    peak_before = _rank_peak(dtype)
+    n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))
+    step_flops = 4 * n_params * args.batch * args.seq
+    steps = []
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.randint(0, hf_config.vocab_size, (args.batch, args.seq), generator=g)
+        t = time.perf_counter()
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append({"seconds": time.perf_counter() - t, "loss": loss.item()})
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps} (DDP): loss {loss.item():.4f}, {steps[-1]['seconds']:.1f} s, "
+                  f"{steps[-1]['seconds'] / (step_flops / peak_before):.1f}x the compute bound", flush=True)
+    return {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "load_s": load_s,
+            "matmul_flops_before": peak_before, "step_flops": step_flops, "compute_bound_s": step_flops / peak_before,
+            "steps": steps, "parameters": n_params}
 
 
 if __name__ == "__main__":

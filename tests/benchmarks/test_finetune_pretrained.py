@@ -53,6 +53,22 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
         both = sum(s["nvme_read"] / 2e9 + s["nvme_written"] / 1e9 for s in (a, b))
         assert a["disk_bound_s"] == b["disk_bound_s"] == pytest.approx(both)
 
+    # --ddp: the baseline, the same adapters, data and steps under DDP with the model in memory (fp32 values of the
+    # bf16 checkpoint, as zinf computes from its bf16 shards): the same losses but for the order of the sums
+    ddp_out = tmp_path / "ddp.json"
+    result = processes.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
+         "--steps", "2", "--seq", "16", "--precision", "fp32", "--ddp", "--out", str(ddp_out)],
+        cwd=tmp_path, env=processes.env_without_launch(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ddp = json.loads(ddp_out.read_text())
+    assert ddp["system"] == "ddp" and ddp["parameters"] == figures["parameters"]
+    for zr, dr in zip(figures["ranks"], ddp["ranks"]):
+        assert dr["step_flops"] == zr["step_flops"]
+        for zs, ds in zip(zr["steps"], dr["steps"]):
+            assert ds["loss"] == pytest.approx(zs["loss"], rel=1e-5), (ds["loss"], zs["loss"])
+
 
 def test_qlora_reports_the_four_bit_base(tmp_path: Path) -> None:
     """``--qlora nf4``: the base's linear weights in 4 bits on NVMe (0.5625 bytes a parameter, and the padding to
