@@ -6,13 +6,19 @@ loaded under ``zinf.Init`` with parameters on NVMe in bf16 storage, most of it f
   trained groups, the report counts the frozen bytes as read from the checkpoint, and the files are not written;
 - a checkpoint file changed under a run (rewritten, rewritten with its old modification time restored, truncated) is
   refused at the next read, naming the file;
-- new values loaded into a built engine give a frozen group a swap record of its own (the files stay as they were).
+- new values loaded into a built engine give a frozen group a swap record of its own (the files stay as they were);
+- [Note: frozen groups read whole] in zinf/offload/whole_reads.py: each rank reading every rank's shard
+  (``offload.frozen_reads: whole``) trains bit for bit as all-gathering them and as a copied base; no all-gather is
+  issued for a frozen group read whole (each collective counted by the group it gathers), the ranks' transport moves
+  the trained groups' gathers alone, and an evaluation forward reads one more shard of each frozen group than the
+  gathered path and nothing else (the engine's NVMe bytes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,14 +51,14 @@ def _files(path: Path) -> dict[str, tuple[str, int]]:
             for f in sorted(path.glob("*.safetensors"))}
 
 
-def _build(path: str, nvme: str, in_place: bool):
+def _build(path: str, nvme: str, in_place: bool, reads: str = "gathered"):
     from transformers import AutoModelForCausalLM
 
     os.makedirs(nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({
         "precision": "fp32", "param_storage": "bf16",
-        "offload": {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20,
-                    "frozen_in_place": in_place}})
+        "offload": {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 8 << 20,
+                    "frozen_in_place": in_place, "frozen_reads": reads}})
     with zinf.Init(config):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for name, p in model.named_parameters():
@@ -104,18 +110,19 @@ def _step(engine, x: torch.Tensor) -> None:
     engine.step()
 
 
-def _changed(rank: int, world: int, path: str, nvme: str, how: str) -> str:
-    _, engine = _build(path, nvme, True)
+def _changed(rank: int, world: int, path: str, nvme: str, how: str, reads: str = "gathered") -> str:
+    _, engine = _build(path, os.path.join(nvme, str(rank)), True, reads)
     target = _first_file(Path(path))
     raw = bytearray(target.read_bytes())
     seen = target.stat()
-    if how == "truncated":
+    if rank == 0 and how == "truncated":
         target.write_bytes(raw[: len(raw) - 4096])
-    else:
+    elif rank == 0:
         raw[-64] ^= 0xFF  # inside the last tensor's bytes
         target.write_bytes(raw)
         if how == "same_mtime":  # only the checksum can tell
             os.utime(target, ns=(seen.st_atime_ns, seen.st_mtime_ns))
+    torch.distributed.barrier()
     try:
         _step(engine, token_batches(1, 2)[0])
     except CheckpointChangedError as exc:
@@ -137,6 +144,16 @@ def test_a_checkpoint_changed_under_a_run_is_refused(checkpoint: Path, tmp_path:
         assert "CRC32C" in message, message
 
 
+def test_a_checkpoint_changed_under_ranks_reading_it_whole_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    """Read whole, every rank reads the changed bytes: each refuses them, by their checksum alone."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    for message in run_distributed(_changed, 2, str(copy), str(tmp_path / "nvme"), "same_mtime", "whole"):
+        assert _first_file(copy).name in message and "CRC32C" in message, message
+
+
 def _load_into(rank: int, world: int, path: str, nvme: str) -> dict:
     model, engine = _build(path, nvme, True)
     state = engine.full_state_dict()
@@ -156,3 +173,83 @@ def test_new_values_for_a_frozen_group_go_to_swap(checkpoint: Path, tmp_path: Pa
         expect = v if k.startswith(TRAINED) or not v.is_floating_point() else v.to(torch.bfloat16).float()
         assert torch.equal(res["got"][k], expect), k
     assert "frozen_in_checkpoint" not in res["nvme"], res["nvme"]
+
+
+class _Counted:
+    """Every all-gather a group issues (``collectives.all_gather``, called by the group's ``start_gather``: the group
+    is its caller) and every byte the ranks' collectives gather (``Comm.all_gather_into`` / ``all_gather_coalesced``),
+    the real calls made as they are."""
+
+    def __init__(self) -> None:
+        from zinf.runtime import collectives
+        from zinf.runtime.comm import Comm
+
+        self.groups: list[int] = []  # id() of the group of each gather
+        self.bytes = 0
+        self.gathered_bytes = 0  # the outputs of the named gathers
+        gather, into, coalesced = collectives.all_gather, Comm.all_gather_into, Comm.all_gather_coalesced
+
+        def counted_gather(ctx, out, shard, name, batch=None):
+            self.groups.append(id(sys._getframe(1).f_locals["self"]))
+            self.gathered_bytes += out.numel() * out.element_size()
+            return gather(ctx, out, shard, name, batch)
+
+        def counted_into(comm, out, shard, async_op):
+            self.bytes += out.numel() * out.element_size()
+            return into(comm, out, shard, async_op)
+
+        def counted_coalesced(comm, outs, shards):
+            self.bytes += sum(o.numel() * o.element_size() for o in outs)
+            return coalesced(comm, outs, shards)
+
+        collectives.all_gather = counted_gather
+        Comm.all_gather_into, Comm.all_gather_coalesced = counted_into, counted_coalesced
+
+
+def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
+    counted = _Counted()
+    out = {}
+    for name, in_place, reads in (("whole", True, "whole"), ("gathered", True, "gathered"), ("copied", False, "whole")):
+        model, engine = _build(path, os.path.join(root, name), in_place, reads)
+        frozen = {id(g) for g in engine.groups if not g.trainable}
+        read_whole = {id(g) for g in engine.groups if g.residence.whole}
+        counted.groups.clear()
+        counted.bytes = counted.gathered_bytes = 0
+        model.train()
+        losses = [lm_step_global(engine, x, rank, world) for x in token_batches(3, 4)]
+        gathers = list(counted.groups)
+        moved, named = counted.bytes, counted.gathered_bytes
+        # an evaluation forward: each group gathered once, read once (the pool holds the tiny model)
+        model.eval()
+        engine.synchronize()  # the step's writes done, the slots the store keeps given back: the files alone hold them
+        engine.placement.io_counts()
+        with torch.no_grad():
+            engine(input_ids=token_batches(1, 2)[0])
+        read = engine.placement.io_counts()["nvme_read_bytes"]
+        out[name] = {"losses": losses, "state": engine.full_state_dict(), "frozen": frozen, "whole": read_whole,
+                     "trained_gathers": sum(1 for g in gathers if g not in frozen),
+                     "gathers": gathers, "moved": moved, "named": named, "eval_read": read,
+                     "frozen_shard_bytes": sum(g.shard_nbytes for g in engine.groups if not g.trainable)}
+        engine.close()
+    return out
+
+
+def test_frozen_groups_read_whole_train_exactly_without_collectives(checkpoint: Path, tmp_path: Path) -> None:
+    results = run_distributed(_three_ways, 2, str(checkpoint), str(tmp_path))
+    for rank, r in enumerate(results):
+        whole, gathered, copied = r["whole"], r["gathered"], r["copied"]
+        assert whole["whole"] == whole["frozen"] and whole["frozen"], (rank, whole["whole"], whole["frozen"])
+        assert not gathered["whole"] and not copied["whole"]
+        assert whole["losses"] == gathered["losses"] == copied["losses"], (rank, whole["losses"], gathered["losses"])
+        for k in whole["state"]:
+            assert torch.equal(whole["state"][k], gathered["state"][k]), (rank, k)
+            assert torch.equal(whole["state"][k], copied["state"][k]), (rank, k)
+        # no collective for a frozen group read whole; the gathered path all-gathers them
+        assert not whole["frozen"] & set(whole["gathers"]) and whole["gathers"]
+        assert gathered["frozen"] <= set(gathered["gathers"])
+        assert whole["trained_gathers"] == gathered["trained_gathers"] == len(whole["gathers"])
+        assert whole["moved"] == whole["named"] < gathered["moved"], (whole["moved"], whole["named"], gathered["moved"])
+        # each frozen group's other shard is read too, and nothing else
+        assert whole["eval_read"] - gathered["eval_read"] == whole["frozen_shard_bytes"], \
+            (whole["eval_read"], gathered["eval_read"], whole["frozen_shard_bytes"])
+    assert results[0]["whole"]["losses"] == results[1]["whole"]["losses"]
