@@ -45,6 +45,12 @@ def _rank_peak(dtype: torch.dtype) -> float:
     return matmul_peak_flops(n=2048 if dtype == torch.float32 else 512, repeats=3, dtype=dtype)
 
 
+def _batches(args: argparse.Namespace, vocab: int, rank: int) -> list[torch.Tensor]:
+    """This rank's token ids for every step, the same for zinf and for ``--ddp``."""
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randint(0, vocab, (args.batch, args.seq), generator=g) for _ in range(args.steps)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a save_pretrained directory (make_pretrained.py writes one)")
@@ -124,9 +130,7 @@ def main() -> None:
     step_flops = (6 if args.full else 4) * n_params * args.batch * args.seq
     compute_bound = step_flops / peak_before  # the same for every step: the rate is measured once, before them
     steps = []
-    g = torch.Generator().manual_seed(rank)
-    for step in range(args.steps):
-        x = torch.randint(0, hf_config.vocab_size, (args.batch, args.seq), generator=g)
+    for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
         t = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
@@ -206,9 +210,7 @@ def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))
     step_flops = 4 * n_params * args.batch * args.seq
     steps = []
-    g = torch.Generator().manual_seed(rank)
-    for step in range(args.steps):
-        x = torch.randint(0, hf_config.vocab_size, (args.batch, args.seq), generator=g)
+    for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
         t = time.perf_counter()
         loss = ddp(input_ids=x, labels=x).loss
         loss.backward()

@@ -16,13 +16,13 @@ optimizer state, so a run resumes with another share or none.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from zinf.device_memory import mark_device
-from zinf.offload.state_store import StateStore
-from zinf.offload.subgroups import STATES, SubGroup
+from zinf.offload.state_store import CpuStateStore
+from zinf.offload.subgroups import SubGroup
 from zinf.param.store import UpdateFence
 
 if TYPE_CHECKING:
@@ -38,46 +38,24 @@ def device_share(groups: Sequence["FlatParamGroup"], fraction: float) -> set[int
     target = fraction * sum(g.shard_numel for g in trained)
     taken, out = 0, set()
     for g in trained:
-        if taken >= target or fraction <= 0:
+        if taken >= target:
             break
         out.add(id(g))
         taken += g.shard_numel
     return out
 
 
-class DeviceStateStore(StateStore):
-    """fp32 master and moments of the device share's sub-groups, on ``device`` (see [Note: the device share])."""
+class DeviceStateStore(CpuStateStore):
+    """fp32 master and moments of the device share's sub-groups, in arrays on ``device`` (see [Note: the device
+    share]); read, written and swept as the host's store does."""
 
     tier = "device"
 
     def __init__(self, subgroups: Sequence[SubGroup], fence: UpdateFence, device: torch.device) -> None:
+        self.device = device
         super().__init__(subgroups, fence)
-        self._tensors = {id(sg): {n: torch.zeros(sg.numel, dtype=torch.float32, device=device) for n in STATES}
-                         for sg in self.subgroups}
-        for states in self._tensors.values():
-            mark_device(*states.values())  # [Note: staged device] in zinf/device_memory.py
 
-    def begin_step(self) -> None:
-        return None
-
-    def on_background_thread(self) -> None:
-        return None
-
-    def quiesce(self) -> None:
-        return None
-
-    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor]]]:
-        for sg in self.subgroups:
-            yield sg, self._tensors[id(sg)]
-
-    def read_states(self, group: "FlatParamGroup") -> dict[str, torch.Tensor]:
-        out = self._outputs(group)
-        for sg in self.of(group):
-            for name, value in self._tensors[id(sg)].items():
-                out[name][sg.lo : sg.hi].copy_(value)
+    def _empty(self, sg: SubGroup) -> dict[str, torch.Tensor]:
+        out = self.layout.empty(sg, self.device)
+        mark_device(*out.values())  # [Note: staged device] in zinf/device_memory.py
         return out
-
-    def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
-        for sg in self.of(group):
-            for name, value in states.items():
-                self._tensors[id(sg)][name].copy_(value[sg.lo : sg.hi])

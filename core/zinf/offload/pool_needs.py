@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT
 from zinf.offload.in_place import InPlaceRecord
 from zinf.offload.pool_room import block_bytes
-from zinf.offload.swap import TRAILER_BYTES, OffloadSpaceError, align_up
+from zinf.offload.swap import OffloadSpaceError, record_span
 
 if TYPE_CHECKING:
     from zinf.config_sections import OffloadConfig
@@ -18,12 +18,7 @@ if TYPE_CHECKING:
     from zinf.offload.subgroups import SubGroup
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["PoolNeeds", "record_span"]
-
-
-def record_span(nbytes: int) -> int:
-    """Bytes a record of ``nbytes`` occupies on disk and stages through in the pool (see swap.py)."""
-    return align_up(nbytes + TRAILER_BYTES)
+__all__ = ["PoolNeeds"]
 
 
 class PoolNeeds:

@@ -74,9 +74,9 @@ class StateLayout:
         """Every array of ``subgroups``: master, moments (and int8 block exponents)."""
         return sum(self.nbytes(sg, name) for sg in subgroups for name in self.names)
 
-    def empty(self, sg: "SubGroup") -> dict[str, torch.Tensor]:
-        """A sub-group's arrays with zero moments (zero blocks for int8)."""
-        out = {n: torch.zeros(self.numel(sg, n), dtype=self.dtype(n)) for n in self.names}
+    def empty(self, sg: "SubGroup", device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """A sub-group's arrays with zero moments (zero blocks for int8), in host memory or on ``device``."""
+        out = {n: torch.zeros(self.numel(sg, n), dtype=self.dtype(n), device=device) for n in self.names}
         for n in SCALES.values():
             if n in out:
                 out[n].fill_(moment_codes.ZERO_BLOCK)

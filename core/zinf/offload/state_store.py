@@ -95,10 +95,14 @@ class CpuStateStore(StateStore):
         self._shared = 0  # elements whose master is their parameter shard
         for sg in self.subgroups:
             shard = shards.get(id(sg.group))
-            self._tensors[id(sg)] = self.layout.empty(sg)
+            self._tensors[id(sg)] = self._empty(sg)
             if shard is not None:
                 self._tensors[id(sg)]["master"] = shard[sg.lo : sg.hi]
                 self._shared += sg.numel
+
+    def _empty(self, sg: SubGroup) -> dict[str, torch.Tensor]:
+        """``sg``'s arrays, zero (where the store keeps them)."""
+        return self.layout.empty(sg)
 
     def state_bytes(self) -> int:
         return super().state_bytes() - self._shared * 4

@@ -35,7 +35,7 @@ from zinf.offload.in_place import InPlaceRecord
 from zinf.errors import ZinfError
 from zinf.report import StepTimers
 
-__all__ = ["OffloadFileError", "OffloadSpaceError", "Record", "SwapSpace", "ALIGN", "TRAILER_BYTES"]
+__all__ = ["OffloadFileError", "OffloadSpaceError", "Record", "SwapSpace", "ALIGN", "TRAILER_BYTES", "record_span"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def record_span(nbytes: int) -> int:
+    """Bytes a record of ``nbytes`` occupies on disk (data, padding, trailer) and stages through in the pool."""
+    return align_up(nbytes + TRAILER_BYTES)
+
+
 @dataclass
 class Record:
     """Where one offloaded tensor lives: file, offset, sizes; ``generation`` counts writes."""
@@ -75,7 +80,7 @@ class Record:
     @property
     def span(self) -> int:
         """Bytes the record occupies on disk (data, padding, trailer), a multiple of 4096."""
-        return align_up(self.nbytes + TRAILER_BYTES)
+        return record_span(self.nbytes)
 
     @property
     def start(self) -> int:

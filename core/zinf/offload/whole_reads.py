@@ -22,34 +22,24 @@ into the engine) gets a swap record of its own shard and is all-gathered again.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from zinf import native
 from zinf.native.checksum import crc32c_combine
 from zinf.offload.in_place import Extent, InPlaceRecord
+from zinf.runtime.same_host import host_boot
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
     from zinf.runtime.comm import Comm
 
-__all__ = ["whole_records", "host_key"]
-
-
-def host_key() -> str:
-    """This host's name and boot: ranks with the same key share one kernel, so one page of a file is the same to all."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+__all__ = ["whole_records"]
 
 
 def _message(groups: Sequence["FlatParamGroup"], records: Mapping[int, InPlaceRecord]) -> dict:
     """What this rank tells the others: its host, and per group (by index) its record's extents, checksum and files."""
-    out: dict = {"host": host_key(), "groups": {}}
+    out: dict = {"host": host_boot(), "groups": {}}  # ranks on one kernel see one file the same
     for i, g in enumerate(groups):
         rec = records.get(id(g))
         if rec is not None and rec.crc is not None:

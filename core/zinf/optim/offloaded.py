@@ -93,7 +93,6 @@ class OffloadedAdam(OffloadedAdamState):
         self.optimizer, self.states, self.fence, self.stash = optimizer, states, fence, stash
         # the groups stepped on the device ([Note: the device share] in zinf/offload/device_states.py)
         self.device_states = device_states
-        self._on_device = {id(sg.group) for sg in device_states.subgroups} if device_states is not None else set()
         self.groups = list(groups)
         self.background = background
         self.timers = timers or StepTimers()
@@ -271,8 +270,7 @@ class OffloadedAdam(OffloadedAdamState):
 
     def home(self, group: "FlatParamGroup") -> "StateStore":
         """The store holding ``group``'s master and moments."""
-        if id(group) in self._on_device:
-            assert self.device_states is not None
+        if self.device_states is not None and self.device_states.of(group):
             return self.device_states
         return self.states
 

@@ -15,15 +15,11 @@ from zinf.config import PRECISIONS
 from zinf.config_sections import TIERS
 from zinf.offload.pool_room import block_bytes
 from zinf.offload.subgroups import ALIGN_NUMEL
-from zinf.offload.swap import TRAILER_BYTES, align_up
+from zinf.offload.swap import align_up, record_span
 from zinf.plan.model import ModelSpec
 from zinf.plan.placements import PlanPlacement
 
 __all__ = ["record_span", "trained_shards", "pool_need", "choose_pool", "state_bytes", "disk_bytes"]
-
-
-def record_span(nbytes: int) -> int:
-    return align_up(nbytes + TRAILER_BYTES)
 
 
 def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:

@@ -47,7 +47,7 @@ from zinf.report import tier_of
 if TYPE_CHECKING:
     from zinf.runtime.comm import Comm
 
-__all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState"]
+__all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState", "host_boot"]
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +73,25 @@ class _HostId:
     native: bool
 
 
-def _host_id() -> _HostId:
+def host_boot() -> tuple[str, str]:
+    """This host's name and the kernel's boot id: processes with both equal run on one kernel ("" where the boot id
+    cannot be read)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
+    return socket.gethostname(), boot
+
+
+def _host_id() -> _HostId:
+    host, boot = host_boot()
     try:
         pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pid_ns = ""
     usable = os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-    return _HostId(socket.gethostname(), boot, pid_ns, usable, native_shm.available())
+    return _HostId(host, boot, pid_ns, usable, native_shm.available())
 
 
 class SameHostTransport:
