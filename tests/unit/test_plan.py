@@ -276,7 +276,8 @@ def test_cli_json(tmp_path: Path, capsys) -> None:
     assert main(["plan", "--params", "1.3e9", "--layers", "24", "--hidden", "2048", "--nvme", str(nv),
                  "--machine", mf, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"model", "workload", "machine", "placements", "recommended", "notes"}
+    assert set(out) == {"model", "workload", "machine", "placements", "recommended", "notes", "frozen_base"}
+    assert out["frozen_base"] is None
     assert out["model"]["params"] == 1_300_000_000 and len(out["placements"]) == 30
     row = out["placements"][0]
     assert {"placement", "precision", "bytes", "bytes_per_tier", "seconds", "fits", "why_not", "io_bytes"} <= set(row)

@@ -82,6 +82,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from zinf.plan.cost import Calibration, Estimate, Workload, estimate
+from zinf.plan.frozen_base import FrozenBase, choose_frozen_base
 from zinf.plan.placements import ALL_PLACEMENTS, PlanPlacement, parse_placement
 from zinf.plan.machine import Machine, measure_machine
 from zinf.plan.model import (ModelSpec, PlanError, spec_from_factory, spec_from_hf, spec_from_module,
@@ -102,6 +103,7 @@ class Plan:
     estimates: list[Estimate]
     recommended: Estimate | None
     notes: list[str] = field(default_factory=list)
+    frozen_base: FrozenBase | None = None  # [Note: in place or staged] in zinf/plan/frozen_base.py
 
     def config(self, est: Estimate | None = None) -> dict[str, Any]:
         """The ``zinf:`` section (a ZeroConfig dict) for ``est`` (default: the recommended placement)."""
@@ -118,6 +120,8 @@ class Plan:
         if "nvme" in (est.placement.params, est.placement.optimizer):
             cfg["offload"].update(nvme_paths=list(self.nvme_paths), pinned_pool_bytes=est.pinned_pool_bytes,
                                   sub_group_numel=est.sub_group_numel)
+        if self.frozen_base is not None and est.placement.params == "nvme":
+            cfg["offload"]["frozen_in_place"] = self.frozen_base.in_place
         if self.workload.checkpointing:
             cfg["activation_checkpointing"] = {"modules": ["<your block class, e.g. Block>"]}
         return cfg
@@ -148,6 +152,7 @@ class Plan:
             "placements": [row(e) for e in self.estimates],
             "recommended": None if rec is None else {**row(rec), "config": {"zinf": self.config(rec)}},
             "notes": list(self.notes),
+            "frozen_base": None if self.frozen_base is None else self.frozen_base.to_dict(),
         }
 
     def json(self) -> str:
@@ -168,6 +173,8 @@ class Plan:
                                           + ([f"H2D {m.h2d_bw / 1e9:.1f} GB/s"] if m.h2d_bw else [])),
                  f"all-gather: {m.allgather_source}" + (f" ({m.allgather_bw / 1e9:.2f} GB/s)" if m.allgather_bw else "")]
         lines += [f"note: {n}" for n in list(self.model.notes) + m.notes + self.notes]
+        if self.frozen_base is not None:
+            lines.append(f"frozen base: {self.frozen_base.describe()}")
         lines.append("")
         head = ["placement", "compute/storage", "device GiB", "cpu GiB", "nvme GiB", "moved GiB", "compute s",
                 "optim s", "nvme s", "step s"]
@@ -270,10 +277,12 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
          machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
          pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
          allgather_gbps: float | None = None, reshard_after_forward: str = "auto",
-         calibration: Calibration = Calibration(), qlora: bool = False) -> Plan:
+         calibration: Calibration = Calibration(), qlora: bool = False, checkpoint: str | None = None) -> Plan:
     """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
     ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
-    (tests inject one); otherwise this machine is measured (a few seconds, disks cached)."""
+    (tests inject one); otherwise this machine is measured (a few seconds, disks cached). ``checkpoint``: the
+    directory of a pretrained base that stays frozen, to choose whether it is read in place or staged to swap
+    ([Note: in place or staged] in zinf/plan/frozen_base.py)."""
     if world < 1:
         raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
     if batch_tokens < 1:
@@ -320,7 +329,8 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
     slow = slow_16bit(machine, precisions)
     notes += list(slow.values())
     estimates += [estimate(spec, machine, wl, pl, "fp32", paths, calibration, storage=p) for p in slow for pl in chosen]
-    return Plan(spec, machine, wl, paths, estimates, recommend(estimates), notes)
+    frozen = choose_frozen_base(checkpoint, paths, machine.disk_read_bw, machine.nvme_free_bytes) if checkpoint else None
+    return Plan(spec, machine, wl, paths, estimates, recommend(estimates), notes, frozen)
 
 
 def recommend(estimates: Sequence[Estimate]) -> Estimate | None:

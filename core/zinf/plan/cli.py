@@ -11,6 +11,7 @@ EXAMPLES = """examples:
   zinf plan --params 1.3e9 --layers 24 --hidden 2048 --nvme /mnt/nvme0 --precision bf16
   zinf plan --hf-config llama --hf-kwargs '{"num_hidden_layers": 32, "hidden_size": 4096}' --world 8
   zinf plan --module mypkg.models:build_model --json
+  zinf plan --hf-config llama --qlora --nvme /mnt/nvme0 --checkpoint /data/llama-13b --world 2
 """
 
 
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--reshard-after-forward", default="auto",
                       help="overlap.reshard_after_forward, auto, always or never: the groups gathered once a step")
     run_.add_argument("--remeasure", action="store_true", help="measure the disks again (not the cached figures)")
+    run_.add_argument("--checkpoint", metavar="DIR", help="a pretrained base that stays frozen (LoRA, QLoRA): choose "
+                      "whether it is read where it lies or staged to the --nvme swap (offload.frozen_in_place)")
     run_.add_argument("--machine", metavar="JSON", help="plan for the machine described in this file (the \"machine\" "
                       "entry of 'zinf plan --json') instead of measuring this one")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq, checkpointing=args.checkpointing, placements=args.placement or None,
             remeasure=args.remeasure, ranks_per_node=args.ranks_per_node, pinned_pool_bytes=args.pinned_pool_bytes,
             max_cpu_bytes=args.max_cpu_bytes, allgather_gbps=args.allgather_gbps, machine=machine,
-            reshard_after_forward=args.reshard_after_forward, qlora=args.qlora)
+            reshard_after_forward=args.reshard_after_forward, qlora=args.qlora, checkpoint=args.checkpoint)
     except PlanError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
