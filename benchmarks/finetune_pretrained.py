@@ -72,6 +72,11 @@ def main() -> None:
     p.add_argument("--frozen-reads", default="gathered", choices=["gathered", "whole"],
                    help="offload.frozen_reads: each rank reads its own shards of the frozen base, all-gathered, or "
                         "the whole base (ranks on one host)")
+    p.add_argument("--prefetch-mib", type=int, default=64,
+                   help="overlap.prefetch_bytes, in MiB: gathered ahead, and (reshard 'auto') kept from the forward "
+                   "for the backward")
+    p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "always", "never"],
+                   help="overlap.reshard_after_forward")
     p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
                    help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
@@ -97,6 +102,7 @@ def main() -> None:
                     "grads": "nvme" if args.full else "auto", "nvme_paths": [args.nvme],
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
                     "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
+        "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward},
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 
