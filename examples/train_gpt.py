@@ -180,7 +180,7 @@ def measure_disk(path: str, bytes_per_s: int) -> None:
         write_gbs, read_gbs, mixed_gbs, direct = measure_path(path, size, bytes_per_s)
     except (OSError, ValueError):
         return  # no measurement: the summary says nothing of the disk
-    save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs)
+    save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs, bytes_per_s=bytes_per_s)
 
 
 def memory_per_rank_bytes() -> int:

@@ -159,7 +159,8 @@ class OffloadConfig(Checked):
         own shard; they are all-gathered) or "whole" (where every rank runs on one host and sees the same files,
         each rank reads every rank's shard and gathers the group without a collective: world times the disk bytes;
         see [Note: frozen groups read whole] in zinf/offload/whole_reads.py, measured in docs/pretrained.md).
-    aio_bytes_per_s: a cap on the bytes per second the offload's reads and writes move together (0, the default: none),
+    aio_bytes_per_s: a cap on the bytes per second the engine's offload reads and writes move together (0, the default:
+        none; loading under ``zinf.Init`` is not capped),
         to leave a shared drive's bandwidth to other work or to see how a run would go on a slower drive; ``zinf info
         --nvme`` and the step report's ``nvme_floor`` measure the capped speed when given the same cap.
     """

@@ -73,7 +73,7 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
         out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s, both at once {mixed_gbs:.2f} "
                   f"GB/s ({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
         # an engine's step report compares its NVMe bytes with it
-        save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs)
+        save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs, bytes_per_s=bytes_per_s)
     return status
 
 

@@ -163,7 +163,8 @@ class Placement:
             for g in self.groups:
                 off_host = offloaded_opt and id(g) not in self.on_device  # the CPU-Adam steps it
                 device = torch.device("cpu") if off_host else g.device
-                grad = GradShard(g, [g.layout.local_range(i) for i in range(len(g.slots))], device, stash=self.stash,
+                grad = GradShard(g, [g.layout.local_range(i) for i in range(len(g.slots))], device,
+                                 stash=self.stash if off_host else None,  # the share keeps its gradients
                                  eager_stats=eager_grad_stats and off_host, check_finite=check_finite,
                                  off_device=off_host and staged)
                 g.place(DEVICE_STORE if id(g) in self.on_device else self.store, grad, self.fence,
@@ -171,7 +172,7 @@ class Placement:
         self._deferred: dict[int, Record] = self._spill_returns() if isinstance(self.store, NvmeShardStore) else {}
         if self.swap is not None:
             self.swap.open(deferred=list(self._deferred.values()))
-        self.disk_speed = load_speed(cfg.nvme_paths) if self.swap is not None else None
+        self.disk_speed = load_speed(cfg.nvme_paths, cfg.aio_bytes_per_s) if self.swap is not None else None
         self._move_initial_state()
         for g in self.groups:  # a device-tier optimizer steps masters in the group: made now for groups built
             if g.trainable and g.shard_only:  # straight to NVMe (see [Note: construction spill])

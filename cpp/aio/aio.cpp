@@ -95,8 +95,9 @@ void RateLimit::pass(size_t nbytes) {
   clock::time_point until;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    const auto span = std::chrono::duration_cast<clock::duration>(
-        std::chrono::duration<double>(static_cast<double>(nbytes) / bytes_per_s_));
+    // at most a year a block: a tiny rate must not overflow the clock's integer ticks into no wait at all
+    const double seconds = std::min(static_cast<double>(nbytes) / bytes_per_s_, 365.0 * 24 * 3600);
+    const auto span = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
     next_free_ = std::max(clock::now(), next_free_) + span;
     until = next_free_;
   }

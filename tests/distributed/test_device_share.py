@@ -28,15 +28,19 @@ pytestmark = pytest.mark.distributed
 STEPS = 4
 
 
+OPTIMIZERS = ("cpu", "nvme", "nvme+grads")  # the last: the CPU-Adam's gradient shards on NVMe too
+
+
 def _offload(opt: str, nvme: str, fraction: float) -> dict[str, Any]:
-    return {"params": "device", "optimizer": opt, "nvme_paths": [nvme] if nvme else [], "sub_group_numel": 4096,
-            "pinned_pool_bytes": 4 << 20, "optimizer_device_fraction": fraction}
+    return {"params": "device", "optimizer": opt.split("+")[0], "nvme_paths": [nvme] if nvme else [],
+            "sub_group_numel": 4096, "pinned_pool_bytes": 4 << 20, "optimizer_device_fraction": fraction,
+            "grads": "nvme" if opt.endswith("+grads") else "auto"}
 
 
 def _recipes(nvme: str) -> dict[str, Recipe]:
     return {f"{opt} {fraction}": Recipe(kind="gpt", steps=STEPS, clip=0.5, accum=2,
                                         zinf={"offload": _offload(opt, nvme, fraction)})
-            for opt in ("cpu", "nvme") for fraction in (0.0, 0.5)}
+            for opt in OPTIMIZERS for fraction in (0.0, 0.5)}
 
 
 def _train(rank: int, world: int, recipes: dict[str, Recipe], staged: bool) -> dict[str, Any]:
@@ -63,7 +67,7 @@ def test_a_device_share_trains_like_pytorch(world: int, staged: bool, tmp_path: 
     got = run_distributed(_train, world, _recipes(str(tmp_path)), staged)[0]
     ref = reference(Recipe(kind="gpt", steps=STEPS, clip=0.5, accum=2))[0]
     tol = 1e-6 if world == 1 else 1e-5  # test_offload_parity.py's
-    for opt in ("cpu", "nvme"):
+    for opt in OPTIMIZERS:
         for other in (ref, got[f"{opt} 0.0"]):
             rel = max(abs(a - b) / abs(a) for a, b in zip(other, got[f"{opt} 0.5"]))
             assert rel <= tol, f"{opt}: {rel:.2e}"

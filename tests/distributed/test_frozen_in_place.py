@@ -190,8 +190,9 @@ class _Counted:
         gather, into, coalesced = collectives.all_gather, Comm.all_gather_into, Comm.all_gather_coalesced
 
         def counted_gather(ctx, out, shard, name, batch=None):
-            self.groups.append(id(sys._getframe(1).f_locals["self"]))
-            self.gathered_bytes += out.numel() * out.element_size()
+            if out is not shard:  # ``out is shard`` orders the streams as a gather does and moves nothing
+                self.groups.append(id(sys._getframe(1).f_locals["self"]))
+                self.gathered_bytes += out.numel() * out.element_size()
             return gather(ctx, out, shard, name, batch)
 
         def counted_into(comm, out, shard, async_op):

@@ -419,13 +419,20 @@ def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) ->
 def test_device_share_hides_the_cpu_adam_behind_the_forward() -> None:
     """``cost.device_share``: the smallest share (in 0.05 steps) that leaves the CPU-Adam no longer than the next
     forward, within the device memory left; none when the CPU-Adam is already hidden or nothing fits."""
-    from zinf.plan.cost import SHARE_BYTES, device_share
+    from zinf.plan.cost import SHARE_BYTES, device_share, share_taken
 
-    assert device_share(0.2, 0.05, 10**9, 10**12) == 0.75  # (1 - f) x 0.2 <= 0.05
-    assert device_share(0.04, 0.05, 10**9, 10**12) == 0.0
-    assert device_share(0.2, 0.05, 10**9, SHARE_BYTES * 10**9 // 2) == 0.5  # room for half
-    assert device_share(0.2, 0.05, 10**9, 0) == 0.0
-    assert device_share(100.0, 0.001, 10**9, 10**12) == 0.95  # never the whole optimizer
+    groups = [10**7] * 100  # trained groups' shards, equal: every step of 0.05 is whole groups
+    assert device_share(0.2, 0.05, groups, 10**12) == 0.75  # (1 - f) x 0.2 <= 0.05
+    assert device_share(1.0, 0.4, groups, 10**12) == 0.6  # exactly on a step: not one step more
+    assert device_share(0.04, 0.05, groups, 10**12) == 0.0
+    assert device_share(0.2, 0.05, groups, SHARE_BYTES * 10**9 // 2) == 0.5  # room for half
+    assert device_share(0.2, 0.05, groups, 0) == 0.0
+    assert device_share(100.0, 0.001, groups, 10**12) == 0.95  # never the whole optimizer
+    # the engine takes whole groups, the first built: a first group of 60% is the least share there is
+    first = [6 * 10**7] + [10**7] * 4
+    assert share_taken(first, 0.05) == 0.6
+    assert device_share(0.2, 0.05, first, SHARE_BYTES * 10**8 // 2) == 0.0  # room for half: 60% does not fit
+    assert device_share(0.2, 0.15, first, 10**12) == 0.05  # wanted 0.25: the first group's 0.6 covers it
 
 
 def test_the_plan_keeps_a_share_of_the_optimizer_on_a_gpu() -> None:
@@ -443,3 +450,24 @@ def test_the_plan_keeps_a_share_of_the_optimizer_on_a_gpu() -> None:
     assert p.config(share)["offload"]["optimizer_device_fraction"] == share.device_fraction
     assert zinf.ZeroConfig.from_dict(p.config(share)).offload.optimizer_device_fraction == share.device_fraction
     assert f"({share.device_fraction:.2f} on device)" in p.table()
+
+
+def test_a_share_moves_its_states_off_nvme_too(tmp_path: Path) -> None:
+    """With the optimizer on NVMe, the share's states (and gradients) are neither read nor written there: the step's
+    NVMe bytes and the disk's fall by the share the engine takes (whole groups)."""
+    from zinf.plan.cost import share_taken
+    from zinf.plan.memory import trained_shards
+
+    nv = str(tmp_path)
+    gpu = Machine(device="cuda", device_name="test GPU", device_bytes=80 * GiB, host_bytes=200 * GiB, cores=8,
+                  flops={"fp32": 50e12, "bf16": 400e12}, host_bw=10e9, device_bw=2e12, h2d_bw=20e9,
+                  nvme_free_bytes={nv: 1000 * GiB}, disk_read_bw={nv: 3e9}, disk_write_bw={nv: 2e9})
+    p = zinf.plan.plan(params=1.3e9, layers=24, hidden=2048, machine=gpu, precision="bf16", nvme_paths=[nv],
+                       placements=["device/nvme/nvme"])
+    (est,) = p.estimates
+    assert 0 < est.device_fraction < 1
+    trained = trained_shards(p.model, p.model.shard_numels(1))
+    moved, trainable = share_taken(trained, est.device_fraction), sum(trained)
+    assert est.io_bytes["nvme_read"] == pytest.approx((1 - moved) * trainable * 16, rel=1e-6)  # states 12, grads 4
+    assert est.io_bytes["nvme_write"] == est.io_bytes["nvme_read"]
+    assert est.bytes["nvme"]["optimizer_state"] == pytest.approx((1 - moved) * trainable * 12, rel=0.01)

@@ -176,9 +176,15 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int | None, fn: str,
-           device: torch.device | None = None) -> None:
-    """``device``: the one device every tensor of the call must be on (the torch twin); None: host memory (native)."""
+           device: torch.device | None = None, staged: bool | None = None) -> None:
+    """``device``: the one device every tensor of the call must be on (the torch twin); None: host memory (native).
+    ``staged``: with the CPU standing in for a device, whether every tensor must be marked device memory (as the
+    ``param`` is), so host tensors never mix with the stand-in device's."""
     on_device = (t.device.type == "cpu" and not is_device_memory(t)) if device is None else t.device == device
+    if staged is not None and isinstance(t, torch.Tensor) and is_device_memory(t) != staged:
+        raise ValueError(f"{fn}: `{name}` is {'host' if staged else 'device'} memory where `param` is "
+                         f"{'device' if staged else 'host'} memory (ZINF_STAGED_DEVICE=1 stands the CPU in for a "
+                         f"device); pass every tensor of the call from the same memory")
     ok = (
         isinstance(t, torch.Tensor)
         and on_device
@@ -216,19 +222,20 @@ def _check_adam(
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     device: torch.device | None = None,
 ) -> None:
+    staged = is_device_memory(param) if device is not None and device.type == "cpu" else None
     _check("param", param, (torch.float32,), None, "adam_step", device)
     n = param.numel()
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step", device)
-    _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step", device)
-    _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step", device)
+    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n, "adam_step", device, staged)
+    _check("exp_avg", exp_avg, MOMENT_DTYPES, n, "adam_step", device, staged)
+    _check("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "adam_step", device, staged)
     if exp_avg.dtype == torch.uint8:
         for name, t in (("exp_avg_scale", scales[0]), ("exp_avg_sq_scale", scales[1])):
             if t is None:
                 raise ValueError(f"adam_step: int8 moments (uint8 codes) need `{name}`: an int8 tensor of "
                                  f"{moment_codes.blocks(n)} block exponents")
-            _check(name, t, (torch.int8,), moment_codes.blocks(n), "adam_step", device)
+            _check(name, t, (torch.int8,), moment_codes.blocks(n), "adam_step", device, staged)
     if param_out is not None:
-        _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step", device)
+        _check("param_out", param_out, (torch.bfloat16, torch.float16), n, "adam_step", device, staged)
     if int(step) < 1:
         raise ValueError(f"adam_step: expected step >= 1 (the step count after this update), found {step}")
 

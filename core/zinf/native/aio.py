@@ -104,6 +104,8 @@ class AsyncIO(_AsyncIOBase):
                  backend: str = "auto", bytes_per_s: float = 0.0) -> None:
         if _native is None:
             raise ImportError(f"AsyncIO needs the zinf C++ extension; use PythonAsyncIO instead, or {_BUILD_HINT}")
+        if bytes_per_s != 0 and not bytes_per_s >= 1:
+            raise ValueError(f"AsyncIO: bytes_per_s = {bytes_per_s!r}; expected 0 (no cap) or at least 1 byte a second")
         self._engine = _native.aio.Engine(block_size, queue_depth, num_threads, direct, backend, float(bytes_per_s))
         self._direct_requested = direct
         self._tensors: dict[int, torch.Tensor] = {}

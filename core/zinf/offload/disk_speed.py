@@ -8,7 +8,8 @@ measured, so a run can say how close it is to the disk. The offload engine reads
 the longest of the reads at the read speed, the writes at the write speed and all bytes at the mixed speed (a drive
 may serve both together faster than either alone, or slower); a file measured before the mixed speed was (no
 ``mixed_gbs``) gives reads and writes one after the other. The rank's files are striped over its paths, so their
-speeds add up. Without a measurement for every path there is no floor.
+speeds add up. Without a measurement for every path there is no floor. A measurement taken under a cap
+(``--bytes-per-s``) is kept beside the uncapped one and serves only engines with the same ``offload.aio_bytes_per_s``.
 """
 
 from __future__ import annotations
@@ -42,22 +43,43 @@ class DiskSpeed:
         return max(reads, writes, (read_bytes + written_bytes) / self.mixed_bytes_per_s)
 
 
-def save_speed(path: str, write_gbs: float, read_gbs: float, direct: bool, mixed_gbs: float = 0.0) -> None:
+def save_speed(path: str, write_gbs: float, read_gbs: float, direct: bool, mixed_gbs: float = 0.0,
+               bytes_per_s: float = 0.0) -> None:
+    """Keep a measurement of ``path``; one taken under a cap (``bytes_per_s``, the ``offload.aio_bytes_per_s`` it ran
+    with) is kept beside the uncapped one, for engines with that cap only."""
+    speeds = _speeds(path)
+    speeds[_cap_key(bytes_per_s)] = {"write_gbs": write_gbs, "read_gbs": read_gbs, "mixed_gbs": mixed_gbs,
+                                     "direct": direct}
     with open(os.path.join(path, SPEED_FILE), "w") as f:
-        json.dump({"write_gbs": write_gbs, "read_gbs": read_gbs, "mixed_gbs": mixed_gbs, "direct": direct}, f)
+        json.dump({"speeds": speeds}, f)
 
 
-def load_speed(paths: Sequence[str]) -> DiskSpeed | None:
-    """The summed speed of ``paths``, or None when one of them was never measured (or not with O_DIRECT)."""
+def _cap_key(bytes_per_s: float) -> str:
+    return str(int(bytes_per_s))
+
+
+def _speeds(path: str) -> dict[str, dict]:
+    """The measurements kept at ``path`` by cap ("0": none); a file of the older form is the uncapped one."""
+    try:
+        with open(os.path.join(path, SPEED_FILE)) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    if isinstance(found.get("speeds"), dict):
+        return {k: v for k, v in found["speeds"].items() if isinstance(v, dict)}
+    return {"0": found}
+
+
+def load_speed(paths: Sequence[str], bytes_per_s: float = 0.0) -> DiskSpeed | None:
+    """The summed speed of ``paths`` measured under the cap ``bytes_per_s`` (0: uncapped), or None when one of them
+    was never measured so (or not with O_DIRECT)."""
     read = write = mixed = 0.0
     every_mixed = True
     for path in paths:
-        try:
-            with open(os.path.join(path, SPEED_FILE)) as f:
-                found = json.load(f)
-        except (OSError, ValueError):
-            return None
-        if not found.get("direct") or found.get("read_gbs", 0) <= 0 or found.get("write_gbs", 0) <= 0:
+        found = _speeds(path).get(_cap_key(bytes_per_s))
+        if not found or not found.get("direct") or found.get("read_gbs", 0) <= 0 or found.get("write_gbs", 0) <= 0:
             return None
         read, write = read + found["read_gbs"] * 1e9, write + found["write_gbs"] * 1e9
         mixed += found.get("mixed_gbs", 0.0) * 1e9

@@ -114,8 +114,10 @@ class InPlaceRecord:
     ranks: int = 1  # the ranks' shards it holds end to end (more than one: [Note: frozen groups read whole])
 
     @classmethod
-    def of(cls, name: str, nbytes: int, extents: list[Extent]) -> "InPlaceRecord":
-        """A record of ``extents`` (in shard order, not overlapping), adjacent ones merged; checksum not taken yet."""
+    def of(cls, name: str, nbytes: int, extents: list[Extent],
+           identities: dict[str, tuple[int, int, int, int]] | None = None) -> "InPlaceRecord":
+        """A record of ``extents`` (in shard order, not overlapping), adjacent ones merged; checksum not taken yet.
+        ``identities``: the files as seen at loading (default: as they are now)."""
         merged: list[Extent] = []
         for e in sorted(extents, key=lambda e: e.dest):
             last = merged[-1] if merged else None
@@ -131,7 +133,7 @@ class InPlaceRecord:
             at = e.dest + e.nbytes
         if at < nbytes:
             gaps.append((at, nbytes))
-        identities = {e.path: file_identity(e.path) for e in merged}
+        identities = {e.path: identities[e.path] if identities else file_identity(e.path) for e in merged}
         reads, end = [], 0  # [Note: reading extents directly]
         for e in merged:
             first = e.offset // _ALIGN * _ALIGN

@@ -70,8 +70,7 @@ def whole_records(groups: Sequence["FlatParamGroup"], records: Mapping[int, InPl
             shift = r * g.shard_nbytes
             extents += [Extent(path, offset, nbytes, dest + shift) for path, offset, nbytes, dest in p["extents"]]
             crc = p["crc"] if r == 0 else crc32c_combine(crc, p["crc"], g.shard_nbytes)
-        whole = InPlaceRecord.of(g.name, comm.world * g.shard_nbytes, extents)
-        if dict(parts[0]["files"]) != whole.identities:
-            continue  # a file changed since this rank's loader saw it: its own reads will say so
+        # the files as the loaders saw them, the same on every rank: a file changed since is refused at its next read
+        whole = InPlaceRecord.of(g.name, comm.world * g.shard_nbytes, extents, identities=dict(parts[0]["files"]))
         out[id(g)] = replace(whole, crc=crc, ranks=comm.world)
     return out

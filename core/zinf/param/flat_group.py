@@ -117,10 +117,9 @@ class FlatParamGroup:
     def place(self, store: ShardStore, grad: GradShard, fence: UpdateFence, master_home: MasterHome | None,
               whole: bool = False) -> None:
         """[Note: placement] Move the group to an offload placement, once: ``store`` takes its parameter shard
-        (see ``hand_over_shard``), ``grad`` is its gradient shard there, ``fence`` tells whether a background
-        step is still producing its new shard, and ``master_home`` (when the optimizer is offloaded) holds its
-        fp32 master. The group is built on the device tier (by zinf.Init, before any engine exists), so this is
-        the one transition its placement makes; ``whole``: the store reads every rank's shard (whole_reads.py)."""
+        (see ``hand_over_shard``), ``grad`` is its gradient shard there, ``fence`` tells whether a background step
+        is still producing its new shard, ``master_home`` (an offloaded optimizer's) holds its fp32 master. Built
+        on the device tier (by zinf.Init), the group makes this one move; ``whole``: every rank's shard is read."""
         self.residence.place(self, store, fence, whole)
         self.grad = grad
         self.master_shard.lives_with(master_home)
@@ -219,7 +218,8 @@ class FlatParamGroup:
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
         source = self.store.fetch(self)
         if self.residence.whole:  # every rank's shard, read here: no collective ([Note: frozen groups read whole])
-            self._work, self._widen_from, self.state = None, source, GroupState.GATHERING
+            self._work = collectives.all_gather(ctx, source, source, self.name)  # ordered: waits for its copy-in
+            self._widen_from, self.state = source, GroupState.GATHERING
             return
         # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
         # one rank read as it is; finish_gather widens it into the full buffer

@@ -13,7 +13,6 @@ data moved per step and the time it takes, and checks what fits the machine.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -242,12 +241,19 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     fraction = 0.0
     if machine.device == "cuda" and pl.optimizer != "device" and pl.params == "device":
         headroom = int(machine.device_bytes * 0.9) - sum(nbytes["device"].values())
-        fraction = device_share(sec["optimizer"], sec["compute"] / (3 * recompute), trainable, headroom)
+        trained = trained_shards(spec, shards)
+        fraction = device_share(sec["optimizer"], sec["compute"] / (3 * recompute), trained, headroom)
         if fraction:
-            _move_share(nbytes, pl, trainable, fraction)
-            sec["optimizer_device"] = fraction * trainable * cal.torch_adam_bytes / mem_bw
-            sec["optimizer"] *= 1 - fraction
-            io["d2h"] -= int(fraction * trainable * 4)  # its gradients stay on the device
+            moved = share_taken(trained, fraction)  # whole groups, as the engine takes them
+            _move_share(nbytes, pl, trainable, moved)
+            sec["optimizer_device"] = moved * trainable * cal.torch_adam_bytes / mem_bw
+            sec["optimizer"] *= 1 - moved
+            io["d2h"] -= int(moved * trainable * 4)  # its gradients stay on the device
+            if pl.optimizer == "nvme":  # its states (and gradients) are neither read nor written there
+                states = trainable * 4 + pl.moments_nbytes(trainable) + (trainable * 4 if pl.grads == "nvme" else 0)
+                for key in ("nvme_read", "nvme_write"):
+                    io[key] -= int(moved * states)
+                disk -= int(moved * states)
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
         read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)
@@ -288,20 +294,39 @@ SHARE_STEP = 0.05  # the device shares the planner picks from
 SHARE_BYTES = 16  # device bytes per parameter of the share: fp32 master and moments, and its gradient shard
 
 
-def device_share(cpu_adam_s: float, forward_s: float, trainable: int, headroom_bytes: int) -> float:
+def device_share(cpu_adam_s: float, forward_s: float, trained: Sequence[int], headroom_bytes: int) -> float:
     """The share of the optimizer to keep on the device ([Note: the device share] in zinf/offload/device_states.py):
     the CPU-Adam runs beside the next forward, so the step waits for ``cpu_adam_s x (1 - f) - forward_s`` plus the
     device's own step of the share (tens of times faster); the smallest ``f`` that hides the rest behind the forward,
     within the device memory left (``SHARE_BYTES`` a parameter), in steps of ``SHARE_STEP`` (0: none needed or no
-    room)."""
-    if cpu_adam_s <= forward_s or trainable <= 0 or headroom_bytes <= 0:
+    room). ``trained``: the trained groups' shard sizes in build order; the share the engine takes of a fraction is
+    whole groups (:func:`share_taken`), so that is what must fit and what must hide the rest."""
+    total = sum(trained)
+    if cpu_adam_s <= forward_s or total <= 0 or headroom_bytes <= 0:
         return 0.0
     wanted = 1.0 - forward_s / cpu_adam_s
-    room = headroom_bytes / (SHARE_BYTES * trainable)
-    steps = math.ceil(min(wanted, 1.0 - SHARE_STEP) / SHARE_STEP)
-    while steps > 0 and steps * SHARE_STEP > room:
-        steps -= 1
-    return round(steps * SHARE_STEP, 2)
+    room = headroom_bytes / (SHARE_BYTES * total)
+    last = round(1.0 / SHARE_STEP) - 1  # never the whole optimizer
+    best = 0
+    for steps in range(1, last + 1):
+        if share_taken(trained, steps * SHARE_STEP) > room:
+            break
+        best = steps
+        if share_taken(trained, steps * SHARE_STEP) >= wanted - 1e-9:
+            break
+    return round(best * SHARE_STEP, 2)
+
+
+def share_taken(trained: Sequence[int], fraction: float) -> float:
+    """The share of ``trained`` (shard sizes in build order) the engine's ``device_share`` takes for ``fraction``: the
+    first groups while the elements taken are under the target."""
+    total = sum(trained)
+    target, taken = fraction * total, 0
+    for n in trained:
+        if taken >= target:
+            break
+        taken += n
+    return taken / total if total else 0.0
 
 
 def _move_share(nbytes: dict[str, dict[str, int]], pl: PlanPlacement, trainable: int, fraction: float) -> None:

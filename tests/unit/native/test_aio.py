@@ -261,5 +261,6 @@ def test_a_capped_engine_moves_no_more_than_its_rate(backend: str, tmp_path: Pat
         took = time.perf_counter() - start
     assert took >= 2 * data.numel() / rate * 0.99  # the limit is a lower bound on time, whatever the machine
     assert torch.equal(back, data)
-    with pytest.raises(ValueError, match="bytes_per_s"):
-        native.AsyncIO(backend=backend, bytes_per_s=-1.0)
+    for bad in (-1.0, 1e-6, float("nan")):  # a rate under a byte a second would wait past any clock
+        with pytest.raises(ValueError, match="bytes_per_s"):
+            native.AsyncIO(backend=backend, bytes_per_s=bad)

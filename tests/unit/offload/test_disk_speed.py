@@ -55,3 +55,19 @@ def test_zinf_info_keeps_what_it_measured(tmp_path: Path) -> None:
     speed = load_speed([str(tmp_path)])
     assert (tmp_path / SPEED_FILE).exists()
     assert speed is None or min(speed.read_bytes_per_s, speed.write_bytes_per_s, speed.mixed_bytes_per_s) > 0  # None: no O_DIRECT
+
+
+def test_a_capped_measurement_is_kept_apart(tmp_path: Path) -> None:
+    save_speed(str(tmp_path), write_gbs=0.5, read_gbs=2.0, direct=True, mixed_gbs=1.0)
+    save_speed(str(tmp_path), write_gbs=0.002, read_gbs=0.002, direct=True, mixed_gbs=0.002, bytes_per_s=2_000_000)
+    uncapped, capped = load_speed([str(tmp_path)]), load_speed([str(tmp_path)], 2_000_000)
+    assert uncapped is not None and uncapped.read_bytes_per_s == 2e9  # not replaced by the capped one
+    assert capped is not None and capped.read_bytes_per_s == 2e6
+    assert load_speed([str(tmp_path)], 1_000_000) is None  # never measured under that cap
+
+
+def test_a_file_of_the_older_form_is_the_uncapped_speed(tmp_path: Path) -> None:
+    (tmp_path / SPEED_FILE).write_text('{"write_gbs": 0.5, "read_gbs": 2.0, "mixed_gbs": 1.0, "direct": true}')
+    speed = load_speed([str(tmp_path)])
+    assert speed is not None and speed.write_bytes_per_s == 0.5e9
+    assert load_speed([str(tmp_path)], 2_000_000) is None
