@@ -3,7 +3,11 @@
 #include <cstdint>
 #include <cstring>
 
+#ifndef ZINF_ISA  // each kernel file names its instruction set: helpers built for one never serve another
+#error "define ZINF_ISA (isa_avx512, isa_avx2 or isa_scalar) before including this header"
+#endif
 namespace zinf::adam {
+inline namespace ZINF_ISA {
 
 inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -53,4 +57,5 @@ inline uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | q);
 }
 
+}  // namespace ZINF_ISA
 }  // namespace zinf::adam

@@ -19,7 +19,11 @@
 #include "adam.h"
 #include "convert.h"
 
+#ifndef ZINF_ISA  // each kernel file names its instruction set: helpers built for one never serve another
+#error "define ZINF_ISA (isa_avx512, isa_avx2 or isa_scalar) before including this header"
+#endif
 namespace zinf::adam {
+inline namespace ZINF_ISA {
 
 constexpr int8_t kZeroBlock = -128;  // every code of the block is 0
 
@@ -157,4 +161,5 @@ inline void adam_int8_range(const AdamArgs& a, size_t begin, size_t end) {
   }
 }
 
+}  // namespace ZINF_ISA
 }  // namespace zinf::adam

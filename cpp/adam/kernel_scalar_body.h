@@ -17,7 +17,12 @@
 #include "adam.h"
 #include "convert.h"
 
+#ifndef ZINF_ISA  // each kernel file names its instruction set: helpers built for one never serve another
+#error "define ZINF_ISA (isa_avx512, isa_avx2 or isa_scalar) before including this header"
+#endif
+
 namespace zinf::adam {
+inline namespace ZINF_ISA {
 
 template <DType G>
 inline float load_grad_scalar(const void* g, size_t i) {
@@ -63,11 +68,13 @@ inline void store_out_scalar(void* out, size_t i, float p) {
   else if constexpr (O == DType::kFloat16) static_cast<uint16_t*>(out)[i] = f32_to_f16(p);
 }
 
+}  // namespace ZINF_ISA
 }  // namespace zinf::adam
 
 #include "int8_moments.h"
 
 namespace zinf::adam {
+inline namespace ZINF_ISA {
 
 template <DType G, DType O, DType S>
 inline void adam_scalar_range(const AdamArgs& a, size_t begin, size_t end) {
@@ -135,4 +142,5 @@ inline void dispatch_adam(const AdamArgs& a, size_t begin, size_t end) {
   }
 }
 
+}  // namespace ZINF_ISA
 }  // namespace zinf::adam

@@ -1,6 +1,9 @@
 // AVX2 kernels: this file is compiled with -mavx2 -mfma -mf16c and only called after a
 // runtime CPU check.
 #include <immintrin.h>
+// The shared headers' helpers are this file's own (an inline namespace per instruction set): the linker must
+// never keep an AVX-512 build of one for the AVX2 or scalar kernels to call.
+#define ZINF_ISA isa_avx2
 #include "kernel_scalar_body.h"
 
 namespace zinf::adam {

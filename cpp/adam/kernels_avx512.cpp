@@ -1,6 +1,9 @@
 // AVX-512 kernels: this file is compiled with -mavx512f -mavx512bw -mavx512vl and only
 // called after a runtime CPU check.
 #include <immintrin.h>
+// The shared headers' helpers are this file's own (an inline namespace per instruction set): the linker must
+// never keep an AVX-512 build of one for the AVX2 or scalar kernels to call.
+#define ZINF_ISA isa_avx512
 #include "kernel_scalar_body.h"
 
 namespace zinf::adam {

@@ -1,4 +1,7 @@
 // Portable kernels (compiled without ISA flags).
+// The shared headers' helpers are this file's own (an inline namespace per instruction set): the linker must
+// never keep an AVX-512 build of one for the AVX2 or scalar kernels to call.
+#define ZINF_ISA isa_scalar
 #include "kernel_scalar_body.h"
 
 namespace zinf::adam {

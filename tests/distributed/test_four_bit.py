@@ -38,11 +38,11 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def _bnb(quant_type: str, double: bool):
+def _bnb(quant_type: str, double: bool, storage: torch.dtype = torch.uint8):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
-                              bnb_4bit_compute_dtype=torch.float32)
+                              bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=storage)
 
 
 def reference_weights(path: Path, quant_type: str, double: bool) -> dict[str, torch.Tensor]:
@@ -233,14 +233,19 @@ def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
     return {"weights": weights, "nvme": nvme_bytes, "four_bit_bytes": four_bit}
 
 
-@pytest.mark.parametrize("quant_type,double,nvme", [("nf4", True, False), ("fp4", False, True), ("nf4", True, True)])
+# the last: codes packed two bytes an element (bnb_4bit_quant_storage=torch.bfloat16), read from memory as bytes
+@pytest.mark.parametrize("quant_type,double,nvme,storage", [("nf4", True, False, torch.uint8),
+                                                            ("fp4", False, True, torch.uint8),
+                                                            ("nf4", True, True, torch.uint8),
+                                                            ("nf4", False, False, torch.bfloat16)])
 def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
-                                                                       quant_type: str, double: bool, nvme: bool) -> None:
+                                                                       quant_type: str, double: bool, nvme: bool,
+                                                                       storage: torch.dtype) -> None:
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                 quantization_config=_bnb(quant_type, double))
+                                                 quantization_config=_bnb(quant_type, double, storage))
     saved.save_pretrained(tmp_path / "four_bit", max_shard_size="30KB")
     expected = {f"{n}.weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
                 for n, m in saved.named_modules() if isinstance(m, bnb.nn.Linear4bit)}

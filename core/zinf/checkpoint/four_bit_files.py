@@ -84,10 +84,22 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
     def fill(out: torch.Tensor) -> None:
         codes, scales = fmt.cleared(out, group.shard_numel)
         for key, a, ea, eb in _weights(group, key_of):
-            files.read_into(key, ea // 2, (eb + 1) // 2, codes[a // 2 : a // 2 + (eb + 1) // 2 - ea // 2])
+            _read_code_bytes(files, key, ea // 2, (eb + 1) // 2, codes[a // 2 : a // 2 + (eb + 1) // 2 - ea // 2])
             scales[a // bs : a // bs + -(-eb // bs) - ea // bs].copy_(_scales(key, files, ea // bs, -(-eb // bs)))
 
     group.residence.write(group, fill)
+
+
+def _read_code_bytes(files: TensorFiles, key: str, first: int, end: int, out: torch.Tensor) -> None:
+    """Bytes ``[first, end)`` of weight ``key``'s packed codes into ``out`` (uint8). bitsandbytes packs the codes into
+    its ``bnb_4bit_quant_storage`` dtype (uint8 by default; bf16, fp32, ... pack 2, 4, ... bytes an element): the
+    bytes are read as they lie, never converted as values."""
+    size = files.tensors[key].dtype.itemsize
+    if size == 1:
+        files.read_into(key, first, end, out)
+        return
+    raw = files.read_range(key, first // size, -(-end // size)).contiguous().view(torch.uint8)
+    out.copy_(raw[first % size : first % size + end - first])
 
 
 def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> InPlaceRecord | None:

@@ -40,6 +40,12 @@ if _native is None and os.environ.get("ZINF_REQUIRE_NATIVE", "0") not in ("", "0
         f"({_load_error}); {_BUILD_HINT}"
     )
 
+SIMD_LEVELS = ("avx512", "avx2", "scalar")
+_simd_wanted = os.environ.get("ZINF_SIMD")
+if _simd_wanted is not None and _simd_wanted not in SIMD_LEVELS:  # the kernels would run at the CPU's best level
+    raise ValueError(f"ZINF_SIMD={_simd_wanted!r} is not a SIMD level of zinf's CPU-Adam; set one of {list(SIMD_LEVELS)} "
+                     "(at most what this CPU has) or unset it")
+
 
 @dataclass(frozen=True)
 class NativeInfo:

@@ -191,7 +191,7 @@ class ShardedOptimizer:
         self._loading_hyper = saved
         for g, scalars in zip(self.groups, meta["scalars"]):
             for index, shard in self._members(g):
-                if scalars[index]:
+                if scalars[index] is not None:  # {}: state that is all per-element (SGD's momentum buffer)
                     self._loading[id(shard)] = dict(scalars[index])
 
     def load_group_state(self, group: FlatParamGroup, states: dict[str, torch.Tensor]) -> None:

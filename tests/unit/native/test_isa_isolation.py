@@ -1,0 +1,50 @@
+"""The CPU-Adam's AVX2 and scalar kernels never call code built for AVX-512.
+
+The helpers of cpp/adam's shared headers (conversions, the scalar Adam body, the int8 moments) are compiled into
+each instruction set's kernel file. As ordinary inline functions, a helper the compiler did not inline is one weak
+symbol in every file, and the linker keeps one of the builds, maybe the AVX-512 one, for every kernel to call: a
+crash (SIGILL) on a CPU without AVX-512 that a machine with it never shows. Each kernel file names its instruction
+set (an inline namespace, ``ZINF_ISA``), so no weak symbol is defined by two of them: checked here on the objects the
+build makes (the same files and flags as cpp/CMakeLists.txt, compiled apart)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+ADAM = ROOT / "cpp" / "adam"
+
+
+def _flags() -> dict[str, list[str]]:
+    """Each kernel file's compile flags, as cpp/CMakeLists.txt gives them."""
+    text = (ROOT / "cpp" / "CMakeLists.txt").read_text()
+    common = re.search(r"set\(ZINF_COMMON_FLAGS ([^)]*)\)", text).group(1).split()  # type: ignore[union-attr]
+    out = {"kernels_scalar.cpp": list(common)}
+    for isa in ("avx512", "avx2"):
+        opts = re.search(rf"target_compile_options\(zinf_kernels_{isa} PRIVATE \$\{{ZINF_COMMON_FLAGS\}} ([^)]*)\)", text)
+        assert opts is not None, isa
+        out[f"kernels_{isa}.cpp"] = common + opts.group(1).split()
+    return out
+
+
+def _weak_symbols(obj: Path) -> set[str]:
+    text = subprocess.run(["nm", "-C", "--defined-only", str(obj)], check=True, capture_output=True, text=True).stdout
+    return {line.split(" ", 2)[2] for line in text.splitlines() if line.split(" ")[1:2] and line.split(" ")[1] in "WVu"}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and nm")
+def test_no_helper_is_shared_between_instruction_sets(tmp_path: Path) -> None:
+    jobs = {name: subprocess.Popen(["g++", "-std=c++17", "-c", f"-I{ADAM}", *flags, str(ADAM / name), "-o",
+                                    str(tmp_path / f"{name}.o")], stderr=subprocess.PIPE, text=True)
+            for name, flags in _flags().items()}
+    for name, job in jobs.items():
+        assert job.wait() == 0, f"{name}: {job.stderr.read() if job.stderr else ''}"
+    weak = {name: _weak_symbols(tmp_path / f"{name}.o") for name in jobs}
+    wide = weak.pop("kernels_avx512.cpp")
+    for name, symbols in weak.items():
+        assert not wide & symbols, f"{name} and kernels_avx512.cpp both define {sorted(wide & symbols)}"
