@@ -42,7 +42,7 @@ from zinf.param.four_bit import refuse_change
 from zinf.param.state import GroupState
 from zinf.param.accounting import group_bytes, merge_bytes
 from zinf.param.gathered import GatheredParameters
-from zinf.param.partition import partition_model
+from zinf.param.partition import check_model, partition_model
 from zinf.report import StepReport, StepTimers
 from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
@@ -83,7 +83,7 @@ class ZeroInfinityEngine:
         if self.config.overlap.shared_memory != "off":
             self.comm = self.comm.with_same_host(SameHostTransport.connect(self.comm, self.config.collective_timeout_s))
         self.module = model
-        _check_model(model)
+        check_model(model)
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize, comm=self.comm)
         if optimizer is not None:
             remap_optimizer(optimizer, replaced)
@@ -376,15 +376,6 @@ class ZeroInfinityEngine:
     def all_gathered(self) -> bool:
         """Whether every parameter is whole on this rank now (e.g. inside ``gathered_parameters()``)."""
         return all(g.state is GroupState.GATHERED for g in self.groups)
-
-
-def _check_model(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.is_sparse or (hasattr(p, "is_meta") and p.is_meta and p.numel() > 0):
-            raise UnsupportedModelError(
-                f"zinf: parameter '{name}' is sparse or on the meta device; zinf needs dense, materialised "
-                "parameters (build the model under zinf.Init instead of on the meta device)."
-            )
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

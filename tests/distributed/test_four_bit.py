@@ -124,40 +124,72 @@ def test_eight_bit_is_refused_with_the_fix(checkpoint: Path) -> None:
             AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
 
 
-def _qlora_shaped(path: str, nvme: str):
-    """The 4-bit base frozen, the norms trained (QLoRA's shape without peft), parameters on NVMe."""
+def test_a_model_bitsandbytes_quantized_before_zinf_is_refused(checkpoint: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, quantization_config=_bnb("nf4", False))
+    with pytest.raises(UnsupportedModelError, match="quantized by bitsandbytes .Params4bit. before zinf saw"):
+        zinf.initialize(model, None, {"precision": "fp32"})
+
+
+def test_a_tied_output_layer_is_not_stored_in_four_bits(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    config = _config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    bnb_config = _bnb("nf4", False)
+    bnb_config.llm_int8_skip_modules = ["o_proj"]  # a list of its own: transformers' rule then converts lm_head too
+    with pytest.raises(UnsupportedModelError, match="lm_head's weight is tied to model.embed_tokens"):
+        with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
+            AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=bnb_config)
+
+
+def _qlora_shaped(path: str, nvme: str, saved: bool = False):
+    """The 4-bit base frozen, the norms trained (QLoRA's shape without peft), parameters on NVMe; ``path`` a plain
+    checkpoint quantized at loading, or one saved in 4 bits (its codes and scales read where they lie)."""
     from transformers import AutoModelForCausalLM
 
     os.makedirs(nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": {
         "params": "nvme", "optimizer": "cpu", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20}})
     with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb("nf4", True))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     **({} if saved else {"quantization_config": _bnb("nf4", True)}))
     for name, p in model.named_parameters():
         p.requires_grad_("norm" in name)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return zinf.initialize(model, opt, config)
 
 
-def _resume(rank: int, world: int, path: str, root: str) -> dict:
+def _resume(rank: int, world: int, path: str, root: str, saved: bool) -> dict:
     from models import token_batches
     from training import lm_step_global
 
     batches = token_batches(4, 4)
-    engine = _qlora_shaped(path, os.path.join(root, "a"))
+    engine = _qlora_shaped(path, os.path.join(root, "a"), saved)
     straight = [lm_step_global(engine, x, rank, world) for x in batches[:2]]
     engine.save_checkpoint(os.path.join(root, "ckpt"))
     straight += [lm_step_global(engine, x, rank, world) for x in batches[2:]]
     engine.close()
-    engine = _qlora_shaped(path, os.path.join(root, "b"))
+    engine = _qlora_shaped(path, os.path.join(root, "b"), saved)
     engine.load_checkpoint(os.path.join(root, "ckpt"))
     resumed = [lm_step_global(engine, x, rank, world) for x in batches[2:]]
     engine.close()
     return {"straight": straight, "resumed": resumed}
 
 
-def test_a_four_bit_base_resumes_from_a_checkpoint_bit_for_bit(checkpoint: Path, tmp_path: Path) -> None:
-    for r in run_distributed(_resume, 2, str(checkpoint), str(tmp_path)):
+@pytest.mark.parametrize("base", ["quantized at loading", "saved in 4 bits"])
+def test_a_four_bit_base_resumes_from_a_checkpoint_bit_for_bit(checkpoint: Path, tmp_path: Path, base: str) -> None:
+    path = checkpoint
+    if base == "saved in 4 bits":  # NF4 read in place: k_proj's last block is partial, its padding codes as read
+        from transformers import AutoModelForCausalLM
+
+        path = tmp_path / "saved"
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                             quantization_config=_bnb("nf4", False)).save_pretrained(path)
+    for r in run_distributed(_resume, 2, str(path), str(tmp_path), base == "saved in 4 bits"):
         assert r["straight"][2:] == r["resumed"], r
         assert r["straight"][0] != r["straight"][1]  # it trains
 

@@ -62,8 +62,10 @@ def check(group: FlatParamGroup, slot_index: int, key: str, files: TensorFiles) 
     found = (state.get("quant_type"), state.get("blocksize"), tuple(state.get("shape", ())))
     want = (fmt.quant_type, fmt.blocksize, tuple(slot.shape))
     if found != want:
+        fix = ("; zinf reads 4-bit checkpoints in blocks of 64, as transformers quantizes them: load the unquantized "
+               "base with quantization_config to quantize it at loading" if found[1] != want[1] else "")
         return (f"{key}: the checkpoint's 4-bit weight is {found[0]}, blocks of {found[1]}, shape {list(found[2])}; "
-                f"the model's is {want[0]}, blocks of {want[1]}, shape {list(want[2])}")
+                f"the model's is {want[0]}, blocks of {want[1]}, shape {list(want[2])}{fix}")
     if ("nested_offset" in state) != fmt.double_quant:
         return (f"{key}: the checkpoint's scales are {'' if 'nested_offset' in state else 'not '}double-quantized; "
                 f"set bnb_4bit_use_double_quant={'nested_offset' in state} to match it")

@@ -140,7 +140,8 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
         raise CheckpointError("zinf: load_pretrained: " + "; ".join(
             errors[:8] + ([f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}"] if strict and missing else [])
             + ([f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"] if strict and unexpected else []))
-            + ". Nothing was loaded. Pass strict=False to load what matches and keep the rest as it is.")
+            + ". Nothing was loaded." + ("" if errors else " Pass strict=False to load what matches and keep the rest "
+                                         "as it is."))
 
     groups = groups_of(params.values())
     step = max(1, len(groups) // 10)

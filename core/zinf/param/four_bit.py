@@ -13,7 +13,10 @@ whole weight.
 A shard is ``shard_numel / 2`` bytes of codes (two per byte, the first element in the high nibble, as bitsandbytes
 packs them) followed by one fp32 scale per block. With ``bnb_4bit_use_double_quant`` the scales are stored decoded
 (bitsandbytes' ``dequantize_blockwise`` of the 8-bit scales, plus the offset): the values equal bitsandbytes' to the
-bit, at 0.5625 bytes per parameter instead of 0.516, and no nested block has to respect the shard boundaries.
+bit, at 0.5625 bytes per parameter instead of 0.516, and no nested block has to respect the shard boundaries. The
+offset, the mean of a weight's scales, is summed on one thread: the same bits whatever the run's thread count
+(torch's parallel sum, which bitsandbytes uses, changes its last bit with the threads past 32768 blocks, and a resume
+on another world size, another thread count, would find its base changed).
 
 Decoding is bitsandbytes' arithmetic: ``code[nibble] * scale`` in fp32, then one cast to the compute dtype. The
 all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its full buffer.
@@ -77,11 +80,21 @@ def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = N
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     skip = HfQuantizer.get_modules_to_not_convert(model, skip_modules, getattr(model, "_keep_in_fp32_modules", None))
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
     out = []
     for name, module in model.named_modules():
         if not name or not should_convert_module(name, skip):
             continue
         if type(module) is nn.Linear:
+            tied = [n for n in owners.get(id(module.weight), []) if n != name]
+            if tied:  # an embedding read through this weight would be decoded from 4 bits
+                raise UnsupportedModelError(
+                    f"zinf: {name}'s weight is tied to {tied[0]}, and a tied weight is not stored in 4 bits. Add "
+                    f"'{name.rsplit('.', 1)[-1]}' to BitsAndBytesConfig(llm_int8_skip_modules=[...]) (transformers "
+                    "leaves a tied output layer out by default).")
             out.append((name, module))
         elif type(module).__name__ == "Conv1D":
             raise UnsupportedModelError(
@@ -92,13 +105,18 @@ def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = N
 
 
 def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
-    """A 4-bit group refuses ``what`` (a change of its values; with ``values``, unless they are its own)."""
-    if group.four_bit is not None and (values is None or not torch.equal(
-            values.float().cpu(), group.shard_values(group.store.read(group)).cpu())):
+    """A 4-bit group refuses ``what`` (a change of its values; with ``values``, this rank's shard of them, unless they
+    are its own where its parameters lie: the padding between them decodes to whatever its codes were read as)."""
+    if group.four_bit is not None and (values is None or not _same_values(group, values.float().cpu())):
         raise UnsupportedModelError(
             f"zinf: {group.name} is stored in 4 bits (from_pretrained's quantization_config), so {what} cannot change "
             "it. Train adapters on it (peft's LoRA), or load the model without quantization_config to train or edit "
             "these weights.")
+
+
+def _same_values(group: Any, values: torch.Tensor) -> bool:
+    own = group.shard_values(group.store.read(group)).cpu()
+    return all(torch.equal(values[a:b], own[a:b]) for _, a, b, _ in group.layout.local_slices())
 
 
 @dataclass(frozen=True)
@@ -165,7 +183,12 @@ class FourBitFormat:
         ``dequantize_4bit`` decodes them: 8-bit codes of ``absmax - mean`` in blocks of 256, plus the mean."""
         from bitsandbytes import functional as bnb_f
 
-        offset = absmax.mean()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the mean's bits would depend on the thread count past 32768 blocks
+        try:
+            offset = absmax.mean()
+        finally:
+            torch.set_num_threads(threads)
         codes, state = bnb_f.quantize_blockwise(absmax - offset, blocksize=256)
         decoded = bnb_f.dequantize_blockwise(codes, state)
         decoded += offset

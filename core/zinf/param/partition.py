@@ -21,7 +21,7 @@ from zinf.param.four_bit import FourBitFormat
 from zinf.param.registry import group_of, groups_of, register_group, unregister
 from zinf.param.gathered import gather_full_master
 
-__all__ = ["partition_module_params", "partition_model", "module_groups", "agree_with_rank0"]
+__all__ = ["check_model", "partition_module_params", "partition_model", "module_groups", "agree_with_rank0"]
 
 log = logging.getLogger(__name__)
 _warned_disagreement = False
@@ -63,6 +63,20 @@ def _fingerprint(v: torch.Tensor) -> torch.Tensor:
     for chunk in bits.split(_FINGERPRINT_CHUNK):
         total += chunk.sum(dtype=torch.int64)
     return total + flat.numel()
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse parameters zinf cannot partition, naming the fix."""
+    for name, p in model.named_parameters():
+        if type(p).__name__ in ("Params4bit", "Int8Params"):  # bitsandbytes' packed codes, quantized before zinf
+            raise UnsupportedModelError(
+                f"zinf: parameter '{name}' was quantized by bitsandbytes ({type(p).__name__}) before zinf saw the model. "
+                "Load it with from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) under "
+                "zinf.Init or `zinf launch`, where zinf stores the base in 4 bits itself (docs/qlora.md).")
+        if p.is_sparse or (hasattr(p, "is_meta") and p.is_meta and p.numel() > 0):
+            raise UnsupportedModelError(
+                f"zinf: parameter '{name}' is sparse or on the meta device; zinf needs dense, materialised "
+                "parameters (build the model under zinf.Init instead of on the meta device).")
 
 
 def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
