@@ -4,11 +4,15 @@ construction spill (zinf/offload/spill_store.py) and weight files (zinf/checkpoi
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import torch
 
-__all__ = ["read_at", "write_at"]
+__all__ = ["read_at", "remove_quietly", "write_at", "write_bytes_at"]
+
+log = logging.getLogger(__name__)
 
 
 def read_at(fd: int, out: torch.Tensor, offset: int) -> int:
@@ -30,3 +34,20 @@ def write_at(fd: int, data: torch.Tensor, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def write_bytes_at(fd: int, data: bytes, offset: int) -> None:
+    """Write ``data`` at ``offset``, all of it (a header: one short ``write`` would leave it cut)."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a file a failed write leaves behind; where even that fails (a file system turned read-only), say so and
+    go on: the write's own error is the one to report, on every rank alike."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("zinf: could not remove %s after a failed write (%s); remove it by hand", path, exc)

@@ -98,3 +98,30 @@ def test_a_changed_record_or_header_is_refused(tmp_path: Path) -> None:
     file.write_bytes(good)
     assert _engine().load_checkpoint(str(tmp_path / "ckpt")) == {}
     engine.close()
+
+
+def test_a_header_whose_byte_ranges_do_not_hold_its_tensors_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """The header is read before its checksum can be: a byte range that does not hold the tensor it describes (the
+    checksums' own among them) is an error naming the file, never a torch error from slicing it."""
+    import json
+    import struct
+
+    from zinf.checkpoint.part_file import PartReader
+
+    engine = _engine()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+    (file,) = sorted((tmp_path / "ckpt").glob("*.safetensors"))
+    good = file.read_bytes()
+    (length,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8 : 8 + length])
+    for name, change in (("zinf.checksums", (0, -3)), ("zinf.checksums", (5, 0)), ("zinf.meta", (0, 1))):
+        bad = json.loads(json.dumps(header))
+        a, b = bad[name]["data_offsets"]
+        bad[name]["data_offsets"] = [a + change[0], b + change[1]]
+        text = json.dumps(bad, separators=(",", ":")).encode().ljust(length)  # the same length: the data stays put
+        assert len(text) == length
+        file.write_bytes(good[:8] + text + good[8 + length :])
+        with pytest.raises(CheckpointError, match=str(file)):
+            PartReader(file, "zinf-sharded-v3").close()
+

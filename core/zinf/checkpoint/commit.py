@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from zinf.checkpoint.commit_record import COMMIT, COMMIT_FORMAT, LEGACY_NAME, Commit, read_commit
 from zinf.checkpoint.leftovers import hold_save_lock, release_save_lock, remove_leftovers, tidy
 from zinf.errors import CheckpointError
+from zinf.file_io import remove_quietly
 
 if TYPE_CHECKING:
     from zinf.runtime.comm import Comm
@@ -120,7 +121,7 @@ class Save:
             write_part(self.part, self.new.part_record(self.comm.rank))
             _fsync_dir(self.directory)
         except Exception as exc:  # noqa: BLE001 - every rank raises it together in agree()
-            self.part.unlink(missing_ok=True)
+            remove_quietly(self.part)
             self.error, self.problem = exc, _describe(exc, self.part)
 
     def agree(self) -> None:

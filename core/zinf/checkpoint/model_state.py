@@ -28,7 +28,7 @@ from zinf.tiling import merge_tiles, split_tiles, tile_spec
 from zinf.param.gathered import gather_full_master
 
 __all__ = ["slot_views", "user_names", "full_state_dict", "load_full_state_dict", "shard_layout", "write_part",
-           "load_parts", "same_model", "check_fits", "Loaded"]
+           "load_parts", "same_model", "check_buffers", "check_fits", "Loaded"]
 
 
 def slot_views(flat: torch.Tensor, spans: list[tuple[int, Any]]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -108,6 +108,8 @@ def load_full_state_dict(engine: ModelSource, state: dict[str, torch.Tensor], st
             else:
                 found[id(p)] = key
     missing += [n for n in buffers if n not in state]
+    errors += [f"size mismatch for buffer {n}: the state dict has {tuple(state[n].shape)}, the model {tuple(b.shape)}"
+               for n, b in buffers.items() if n in state and tuple(state[n].shape) != tuple(b.shape)]
     known = {n for ns in names.values() for n in ns} | set(buffers)
     unexpected = [k for k in state if k not in known]
     if errors or (strict and (missing or unexpected)):
@@ -254,6 +256,21 @@ def load_parts(engine: ModelSource, first: dict[str, Any], part: Callable[[int],
     return Loaded(global_step=first["global_step"], client_state=client_state)
 
 
+def check_buffers(engine: ModelSource, source: Any) -> None:
+    """Raise when the buffers of ``source`` (the part buffers are loaded from) are not the engine's: the same names
+    and shapes, before anything is loaded."""
+    buffers = _user_buffers(engine)
+    saved = list(source.meta["buffers"])
+    why = [f"missing buffers {sorted(set(buffers) - set(saved))[:8]}"] if set(buffers) - set(saved) else []
+    why += [f"unexpected buffers {sorted(set(saved) - set(buffers))[:8]}"] if set(saved) - set(buffers) else []
+    why += [f"buffer {n} is {list(source.spec(_buffer(n)).shape)} in the checkpoint, {list(buffers[n].shape)} in the "
+            "model" for n in saved if n in buffers and tuple(source.spec(_buffer(n)).shape) != tuple(buffers[n].shape)]
+    if why:
+        raise CheckpointError(f"zinf checkpoint: another model's buffers ({'; '.join(why)}); load it into the model "
+                              "that saved it, or what matches with engine.load_full_state_dict("
+                              "zinf.checkpoint.consolidate(path), strict=False).")
+
+
 def check_fits(engine: ModelSource, meta: dict[str, Any]) -> None:
     """Raise when a part's record cannot be loaded into ``engine`` (another model; optimizer state where the
     engine has none is ignored, none where it has one is an error)."""
@@ -263,3 +280,8 @@ def check_fits(engine: ModelSource, meta: dict[str, Any]) -> None:
     if engine.optimizer is not None and meta["optimizer"] is None:
         raise CheckpointError("zinf checkpoint: it holds no optimizer state (saved by an engine without an optimizer); "
                               "load the weights with engine.load_full_state_dict(zinf.checkpoint.consolidate(path)).")
+    if engine.optimizer is not None:
+        try:
+            engine.optimizer.check_state(meta["optimizer"], meta["optimizer_keys"])
+        except ValueError as exc:  # before anything is loaded: the engine is left as it was
+            raise CheckpointError(f"{exc} Nothing was loaded.") from None

@@ -28,6 +28,7 @@ resharded read is a byte range of a flat shard, which safetensors' explicit offs
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import struct
@@ -41,7 +42,7 @@ from zinf.checkpoint.client_state import ALLOW_PICKLE_HINT, dump_client_state, l
 from zinf.checkpoint.record import RECORD, TENSOR_PREFIX, decode_record, encode_record
 from zinf.checkpoint.safetensors_header import DTYPES_BY_NAME, TensorSpec, build_header, widest_first
 from zinf.errors import CheckpointError
-from zinf.file_io import read_at, write_at
+from zinf.file_io import read_at, remove_quietly, write_at, write_bytes_at
 
 __all__ = ["PartWriter", "PartReader", "TensorSpec", "CHUNK", "META", "CLIENT_STATE", "CHECKSUMS", "PICKLED_FORMAT",
            "payload", "bytes_tensor"]
@@ -97,7 +98,7 @@ class PartWriter:
         self._pending = set(self._spec) - {CHECKSUMS}
         self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(self._fd, head)
+            write_bytes_at(self._fd, head, 0)
             for name, tensor in extra.items():
                 self.write(name, tensor)
         except BaseException:
@@ -136,7 +137,7 @@ class PartWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self.file.unlink(missing_ok=True)
+        remove_quietly(self.file)
 
 
 class PartReader:
@@ -196,9 +197,12 @@ class PartReader:
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
-                a, b = info["data_offsets"]
-                self._entries[name] = (DTYPES_BY_NAME[info["dtype"]], tuple(info["shape"]), int(a), int(b))
-                end = max(end, int(b))
+                a, b = (int(x) for x in info["data_offsets"])
+                dtype, shape = DTYPES_BY_NAME[info["dtype"]], tuple(int(d) for d in info["shape"])
+                if not 0 <= a <= b or b - a != math.prod(shape) * dtype.itemsize or min(shape, default=0) < 0:
+                    raise ValueError(f"{name}: bytes {a}-{b} for {str(dtype).removeprefix('torch.')} {list(shape)}")
+                self._entries[name] = (dtype, shape, a, b)
+                end = max(end, b)
         except (KeyError, TypeError, ValueError) as exc:
             raise self._bad(f"damaged (a header entry is malformed: {exc})") from exc
         if self._data_start + end > size:
@@ -206,6 +210,8 @@ class PartReader:
         if CHECKSUMS not in self._entries or META not in self._entries:
             raise self._bad("damaged (its checksums or its record are missing)")
         dtype, shape, a, b = self._entries[CHECKSUMS]
+        if b - a < 4 or (b - a) % 4:
+            raise self._bad(f"damaged (its checksums take {b - a} bytes, not a whole number of CRC32Cs)")
         raw = torch.empty(b - a, dtype=torch.uint8)
         read_at(self._fd, raw, self._data_start + a)
         self._crcs = raw.view(torch.uint32)

@@ -37,7 +37,7 @@ import torch
 
 from zinf.checkpoint.safetensors_header import TensorSpec, build_header, widest_first
 from zinf.errors import ConfigError, ZinfError
-from zinf.file_io import write_at
+from zinf.file_io import remove_quietly, write_at, write_bytes_at
 
 __all__ = ["FileLayout", "SAFETENSORS", "TORCH", "ShardPlan", "plan_shards", "ShardWriter", "parse_size",
            "written_dtype"]
@@ -144,7 +144,7 @@ class _StreamedShard:
         self.offsets = {name: len(head) + at for name, at in offsets.items()}
         self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as for any file
         try:
-            os.write(self.fd, head)
+            write_bytes_at(self.fd, head, 0)
             os.ftruncate(self.fd, len(head) + sum(s.nbytes for s in ordered))
         except BaseException:
             self.abort()
@@ -163,7 +163,7 @@ class _StreamedShard:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.tmp.unlink(missing_ok=True)
+        remove_quietly(self.tmp)
 
 
 class ShardWriter:
@@ -266,4 +266,4 @@ class ShardWriter:
         self.streams.clear()
         self.held.clear()
         for path in [*self.files, *([self.index_file] if self.index_file else [])]:
-            self._tmp(path).unlink(missing_ok=True)
+            remove_quietly(self._tmp(path))

@@ -24,7 +24,7 @@ import torch
 from zinf.checkpoint.commit import Save
 from zinf.checkpoint.commit_record import Commit, agreed_commit, check_part, raise_if_any, require_commit
 from zinf.checkpoint.leftovers import tidy
-from zinf.checkpoint.model_state import Loaded, check_fits, load_parts, slot_views, write_part
+from zinf.checkpoint.model_state import Loaded, check_buffers, check_fits, load_parts, slot_views, write_part
 from zinf.checkpoint.part_file import PartReader
 from zinf.checkpoint.safetensors_header import TensorSpec
 from zinf.checkpoint.source import ModelSource
@@ -123,15 +123,16 @@ def load_sharded(engine: ModelSource, path: str | os.PathLike, allow_pickle: boo
         first = problems[0][1]
         if first is None:  # rank 0 could not read its record (the same on every rank: rank 0's)
             raise_if_any(comm, problem, error)
+        own = commit.world == comm.world and (not commit.shared or not engine.config.broadcast_buffers)
         try:
             check_fits(engine, first)
             for rank in _sources(engine, first, commit):
                 checkpoint.part(rank)
+            check_buffers(engine, checkpoint.part(comm.rank if own else 0))
             client_state = checkpoint.part(comm.rank if commit.world == comm.world else 0).client_state()
         except Exception as exc:  # noqa: BLE001
             error, problem = exc, _problem(exc)
         raise_if_any(comm, problem, error)
-        own = commit.world == comm.world and (not commit.shared or not engine.config.broadcast_buffers)
         try:
             loaded = load_parts(engine, first, checkpoint.part, commit.world, buffers_from=comm.rank if own else 0,
                                 client_state=client_state)

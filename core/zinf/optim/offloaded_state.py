@@ -87,20 +87,27 @@ class OffloadedAdamState:
         """bf16 moments as bf16, int8 ones decoded to fp32 (``StateLayout.checkpoint_dtype``)."""
         return self.home(group).layout.checkpoint_dtype(key)
 
-    def load_state_meta(self, meta: dict[str, Any]) -> None:
-        self.wait()
+    def check_state(self, meta: dict[str, Any], keys: list[list[str]]) -> None:
         saved = meta["param_groups"]
         if len(saved) != len(self.optimizer.param_groups):
             raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
                              f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
-        for pg, values in zip(self.optimizer.param_groups, saved):
+        extra = sorted({k for scalars in meta["scalars"] for s in scalars if s for k in s} - {"step"})
+        if extra:
+            raise ValueError(f"zinf: the checkpoint's optimizer state has per-parameter {extra}, which the "
+                             "offloaded CPU-Adam does not keep: it was written by another optimizer. Load it with "
+                             "that optimizer (offload.optimizer='device').")
+        unknown = sorted({k for group_keys in keys for k in group_keys} - set(MOMENTS))
+        if unknown:
+            raise ValueError(f"zinf: the checkpoint's optimizer state {unknown} is not Adam's; the offloaded CPU-Adam "
+                             "cannot continue it. Load it with the optimizer that wrote it (offload.optimizer='device').")
+
+    def load_state_meta(self, meta: dict[str, Any]) -> None:
+        self.wait()
+        self.check_state(meta, [])
+        for pg, values in zip(self.optimizer.param_groups, meta["param_groups"]):
             pg.update({k: v for k, v in values.items() if k != "params"})
         for g, scalars in zip(self.groups, meta["scalars"]):
-            extra = sorted({k for s in scalars if s for k in s} - {"step"})
-            if extra:
-                raise ValueError(f"zinf: the checkpoint's optimizer state has per-parameter {extra}, which the "
-                                 "offloaded CPU-Adam does not keep: it was written by another optimizer. Load it with "
-                                 "that optimizer (offload.optimizer='device').")
             self.steps[id(g)] = [None if n is None else int(s["step"]) if s else 0
                                  for n, s in zip(self.steps[id(g)], scalars)]
 

@@ -81,6 +81,11 @@ class ShardOptimizer(Protocol):
         it in where that holds its values exactly (bf16 moments); read back widened to fp32."""
         ...
 
+    def check_state(self, meta: dict[str, Any], keys: list[list[str]]) -> None:
+        """Raise ``ValueError`` (naming the fix) when a checkpoint's ``state_meta`` and its state keys per group
+        cannot load into this optimizer; called before anything is loaded."""
+        ...
+
     def load_state_meta(self, meta: dict[str, Any]) -> None:
         """Restore hyper-parameters and per-parameter scalars (before ``load_group_state``)."""
         ...

@@ -182,11 +182,15 @@ class ShardedOptimizer:
     def state_dtype(self, group: FlatParamGroup, key: str) -> torch.dtype:
         return torch.float32
 
-    def load_state_meta(self, meta: dict[str, Any]) -> None:
+    def check_state(self, meta: dict[str, Any], keys: list[list[str]]) -> None:
         saved = meta["param_groups"]
         if len(saved) != len(self.optimizer.param_groups):
             raise ValueError(f"zinf: the checkpoint's optimizer has {len(saved)} parameter groups, this optimizer "
                              f"{len(self.optimizer.param_groups)}; build the optimizer with the same groups.")
+
+    def load_state_meta(self, meta: dict[str, Any]) -> None:
+        self.check_state(meta, [])
+        saved = meta["param_groups"]
         self._loading: dict[int, dict[str, Any]] = {}
         self._loading_hyper = saved
         for g, scalars in zip(self.groups, meta["scalars"]):
