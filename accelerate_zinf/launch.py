@@ -37,14 +37,18 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], list[str], argparse.
     ``--config`` is accepted as a spelling of Accelerate's ``--config_file`` before the script."""
     from accelerate.commands.launch import launch_command_parser
 
-    toks = list(argv)
-    for i, tok in enumerate(toks):
+    parser = launch_command_parser()
+    toks, i = list(argv), 0
+    while i < len(toks):  # up to the script: options, and the values of those that take one
+        tok = toks[i]
         if tok == "--config" or tok.startswith("--config="):
             toks[i] = tok.replace("--config", "--config_file", 1)
             break
         if tok == "--config_file" or tok.startswith("--config_file=") or not tok.startswith("-"):
             break
-    ns = launch_command_parser().parse_args(toks)
+        action = parser._option_string_actions.get(tok)  # noqa: SLF001 - which options take a value
+        i += 2 if action is not None and action.nargs != 0 else 1
+    ns = parser.parse_args(toks)
     script_at = len(toks) - len(ns.training_script_args) - 1
     options, skip = [], False
     for tok in toks[:script_at]:

@@ -122,7 +122,24 @@ def build_engine(module: nn.Module, optimizers: list[torch.optim.Optimizer], con
             "from configure_optimizers (use parameter groups for different hyper-parameters)."
         )
     optimizer = optimizers[0] if optimizers else None
-    return AdapterEngine(StepRoot(module), optimizer, config, device=device)
+    engine = AdapterEngine(StepRoot(module), optimizer, config, device=device)
+    if optimizer is not None:
+        _zero_grads_in(engine, optimizer)
+    return engine
+
+
+def _zero_grads_in(engine: zinf.ZeroInfinityEngine, optimizer: torch.optim.Optimizer) -> None:
+    """Lightning and Fabric zero gradients through the optimizer they were given (``optimizer_zero_grad``, an
+    ``optimizer_step`` override that steps every other batch, manual optimisation); the gradients live in the
+    engine's shards, so that call reaches the engine too (free right after a step: the step emptied them)."""
+    own = getattr(optimizer, "_zinf_own_zero_grad", None) or optimizer.zero_grad
+    optimizer._zinf_own_zero_grad = own  # type: ignore[attr-defined]  # a second engine wraps the optimizer's own
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        own(set_to_none)
+        engine.zero_grad()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,9 +176,23 @@ def offload_preset(name: str, config: Any) -> dict[str, Any]:
         offload = {"params": "nvme", "optimizer": "nvme", "nvme_paths": paths}
     base = zinf.ZeroConfig.from_dict({"offload": offload}).to_dict()
     if config is not None:
-        user = config.to_dict() if isinstance(config, zinf.ZeroConfig) else dict(config)
+        # a whole config (a ZeroConfig, a typed Hydra node) carries every default: only what it changes goes on top
+        user = dict(config) if type(config) is dict else \
+            _changed(resolve_config(config).to_dict(), zinf.ZeroConfig().to_dict())
         base = {**base, **user, "offload": {**base["offload"], **dict(user.get("offload", {}))}}
     return base
+
+
+def _changed(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(defaults.get(k), dict):
+            sub = _changed(v, defaults[k])
+            if sub:
+                out[k] = sub
+        elif k not in defaults or defaults[k] != v:
+            out[k] = v
+    return out
 
 
 def register_names(registry: Any, strategy: type, offload: type) -> None:

@@ -122,7 +122,7 @@ class ZeroInfinityEngine:
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
             model, self.config, self.ctx, self.fetcher, self.reducer, self.rounds,
-            on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward],
+            on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward, self._note_grads],
             on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
             unit_stages=self.placement.stages_like_one_group)
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
@@ -218,7 +218,7 @@ class ZeroInfinityEngine:
                 if g.persistent and g.owns_full and g.trainable and g.state is GroupState.GATHERED:
                     g.to_sharded()
                     g.to_gathered(self.ctx)
-        self._unscaled = self._clipped = False
+        self._unscaled = self._clipped = self._has_grads = False
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
         self._finish_report(step, skipped, grad_norm, loss_scale)
@@ -232,16 +232,22 @@ class ZeroInfinityEngine:
         self.placement.flush()
 
     def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.wait()
-            self.optimizer.drop_gradients()
-        for g in self.groups:
-            g.zero_grad()
-        self._unscaled = False
-        self._clipped = False
+        """Drop the gradients of the backwards since the last step; nothing to do (and no wait for a background
+        step) where none ran: ``step()`` leaves the gradient shards empty, so a front end's zero_grad after it is free."""
+        if self._has_grads:
+            if self.optimizer is not None:
+                self.optimizer.wait()
+                self.optimizer.drop_gradients()
+            for g in self.groups:
+                g.zero_grad()
+        self._unscaled = self._clipped = self._has_grads = False
 
     _unscaled = False
     _clipped = False
+    _has_grads = False  # a backward began since the last step or zero_grad
+
+    def _note_grads(self) -> None:
+        self._has_grads = True
 
     def _unscale(self) -> None:
         if self.loss_scaler is not None and not self._unscaled:
@@ -330,11 +336,13 @@ class ZeroInfinityEngine:
             self.hooks.remove()
             if self.checkpointing is not None:
                 self.checkpointing.remove()
-            self.placement.close()
-            if self.ctx.buffers is not None:
-                self.ctx.buffers.clear()
-            self.comm.close()
-            self.closed = True
+            try:
+                self.placement.close()
+            finally:  # the process group and shared memory go whatever the placement raised
+                if self.ctx.buffers is not None:
+                    self.ctx.buffers.clear()
+                self.comm.close()
+                self.closed = True
 
     # -- internals -----------------------------------------------------------------------------
     def _finish_report(self, step: int, skipped: bool, grad_norm: float | None, loss_scale: float | None) -> None:

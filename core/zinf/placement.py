@@ -329,12 +329,14 @@ class Placement:
         return out
 
     def close(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.close()
-        self.store.close()
-        if self.swap is not None:
-            self.swap.close()
-        if self.aio is not None:
-            self.aio.close()
-        if self.pool is not None:
-            self.pool.close()
+        """Close every part, each whatever the one before raised (a failed step's error, a bad record met by a
+        flush): files, threads and the pool are let go, then the first error is raised."""
+        error: BaseException | None = None
+        for part in (self.optimizer, self.store, self.swap, self.aio, self.pool):
+            try:
+                if part is not None:
+                    part.close()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the rest is closed
+                error = error or exc
+        if error is not None:
+            raise error

@@ -59,7 +59,9 @@ void post(uint32_t* flag, uint32_t seq) {
 int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
              int spins) {
   using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  // at most a year: a longer (or infinite) timeout must not overflow the clock's integer ticks into no wait at all
+  const double bounded_s = timeout_s < 365.0 * 24 * 3600 ? timeout_s : 365.0 * 24 * 3600;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(bounded_s));
   for (size_t i = 0; i < flags.size(); ++i) {
     uint32_t* flag = flags[i];
     int spun = 0;

@@ -97,6 +97,14 @@ class LitModel(pl.LightningModule):
     def predict_step(self, batch, batch_idx):
         return self(*batch).float()
 
+    step_every = 1  # >1: the optimizer_step override of Lightning's docs, stepping every n-th batch only
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % self.step_every == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:  # the batch's gradients are made, then zeroed by Lightning through the optimizer it holds
+            optimizer_closure()
+
     def configure_optimizers(self):
         if self.pretrained and "resident_share" not in self.probe:
             # after configure_model, before the engine; not inside configure_model, where zinf.Init would gather
@@ -147,6 +155,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--manual", action="store_true")
+    p.add_argument("--step-every", type=int, default=1, help="optimizer_step override: step every n-th batch only")
     p.add_argument("--build-in", default="configure_model", choices=["configure_model", "init", "init_module"])
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every n train steps into <out>/ckpt")
     p.add_argument("--resume", default=None)
@@ -185,6 +194,7 @@ def main() -> None:
     else:
         model = LitModel(args.kind, args.build_in, manual=args.manual, clip=args.clip, accum=args.accum,
                          pretrained=args.pretrained, compile=args.compile)
+    model.step_every = args.step_every
     train = loader(args.kind, args.epoch_steps, per_rank)
     val = loader(args.kind, 2, GLOBAL_BATCH // args.devices, seed=99)
     trainer.fit(model, train, val if args.eval else None, ckpt_path=args.resume)

@@ -84,6 +84,19 @@ def test_zinf_launch_builds_accelerate_launch_with_both_config_files(tmp_path: P
     assert engine["offload"]["optimizer"] == "nvme" and engine["offload"]["nvme_paths"] == [os.environ.get("ZINF_NVME_DIR", "/tmp")]
 
 
+def test_zinf_launch_takes_config_after_the_launchers_own_options(tmp_path: Path) -> None:
+    """``--config`` after options that take a value (``--num_processes 2``) is still the zinf config, not the
+    script's: the launcher's options and their values are stepped over."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd, env = build_command(["--num_processes", "2", "--config", str(EXAMPLES / "zinf_nvme.yaml"), "train.py",
+                              "--config", "mine.yaml"], str(work))
+    i = cmd.index("-m", 3)
+    assert cmd[3:5] == ["--config_file", str(work / "accelerate.yaml")] and "--num_processes" in cmd[5:i]
+    assert cmd[i:] == ["-m", "accelerate_zinf.run", "train.py", "--config", "mine.yaml"]
+    assert env[ENV_CONFIG] == str(work / "zinf.yaml")
+
+
 def test_zinf_launch_passes_a_dynamo_config_to_accelerate(tmp_path: Path) -> None:
     """A compile setting reaches the processes (Accelerate's dynamo plugin, which the zinf Accelerator applies in
     place: [Note: compiled modules] in zinf/schedule/hooks.py)."""

@@ -71,6 +71,15 @@ def test_accumulation_and_clipping_match_ddp(runs: Runs) -> None:
     assert worst(ours, ref) < EXACT
 
 
+def test_an_optimizer_step_override_stepping_every_other_batch_matches_ddp(runs: Runs) -> None:
+    """The batches that do not step make gradients that Lightning zeroes through the optimizer it holds: the engine's
+    gradient shards are zeroed with it, as DDP's parameters' are."""
+    args = ("--kind", "gpt", "--steps", "10", "--step-every", "2")
+    ours, ref = lightning(runs, "zero_infinity", *args), lightning(runs, "ddp", *args)
+    assert len(ours[0]["train"]) == len(ref[0]["train"]) >= 6
+    assert worst(ours, ref) < EXACT
+
+
 def test_manual_optimization_matches_automatic_ddp(runs: Runs) -> None:
     ours = lightning(runs, "zero_infinity", *ACCUM_CLIP, "--manual")
     ref = lightning(runs, "ddp", *ACCUM_CLIP)

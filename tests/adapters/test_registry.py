@@ -30,6 +30,18 @@ def test_offload_presets_configure_the_engine(monkeypatch: pytest.MonkeyPatch, t
     assert fabric.strategy.zero_config.offload.optimizer == "nvme"
 
 
+def test_a_whole_config_on_a_preset_changes_only_what_it_sets() -> None:
+    """A ZeroConfig (or a typed Hydra node) carries every default; only the settings it changes go on top of the
+    preset, so the offload the preset names stays."""
+    from lightning_zinf._shared import offload_preset
+
+    for config in (zinf.ZeroConfig.from_dict({"precision": "bf16"}), {"precision": "bf16"}):
+        cfg = offload_preset("zero_infinity_offload", config)
+        assert cfg["offload"]["params"] == cfg["offload"]["optimizer"] == "cpu" and cfg["precision"] == "bf16"
+    cfg = offload_preset("zero_infinity_offload", zinf.ZeroConfig.from_dict({"offload": {"overlap_optimizer": False}}))
+    assert cfg["offload"]["params"] == "cpu" and cfg["offload"]["overlap_optimizer"] is False
+
+
 @pytest.mark.parametrize("flag,expected", [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("bf16-true", "bf16"),
                                            ("16-mixed", "fp16")])
 def test_precision_flags_become_engine_precision(flag: str, expected: str) -> None:

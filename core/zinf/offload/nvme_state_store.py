@@ -112,6 +112,10 @@ class NvmeStateStore(StateStore):
         self._writes_done = False
         self._idle.clear()
 
+    def cancel_step(self) -> None:
+        """The step that ``begin_step`` announced will not sweep (it failed before): records are free again."""
+        self._idle.set()
+
     def on_background_thread(self) -> None:
         self.swap.mark_background_thread()
 

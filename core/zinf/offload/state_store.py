@@ -110,6 +110,9 @@ class CpuStateStore(StateStore):
     def begin_step(self) -> None:
         return None
 
+    def cancel_step(self) -> None:
+        return None
+
     def on_background_thread(self) -> None:
         return None
 

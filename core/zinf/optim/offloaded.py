@@ -44,7 +44,7 @@ import torch
 
 from zinf import native
 from zinf.native import AdamHyper
-from zinf.errors import UnsupportedModelError
+from zinf.errors import UnsupportedModelError, ZinfError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.optim.early_steps import EarlyInputs, EarlySteps, hyper_key
 from zinf.optim.exit_wait import wait_at_exit
@@ -101,6 +101,7 @@ class OffloadedAdam(OffloadedAdamState):
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None  # the background step submitted last
         self._error: BaseException | None = None
+        self._error_raised = False  # the error reached the caller once (close then only logs it)
         self._hyper: list[AdamHyper] = []
         self._factors: dict[int, float] = {}
         hyper = hyper_index(optimizer)
@@ -144,6 +145,20 @@ class OffloadedAdam(OffloadedAdamState):
         assert all(p.grad is None for pg in self.optimizer.param_groups for p in pg["params"])
         self.optimizer.step()
         self.states.begin_step()
+        try:
+            self._start()
+        except BaseException as exc:  # an error or a Ctrl-C before the sweep was handed over: the step failed part way
+            if self._error is None:  # step counts moved and the device share may have stepped: no more training on it
+                self._error = exc if isinstance(exc, Exception) else ZinfError(
+                    f"zinf: the optimizer step was interrupted part way ({type(exc).__name__}); the model is partly "
+                    "updated. Restart from the last checkpoint.")
+            self.fence.fail(self._error)
+            self.states.cancel_step()  # nothing waits for a sweep that will not run
+            self._error_raised = True
+            raise
+
+    def _start(self) -> None:
+        """The step from the device share to the CPU's sweep, run here or handed to the background thread."""
         for store in self._stores():  # on the training thread: a device store orders its copies after compute
             store.begin_update()
         if self.device_states is not None:  # the device share, before the CPU's sweep: the forward needs it first
@@ -205,6 +220,7 @@ class OffloadedAdam(OffloadedAdamState):
         if self._error is not None:
             log.error("zinf: the background optimizer step failed; the model is partly updated and will not train "
                       "further. Restart from the last checkpoint.")
+            self._error_raised = True
             raise self._error
 
     def join_at_exit(self) -> None:
@@ -218,13 +234,21 @@ class OffloadedAdam(OffloadedAdamState):
             futures.wait([job])
 
     def close(self) -> None:
-        """Finish a background step and let the workers go (the engine is closed)."""
-        self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self.early is not None:
-            self.early.close()
+        """Finish a background step and let the workers go (the engine is closed). A failed step's error is raised
+        here only where no earlier call raised it."""
+        try:
+            self.wait()
+        except BaseException:
+            if self._error_raised:
+                log.warning("zinf: closing after the failed optimizer step reported earlier")
+            else:
+                raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self.early is not None:
+                self.early.close()
 
     def before_backward(self) -> None:
         """Block until every group's update of a background step is done (its state writes may still be

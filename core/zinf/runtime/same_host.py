@@ -142,30 +142,33 @@ class SameHostTransport:
         token, pids = ids[0][1], [pid for _, _, pid in ids]
         nbytes = _HEADER + 2 * CHUNK_BYTES
         paths = [os.path.join(SHM_DIR, f"zinf-shm-{token}-{r}") for r in range(world)]
-        error = ""
-        try:
-            fd = os.open(paths[rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        error, maps = "", []  # type: tuple[str, list[mmap.mmap]]
+        try:  # this rank's file goes whatever happens below (a peer that died, a full /dev/shm): nothing is left
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # the pages exist now: a full /dev/shm fails here, not as SIGBUS
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            error = f"{paths[rank]}: {exc}"
-        errors = [e for e in all_gather_object(error) if e]
-        maps: list[mmap.mmap] = []
-        try:
-            if not errors:
-                for path in paths:
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-                    finally:
-                        os.close(fd)
-        except OSError as exc:
-            errors = [f"{exc}"]
-        errors = [e for e in all_gather_object("; ".join(errors)) if e]  # every rank mapped every file, or none
-        if not error:
-            os.unlink(paths[rank])
+                fd = os.open(paths[rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)  # the pages exist now: a full /dev/shm fails here, not as SIGBUS
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                error = f"{paths[rank]}: {exc}"
+            errors = [e for e in all_gather_object(error) if e]
+            try:
+                if not errors:
+                    for path in paths:
+                        fd = os.open(path, os.O_RDWR)
+                        try:
+                            maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+                        finally:
+                            os.close(fd)
+            except OSError as exc:
+                errors = [f"{exc}"]
+            errors = [e for e in all_gather_object("; ".join(errors)) if e]  # every rank mapped every file, or none
+        finally:
+            try:
+                os.unlink(paths[rank])
+            except FileNotFoundError:  # never made (O_EXCL refused it, or the open failed)
+                pass
         if errors:
             for m in maps:
                 m.close()
