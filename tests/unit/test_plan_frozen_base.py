@@ -1,5 +1,5 @@
 """[Note: in place or staged] in zinf/plan/frozen_base.py: the rule, its place in ``zinf plan``'s config and table,
-the checkpoint read without being changed, and the errors that name the fix."""
+and the errors that name the fix (the checkpoint's read speed: tests/unit/offload/test_disk_speed.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from zinf.plan import PlanError, plan
 from zinf.plan import frozen_base
-from zinf.plan.frozen_base import decide, measure_read
+from zinf.plan.frozen_base import decide
 
 from test_plan import machine
 
@@ -66,14 +66,6 @@ def test_a_slower_drive_is_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert p.frozen_base.checkpoint_read_bw == 0.2e9 and p.frozen_base.swap_read_bw == 1e9
     nvme_row = next(e for e in p.estimates if e.placement.params == "nvme")
     assert p.config(nvme_row)["offload"]["frozen_in_place"] is False
-
-
-def test_measuring_reads_the_checkpoint_without_changing_it(tmp_path: Path) -> None:
-    f = _checkpoint(tmp_path) / "model.safetensors"
-    before = (f.read_bytes(), f.stat().st_mtime_ns)
-    bw = measure_read(f)
-    assert bw is None or bw > 0  # None where the file system refuses O_DIRECT (tmpfs)
-    assert (f.read_bytes(), f.stat().st_mtime_ns) == before
 
 
 def test_errors_name_the_fix(tmp_path: Path) -> None:

@@ -18,11 +18,15 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "measure_path", "save_speed"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "measure_path", "measure_read", "save_speed"]
 
 SPEED_FILE = "zinf-disk-speed.json"
 _GB = 1e9
@@ -87,14 +91,31 @@ def load_speed(paths: Sequence[str], bytes_per_s: float = 0.0) -> DiskSpeed | No
     return DiskSpeed(read, write, mixed if every_mixed else 0.0) if paths else None
 
 
+@contextmanager
+def _offload_io(size_bytes: int, bytes_per_s: float = 0.0) -> Iterator[tuple[Any, torch.Tensor]]:
+    """A pinned buffer of ``size_bytes`` and zinf's AsyncIO with the offload engine's settings (O_DIRECT;
+    ``bytes_per_s``: its ``offload.aio_bytes_per_s`` cap), as both measurements use them."""
+    from zinf import native
+    from zinf.config_sections import OffloadConfig
+
+    native.require()
+    cfg = OffloadConfig()
+    pool = native.PinnedBufferPool(1 << (size_bytes - 1).bit_length())  # its blocks are powers of two
+    buf = pool.acquire(size_bytes)
+    try:
+        with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
+                            num_threads=cfg.aio_threads, direct=True, bytes_per_s=bytes_per_s) as aio:
+            yield aio, buf
+    finally:
+        pool.release(buf)
+        pool.close()
+
+
 def measure_path(path: str, size_bytes: int, bytes_per_s: float = 0.0) -> tuple[float, float, float, bool]:
     """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
     offload engine's settings (``bytes_per_s``: its ``offload.aio_bytes_per_s`` cap), then its first half read while
     as many bytes are written to a second file; returns (write GB/s, read GB/s, reads and writes at once GB/s,
     whether O_DIRECT was in effect). The files are removed afterwards."""
-    from zinf import native
-    from zinf.config_sections import OffloadConfig
-
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"{path!r} is not a directory (give the directory offload.nvme_paths would name)")
@@ -105,16 +126,11 @@ def measure_path(path: str, size_bytes: int, bytes_per_s: float = 0.0) -> tuple[
     if free < size_bytes:
         raise ValueError(f"{path!r} has {free / 2**20:.0f} MiB free, the test needs {size_bytes / 2**20:.0f} MiB "
                          "(lower --size-mib)")
-    native.require()
-    cfg = OffloadConfig()
-    pool = native.PinnedBufferPool(size_bytes)
-    buf = pool.acquire(size_bytes)
-    buf.random_(0, 256)
     target = directory / f"zinf-info-{os.getpid()}.tmp"
     second = directory / f"zinf-info-{os.getpid()}-2.tmp"
     try:
-        with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
-                            num_threads=cfg.aio_threads, direct=True, bytes_per_s=bytes_per_s) as aio:
+        with _offload_io(size_bytes, bytes_per_s) as (aio, buf):
+            buf.random_(0, 256)
             start = time.perf_counter()
             aio.wait(aio.submit_write(buf, target))
             _fsync(target)
@@ -132,9 +148,26 @@ def measure_path(path: str, size_bytes: int, bytes_per_s: float = 0.0) -> tuple[
     finally:
         target.unlink(missing_ok=True)
         second.unlink(missing_ok=True)
-        pool.release(buf)
-        pool.close()
     return size_bytes / write_s / _GB, size_bytes / read_s / _GB, 2 * half / mixed_s / _GB, direct
+
+
+def measure_read(path: Path, nbytes: int = 256 << 20) -> float | None:
+    """Bytes per second of a sequential read of up to ``nbytes`` of an existing file (read only, through the same
+    AsyncIO; the faster of two reads, as :func:`measure_path` reads a file it has just written); None without the
+    native build, O_DIRECT, or 4 KiB of file."""
+    from zinf import native
+
+    size = min(nbytes, os.path.getsize(path)) // 4096 * 4096
+    if size == 0 or not native.info().available:
+        return None
+    with _offload_io(size) as (aio, buf):
+        seconds = float("inf")
+        for _ in range(2):  # the faster of two: a first read may wake a cold drive (or a VM host's cache)
+            start = time.perf_counter()
+            aio.wait(aio.submit_read(buf, path))
+            seconds = min(seconds, time.perf_counter() - start)
+        direct = aio.direct
+    return size / seconds if direct and seconds > 0 else None
 
 
 def _fsync(path: Path) -> None:

@@ -21,17 +21,16 @@ double quantization is staged whatever this says (its scales are decoded at load
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from zinf.offload.disk_speed import measure_read
 from zinf.plan.model import PlanError
 
-__all__ = ["FrozenBase", "choose_frozen_base", "decide", "measure_read", "STAGE_BELOW"]
+__all__ = ["FrozenBase", "choose_frozen_base", "decide", "STAGE_BELOW"]
 
 STAGE_BELOW = 0.9  # staged only where the checkpoint's drive reads below this share of the swap's speed
-MEASURE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -75,34 +74,6 @@ def _checkpoint_files(checkpoint: str) -> list[Path]:
         raise PlanError(f"zinf plan: --checkpoint {checkpoint!r} holds no *.safetensors files; give the directory "
                         "save_pretrained wrote (the base a LoRA or QLoRA run loads).")
     return files
-
-
-def measure_read(path: Path, nbytes: int = MEASURE_BYTES) -> float | None:
-    """Bytes per second of a sequential read of up to ``nbytes`` of the file (read only, O_DIRECT through zinf's
-    AsyncIO; the faster of two reads, as the swap's speed is measured on a file just written); None without the
-    native build, O_DIRECT, or 4 KiB of file."""
-    from zinf import native
-    from zinf.config_sections import OffloadConfig
-
-    size = min(nbytes, os.path.getsize(path)) // 4096 * 4096
-    if size == 0 or not native.info().available:
-        return None
-    cfg = OffloadConfig()
-    pool = native.PinnedBufferPool(1 << (size - 1).bit_length())  # its blocks are powers of two
-    buf = pool.acquire(size)
-    try:
-        with native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
-                            num_threads=cfg.aio_threads, direct=True) as aio:
-            seconds = float("inf")
-            for _ in range(2):  # the faster of two: a first read may wake a cold drive (or a VM host's cache)
-                start = time.perf_counter()
-                aio.wait(aio.submit_read(buf, path))
-                seconds = min(seconds, time.perf_counter() - start)
-            direct = aio.direct
-    finally:
-        pool.release(buf)
-        pool.close()
-    return size / seconds if direct and seconds > 0 else None
 
 
 def choose_frozen_base(checkpoint: str, nvme_paths: Sequence[str], read_bw: dict[str, float],

@@ -71,3 +71,21 @@ def test_a_file_of_the_older_form_is_the_uncapped_speed(tmp_path: Path) -> None:
     speed = load_speed([str(tmp_path)])
     assert speed is not None and speed.write_bytes_per_s == 0.5e9
     assert load_speed([str(tmp_path)], 2_000_000) is None
+
+
+def test_measuring_a_read_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    from zinf.offload.disk_speed import measure_read
+
+    f = tmp_path / "weights.bin"
+    f.write_bytes(bytes(range(256)) * 4_700)  # 1.15 MiB: a read of a size that is no power of two
+    before = (f.read_bytes(), f.stat().st_mtime_ns)
+    bw = measure_read(f)
+    assert bw is None or bw > 0  # None where the file system refuses O_DIRECT (tmpfs)
+    assert (f.read_bytes(), f.stat().st_mtime_ns) == before
+
+
+def test_a_measurement_of_a_size_that_is_no_power_of_two(tmp_path: Path) -> None:
+    from zinf.offload.disk_speed import measure_path
+
+    write, read, mixed, _ = measure_path(str(tmp_path), 3 << 20)  # the pinned pool's blocks are powers of two
+    assert min(write, read, mixed) > 0 and not list(tmp_path.iterdir())
