@@ -28,21 +28,25 @@ from zinf.param.store import UpdateFence
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["DeviceStateStore", "device_share"]
+__all__ = ["DeviceStateStore", "device_share", "groups_in_share"]
+
+
+def groups_in_share(sizes: Sequence[int], fraction: float) -> int:
+    """How many of the trained groups (``sizes``: their shards' elements, in build order) a share of ``fraction``
+    takes: the first, while the elements taken so far are under ``fraction`` of all (whole groups; the planner
+    counts a share the same way)."""
+    target, taken = fraction * sum(sizes), 0
+    for count, n in enumerate(sizes):
+        if taken >= target:
+            return count
+        taken += n
+    return len(sizes)
 
 
 def device_share(groups: Sequence["FlatParamGroup"], fraction: float) -> set[int]:
-    """The ids of the trained groups whose optimizer state stays on the device: the first built, while the elements
-    taken so far are under ``fraction`` of every trained group's (see [Note: the device share])."""
+    """The ids of the trained groups whose optimizer state stays on the device (see [Note: the device share])."""
     trained = [g for g in groups if g.trainable]
-    target = fraction * sum(g.shard_numel for g in trained)
-    taken, out = 0, set()
-    for g in trained:
-        if taken >= target:
-            break
-        out.add(id(g))
-        taken += g.shard_numel
-    return out
+    return {id(g) for g in trained[: groups_in_share([g.shard_numel for g in trained], fraction)]}
 
 
 class DeviceStateStore(CpuStateStore):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from zinf.config import PRECISIONS
+from zinf.offload.device_states import groups_in_share
 from zinf.offload.pool_room import block_bytes
 from zinf.offload.nvme_state_store import READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS
 from zinf.plan.machine import Machine
@@ -309,24 +310,19 @@ def device_share(cpu_adam_s: float, forward_s: float, trained: Sequence[int], he
     last = round(1.0 / SHARE_STEP) - 1  # never the whole optimizer
     best = 0
     for steps in range(1, last + 1):
-        if share_taken(trained, steps * SHARE_STEP) > room:
+        taken = share_taken(trained, steps * SHARE_STEP)
+        if taken > room:
             break
         best = steps
-        if share_taken(trained, steps * SHARE_STEP) >= wanted - 1e-9:
+        if taken >= wanted - 1e-9:
             break
     return round(best * SHARE_STEP, 2)
 
 
 def share_taken(trained: Sequence[int], fraction: float) -> float:
-    """The share of ``trained`` (shard sizes in build order) the engine's ``device_share`` takes for ``fraction``: the
-    first groups while the elements taken are under the target."""
+    """The share of ``trained`` (shard sizes in build order) the engine keeps on the device for ``fraction``."""
     total = sum(trained)
-    target, taken = fraction * total, 0
-    for n in trained:
-        if taken >= target:
-            break
-        taken += n
-    return taken / total if total else 0.0
+    return sum(trained[: groups_in_share(trained, fraction)]) / total if total else 0.0
 
 
 def _move_share(nbytes: dict[str, dict[str, int]], pl: PlanPlacement, trainable: int, fraction: float) -> None:
