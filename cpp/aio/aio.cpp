@@ -17,7 +17,8 @@ void complete_request(Request& r) {
   if (r.fd_buffered >= 0) ::close(r.fd_buffered);
   r.fd_direct = r.fd_buffered = -1;
   std::lock_guard<std::mutex> lk(r.mu);
-  if (r.failed.load() && r.op == Op::kWrite) r.unlinked = (::unlink(r.path.c_str()) == 0);
+  // only a file this request created: one that existed holds other records (a swap file), still live
+  if (r.failed.load() && r.created) r.unlinked = (::unlink(r.path.c_str()) == 0);
   r.done = true;
   r.cv.notify_all();
 }
@@ -177,11 +178,22 @@ int64_t Engine::submit(Op op, uintptr_t addr, size_t nbytes, const std::string& 
   req->offset = offset;
   req->limit = limit_.get();
 
-  const int flags = (op == Op::kRead) ? O_RDONLY : (O_WRONLY | O_CREAT);
+  int open_err = 0;
+  if (op == Op::kWrite) {
+    // Whether this request creates the file (O_EXCL), so that a failure removes it and nothing else; the opens
+    // below find it. Not with O_DIRECT: a file system without it may create the file and still refuse the open.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      req->created = true;
+      ::close(fd);
+    } else if (errno != EEXIST) {
+      open_err = errno;
+    }
+  }
+  const int flags = (op == Op::kRead) ? O_RDONLY : O_WRONLY;
   const bool aligned = addr % kDirectAlignBytes == 0 && static_cast<size_t>(offset) % kDirectAlignBytes == 0;
   const size_t body = (direct_ && aligned) ? nbytes / kDirectAlignBytes * kDirectAlignBytes : 0;
-  int open_err = 0;
-  if (body > 0) {
+  if (!open_err && body > 0) {
     req->fd_direct = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
     if (req->fd_direct < 0 && errno != EINVAL) open_err = errno;
   }
@@ -207,15 +219,14 @@ int64_t Engine::submit(Op op, uintptr_t addr, size_t nbytes, const std::string& 
     pending_.emplace(handle, req);
   }
   if (open_err) {
-    // The open itself failed (e.g. missing directory): nothing was written, so nothing to unlink.
+    // The open itself failed (e.g. missing directory): nothing was written; a file this request created (empty)
+    // is removed, any other left alone.
     req->blocks_left.store(1);
     Block b{req, -1, 0, 0};
     fail_block(b, open_err, offset, false, 0);
     req->message = "cannot open '" + path + "' for " + (op == Op::kRead ? "reading" : "writing") +
                    " (request at offset " + std::to_string(offset) + "): " + std::strerror(open_err);
-    req->op = Op::kRead;  // do not unlink a file we never opened
     finish_block(b);
-    req->op = op;
   } else if (blocks.empty()) {
     req->blocks_left.store(1);
     finish_block(Block{req, -1, 0, 0});

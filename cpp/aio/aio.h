@@ -5,8 +5,9 @@
 // File systems that refuse O_DIRECT (EINVAL at open, e.g. tmpfs) fall back to buffered I/O and
 // report it through Engine::last_direct().
 //
-// Failure policy for writes: a write request that fails unlinks its target file (its contents are
-// undefined), so a failed request never leaves a file that looks valid. WaitResult::unlinked says so.
+// Failure policy for writes: a write request that fails unlinks its target file if the request created it (its
+// contents are undefined), so a failed request never leaves a new file that looks valid; a file that existed
+// before is left as it is (it holds other records: a swap file). WaitResult::unlinked says which.
 #pragma once
 #include <sys/types.h>
 
@@ -64,6 +65,7 @@ struct Request {
   int64_t err_offset = 0;
   size_t short_got_bytes = 0;
   std::string message;
+  bool created = false;  // a write that created its file (set at submit, before any block runs)
   bool unlinked = false;
 };
 

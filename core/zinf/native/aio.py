@@ -5,7 +5,11 @@
 - :class:`PythonAsyncIO`: the pure-Python equivalent (os.pread/os.pwrite on threads, buffered I/O).
 - :class:`AIOError` and its subclasses :class:`AIOMissingPathError` (ENOENT), :class:`AIONoSpaceError`
   (ENOSPC) and :class:`AIOShortReadError` (end of file before the requested bytes): every failure of
-  both implementations is one of them, with the path and file offset. A failed write unlinks its target.
+  both implementations is one of them, with the path and file offset.
+
+[Note: aio failed writes] A write that fails unlinks its target file where that write created it (its contents are
+undefined, so no new file that looks valid is left); a file that existed before is left as it was: it holds other
+records (a swap file, whose other records are still live). ``AIOError.unlinked`` says which.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class AIOError(OSError):
         super().__init__(err, message, path)
         self.path = path
         self.offset = offset
-        self.unlinked = unlinked  # a failed write removed its (undefined) target file
+        self.unlinked = unlinked  # a failed write removed the (undefined) target file it created
 
     def __str__(self) -> str:
         removed = "; the partially written file was removed" if self.unlinked else ""
@@ -95,9 +99,10 @@ class AsyncIO(_AsyncIOBase):
     or ``num_threads`` pread/pwrite threads. With ``direct=True`` the 4096-aligned body of a request
     whose buffer address and offset are 4096-aligned uses O_DIRECT; file systems without O_DIRECT
     (tmpfs) fall back to buffered I/O, reported by ``.direct`` and logged once.
-    A failed write unlinks its target file. The tensor must stay alive and untouched until waited;
-    this object keeps a reference to it until then. ``bytes_per_s`` > 0 caps the bytes moved per second, reads and
-    writes together: each block completes no sooner than its bytes fit under the rate.
+    A failed write unlinks its target file if it created it (see [Note: aio failed writes]). The tensor must stay
+    alive and untouched until waited; this object keeps a reference to it until then. ``bytes_per_s`` > 0 caps the
+    bytes moved per second, reads and writes together: each block completes no sooner than its bytes fit under the
+    rate.
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, num_threads: int = 2, direct: bool = True,
@@ -192,8 +197,16 @@ class PythonAsyncIO(_AsyncIOBase):
     def _run(write: bool, tensor: torch.Tensor, path: str, offset: int, block_size: int) -> int:
         view = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
         nbytes = len(view)
+        created = False  # only a file this write created is removed when it fails (see [Note: aio failed writes])
         try:
-            fd = os.open(path, (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY, 0o644)
+            if write:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    created = True
+                except FileExistsError:
+                    fd = os.open(path, os.O_WRONLY)
+            else:
+                fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise _make_aio_error(e.errno or 0, False, f"cannot open {path!r}: {e.strerror}", path, offset, False) from e
         failed = True
@@ -205,15 +218,15 @@ class PythonAsyncIO(_AsyncIOBase):
                     n = os.pwrite(fd, chunk, offset + done) if write else os.preadv(fd, [chunk], offset + done)
                 except OSError as e:
                     raise _make_aio_error(e.errno or 0, False, f"{'write' if write else 'read'} failed: {e.strerror}",
-                                          path, offset + done, write) from e
+                                          path, offset + done, created) from e
                 if n == 0:
                     raise _make_aio_error(_errno.EIO, not write, "short read: reached end of file", path,
-                                          offset + done, write)
+                                          offset + done, created)
                 done += n
             failed = False
         finally:
             os.close(fd)
-            if failed and write:
+            if failed and created:
                 try:
                     os.unlink(path)
                 except OSError:

@@ -45,8 +45,13 @@ class NvmeGradStash:
         for sg in self._of.get(id(group), []):
             rec = self.records[id(sg)]
             buf = self.room.acquire_waiting(rec.span)
-            buf[: rec.nbytes].view(torch.float32).copy_(shard[sg.lo : sg.hi])
-            self._writes.append((buf, self.swap.submit_write(rec, buf), rec))
+            try:
+                buf[: rec.nbytes].view(torch.float32).copy_(shard[sg.lo : sg.hi])
+                handle = self.swap.submit_write(rec, buf)
+            except BaseException:
+                self.room.pool.release(buf)
+                raise
+            self._writes.append((buf, handle, rec))
             while len(self._writes) > GRAD_WRITES_IN_FLIGHT:
                 self._finish_one()
 
@@ -66,11 +71,22 @@ class NvmeGradStash:
         return out
 
     def flush(self) -> None:
-        """Finish the gradient writes still in flight (at the end of backward)."""
+        """Finish the gradient writes still in flight (at the end of backward): every one, even after one failed (its
+        buffer goes back to the pool), then raise the first failure."""
+        failed: BaseException | None = None
         while self._writes:
-            self._finish_one()
+            try:
+                self._finish_one()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _finish_one(self) -> None:
+        """Wait for the oldest write; its buffer goes back to the pool whatever the wait raises (the request is over
+        once ``wait`` returns or raises)."""
         buf, handle, rec = self._writes.pop(0)
-        self.swap.wait(handle, rec)
-        self.room.pool.release(buf)
+        try:
+            self.swap.wait(handle, rec)
+        finally:
+            self.room.pool.release(buf)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from zinf.offload.grad_stash import GRAD_WRITES_IN_FLIGHT
 from zinf.offload.in_place import InPlaceRecord
 from zinf.offload.pool_room import block_bytes
+from zinf.offload.subgroups import ALIGN_NUMEL
 from zinf.offload.swap import OffloadSpaceError, record_span
+from zinf.units import format_bytes
 
 if TYPE_CHECKING:
     from zinf.config_sections import OffloadConfig
@@ -47,12 +49,16 @@ class PoolNeeds:
         pipeline = trained = 0
         if cfg.optimizer == "nvme" and self.subgroups:
             biggest = max(self.subgroups, key=lambda sg: sg.numel)
-            spans = [record_span(self.layout.nbytes(biggest, n)) for n in self.layout.names]
-            spans += [record_span(biggest.numel * 4)] if self.grads_on_nvme else []
-            pipeline = 3 * sum(block_bytes(span) for span in spans)
+            pipeline = self._pipeline([self.layout.nbytes(biggest, n) for n in self.layout.names], biggest.numel)
         if cfg.params == "nvme" and self.groups:
             trained = max((self.staged_bytes(g) for g in self.groups if g.trainable), default=0)
         return pipeline, trained
+
+    def _pipeline(self, state_bytes: list[int], numel: int) -> int:
+        """The pipeline's blocks for sub-groups whose states' records hold ``state_bytes`` (and the gradient's, of
+        ``numel`` fp32 elements, when it is on NVMe): three sub-groups in flight (read ahead, stepped, written)."""
+        spans = [record_span(n) for n in state_bytes] + ([record_span(numel * 4)] if self.grads_on_nvme else [])
+        return 3 * sum(block_bytes(span) for span in spans)
 
     def that_fit(self, whole: Mapping[int, InPlaceRecord]) -> dict[int, InPlaceRecord]:
         """Of the whole records (``whole_records``), those the pool can stage beside what never waits for room
@@ -85,11 +91,31 @@ class PoolNeeds:
         if self.grads_on_nvme and self.subgroups:
             grad_writes = (GRAD_WRITES_IN_FLIGHT + 1) * block_bytes(max(record_span(sg.numel * 4) for sg in self.subgroups))
         if need > cfg.pinned_pool_bytes:
-            raise OffloadSpaceError(
-                f"zinf offload: offload.pinned_pool_bytes = {cfg.pinned_pool_bytes} is too small for this model; "
-                f"staging the largest groups and optimizer sub-groups needs about {need} bytes. Raise "
-                "offload.pinned_pool_bytes, or lower offload.sub_group_numel.")
+            raise OffloadSpaceError(self._shortfall(need, pipeline, reserve + largest))
         return reserve, reserve + grad_writes + cfg.pinned_pool_bytes // 4
+
+    def _shortfall(self, need: int, pipeline: int, params: int) -> str:
+        """Why the pool is too small (the optimizer's pipeline, the parameter shards) and the settings that would each
+        make it enough: a smaller sub-group only where the parameter shards leave room for the smallest one."""
+        cfg = self.cfg
+        pool = cfg.pinned_pool_bytes
+        parts, fixes = [], [f"Raise offload.pinned_pool_bytes to at least {need}"]
+        if pipeline:
+            biggest = max(sg.numel for sg in self.subgroups)
+            parts.append(f"{format_bytes(pipeline)} for the optimizer's NVMe pipeline (three sub-groups of up to "
+                         f"{biggest} elements)")
+            # the smallest sub-group plan_subgroups makes (int8 block exponents: at most one byte an element)
+            smallest = self._pipeline([ALIGN_NUMEL * self.layout.dtype(n).itemsize for n in self.layout.names],
+                                      ALIGN_NUMEL)
+            if biggest > ALIGN_NUMEL and params + smallest <= pool:
+                fixes.append(f"lower offload.sub_group_numel (now {cfg.sub_group_numel})")
+        if params:
+            parts.append(f"{format_bytes(params)} for the parameter shards on NVMe (the largest group's block for a "
+                         "gather and one read ahead, the largest trained group's twice for its update)")
+            if pipeline <= pool:
+                fixes.append('keep the parameters in host memory (offload.params: "cpu") if it has room')
+        return (f"zinf offload: offload.pinned_pool_bytes = {pool} is too small for this model: staging needs {need} "
+                f"bytes ({'; '.join(parts)}). {', or '.join(fixes)}.")
 
     def stages_like_one_group(self, groups: Sequence["FlatParamGroup"]) -> bool:
         """Whether gathering ``groups`` at once (a unit, see [Note: blocks as units] in zinf/schedule/units.py)

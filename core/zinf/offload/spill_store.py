@@ -14,7 +14,10 @@ parent's initialisation, ``GatheredParameters``, the pretrained loader) reads it
 its edit back. The engine's placement then takes each shard (``take``: read back, one group at a time) and moves it
 to its final tier (the swap files, host memory or the device); the file is removed when the last group has left
 (taken, or dropped with its model), and at exit in any case. Records are 4 KiB-aligned; a record never written (the placeholders of a model whose
-weights a loader is about to read) reads as zeros (a sparse file).
+weights a loader is about to read) reads as zeros (a sparse file). The CRC32C of every record written is kept in
+memory and checked when it is read back, as the swap files' records are (see [Note: offload file format] in
+zinf/offload/swap.py): a shard corrupted on the drive is an error naming the file, never values trained on (without
+the native build no checksum is taken).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from zinf.file_io import read_at, write_at
 from zinf.heap import HeapTrimmer
 from zinf.offload import cleanup
 from zinf.offload.in_place import InPlaceRecord, aligned_empty
-from zinf.offload.swap import OffloadSpaceError, align_up, check_dir
+from zinf.offload.swap import OffloadFileError, OffloadSpaceError, align_up, check_dir
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -71,6 +74,8 @@ class SpillStore:
         cleanup.register([self.path])
         self._lock = threading.Lock()
         self._where: dict[int, tuple[int, int]] = {}  # group id -> (offset, bytes)
+        self._crc: dict[int, int] = {}  # group id -> CRC32C of the bytes written there (none for placeholders)
+        self._checksums = native.checksum_backend() != "python"
         self._end = 0
         self._pending: dict[int, torch.Tensor] = {}  # writer() buffers until commit()
         self._scratch = torch.empty(0, dtype=torch.uint8)  # writer()'s buffer, reused group after group
@@ -141,6 +146,7 @@ class SpillStore:
         the file is removed once no record is left."""
         with self._lock:
             where = self._where.pop(key, None)
+            self._crc.pop(key, None)
             self._in_place.pop(key, None)
             empty = not self._where
         if where is not None and self._fd >= 0:
@@ -212,6 +218,8 @@ class SpillStore:
             raise OffloadSpaceError(
                 f"zinf.Init: writing {group.name}'s shard to {self.path} failed ({exc}). Free space on that drive "
                 "or name another in offload.nvme_paths.") from exc
+        if self._checksums:
+            self._crc[id(group)] = native.crc32c(data)
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def read(self, group: "FlatParamGroup") -> torch.Tensor:
@@ -229,4 +237,18 @@ class SpillStore:
         if got < nbytes:  # past the end: a record never written (placeholders) reads as zeros
             out.view(torch.uint8)[got:].zero_()
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self._check(group, out, offset, nbytes)
         return out
+
+    def _check(self, group: "FlatParamGroup", data: torch.Tensor, offset: int, nbytes: int) -> None:
+        """The bytes read back are those written (see [Note: construction spill])."""
+        crc = self._crc.get(id(group))
+        if crc is None:
+            return
+        actual = native.crc32c(data)
+        if actual != crc:
+            raise OffloadFileError(
+                f"zinf.Init: the spill file {self.path} holds {group.name}'s shard at offset {offset} ({nbytes} "
+                f"bytes), and it is corrupted: its CRC32C is {actual:#010x}, {crc:#010x} was written. Refusing to train "
+                "on it; check the drive (dmesg, smartctl), or name another in offload.nvme_paths, and build the model "
+                "again.")
