@@ -23,6 +23,7 @@ and the methods that touch parameters, gradients or their state:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -140,7 +141,8 @@ class Accelerator(accelerate.Accelerator):
         return model, wrapped
 
     def _build_pending(self, pending: PendingModel, optimizer: torch.optim.Optimizer | None) -> ZinfModel:
-        engine = zinf.ZeroInfinityEngine(pending.module, optimizer, self.zinf_config, device=self.device)
+        config = self.zinf_config if optimizer is not None else _without_optimizer_offload(self.zinf_config)
+        engine = zinf.ZeroInfinityEngine(pending.module, optimizer, config, device=self.device)
         refuse_partitioned_state_dict(engine)
         self._compile_as_configured(engine)
         log.info("zinf: engine built for a model prepared on its own (%s)", "with its optimizer" if optimizer
@@ -161,8 +163,10 @@ class Accelerator(accelerate.Accelerator):
     def _optimizer_for_pending(self, optimizer: torch.optim.Optimizer) -> ZinfOptimizer:
         for m in self._zinf_models:
             if isinstance(m, PendingModel) and m.owns(optimizer):
-                if m.built is not None:
+                if m.built is not None and m.built.engine.optimizer is not None:
                     break
+                if m.built is not None:
+                    _close_inference_engine(m)
                 engine = m.resolve(optimizer).engine
                 wrapped = _ReportingOptimizer(optimizer, engine, self._report_step)
                 self._optimizers.append(wrapped)
@@ -349,6 +353,38 @@ class _ReportingOptimizer(ZinfOptimizer):
             self.num_steps += 1
             self._after_step(self.engine, self.num_steps)
         return loss
+
+
+def _without_optimizer_offload(config: zinf.ZeroConfig) -> zinf.ZeroConfig:
+    """The config of the engine of a model called before its optimizer was prepared: with no optimizer there is no
+    optimizer state to offload (and the placement refuses an offloaded optimizer it is not given), so
+    ``offload.optimizer`` is "device" and the settings that only an offloaded optimizer takes are their defaults; the
+    parameters stay where the config puts them."""
+    if config.offload.optimizer == "device":
+        return config
+    offload = dataclasses.replace(config.offload, optimizer="device", grads="auto", step_during_backward=False,
+                                  optimizer_device_fraction=0.0)
+    return dataclasses.replace(config, offload=offload, optimizer_storage="fp32")
+
+
+def _close_inference_engine(pending: PendingModel) -> None:
+    """A model prepared alone and called before its optimizer was prepared (``Trainer.evaluate()`` before ``train()``:
+    Trainer prepares the model alone to evaluate, then only the optimizer to train) got an engine for inference. That
+    engine is closed so that ``resolve`` builds it again with the optimizer over the same groups (the parameters stay
+    partitioned, their values in the groups). Shards an offloading placement took (``offload.params`` "cpu" or
+    "nvme") cannot pass to a second engine: refused, with the fix."""
+    assert pending.built is not None
+    params_tier = pending.built.engine.config.offload.params
+    if params_tier != "device":
+        raise UnsupportedModelError(
+            f"zinf: this model was called before its optimizer was prepared, so its engine was built for inference "
+            f"with its parameter shards offloaded (offload.params='{params_tier}'), and an engine with the optimizer "
+            "cannot take them over. Prepare the model and its optimizer before the first call: model, optimizer = "
+            "accelerator.prepare(model, optimizer) (with transformers' Trainer: train() before evaluate()), or set "
+            "offload.params: device.")
+    log.info("zinf: the model's optimizer came after a call; its inference engine is built again with it")
+    pending.built.close()
+    pending.built = None
 
 
 def _is_zinf(model: Any) -> bool:

@@ -11,7 +11,8 @@ model is a zinf engine (``trainer.model_wrapped.engine``) or, before ``prepare``
 - ``_save`` (``save_model``, its checkpoints and ``push_to_hub``'s local save): Trainer's own ``_save`` writes
   ``config.json``, the generation config, the tokenizer and ``training_args.bin``; the weights are streamed by
   ``zinf.checkpoint.save_safetensors`` (every rank gathers one group at a time, rank 0 writes each shard when it is
-  complete: memory one group plus one shard, never the whole model), in the parameters' dtype, tied weights once,
+  complete: memory one group plus one shard, never the whole model), in the dtype the model's parameters were built
+  in (as DDP saves them: fp32 under bf16 mixed precision, where the engine computes in bf16), tied weights once,
   as ``model.safetensors`` or shards + index. For a peft model only what peft saves is gathered (the adapter, not
   the frozen base) and handed to Trainer's ``_save``: ``adapter_config.json`` + ``adapter_model.safetensors``.
 - ``_save_optimizer_and_scheduler``: ``engine.save_checkpoint(checkpoint-N/zinf)`` on every rank (fp32 masters,
@@ -24,7 +25,9 @@ model is a zinf engine (``trainer.model_wrapped.engine``) or, before ``prepare``
   checkpoint): ``engine.load_checkpoint(checkpoint-N/zinf)`` restores weights and optimizer state on every rank,
   then the LR scheduler from ``scheduler.pt``.
 - ``_load_best_model``: ``engine.load_checkpoint`` of the best checkpoint's shards (weights, and as with
-  DeepSpeed the optimizer state of that step).
+  DeepSpeed the optimizer state of that step). A checkpoint without shards (``save_only_model=True``) holds the
+  weights alone, which are loaded as Trainer loads them (the optimizer state stays the last step's): the model's
+  files streamed into each rank's slices, or a peft adapter's file into the adapter's fp32 masters.
 
 RNG files, ``trainer_state.json``, the data skip on resume and checkpoint rotation are Trainer's, unchanged.
 
@@ -45,12 +48,15 @@ import torch
 from torch import nn
 
 from zinf.checkpoint.export import save_safetensors
+from zinf.checkpoint.pretrained import load_pretrained
+from zinf.checkpoint.tensor_files import open_weights
 from zinf.engine import ZeroInfinityEngine
 from zinf.errors import CheckpointError
 from zinf import integrations
 from zinf.integrations import transformers as hf_models
 from zinf.integrations.after_import import when_imported, wrap_once
 from zinf.param.gathered import GatheredParameters
+from zinf.tiling import tile_spec
 
 __all__ = ["install", "watch", "engine_of", "SHARDS_DIR"]
 
@@ -115,14 +121,16 @@ def _save(self: Any, output_dir: str | None = None, state_dict: dict | None = No
     # weights file, as its DeepSpeed branch does), then the weights are streamed in their place
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     _originals["_save"](self, output_dir, state_dict={})
-    save_safetensors(engine, output_dir, dtype=_weights_dtype(self.model))
+    save_safetensors(engine, output_dir, dtype=_weights_dtype(engine))
     return None
 
 
-def _weights_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype ``save_pretrained`` would write the weights in: the model's floating parameters' (fp32 when they
-    differ)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+def _weights_dtype(engine: ZeroInfinityEngine) -> torch.dtype:
+    """The dtype ``save_pretrained`` writes the weights in without zinf: the one the model's floating parameters were
+    built in (fp32 when they differ), which each group's slots keep. Not the parameters' dtype now: under mixed
+    precision their placeholders are in the compute dtype (bf16), while DDP keeps and saves the parameters as built
+    (fp32; the fp32 masters are then written as they are, as ``get_state_dict`` and ``consolidate`` give them)."""
+    dtypes = {s.dtype for g in engine.groups for s in g.slots if s.dtype.is_floating_point}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
@@ -195,13 +203,68 @@ def _load_best_model(self: Any) -> None:
     if engine is None:
         return _originals["_load_best_model"](self)
     best = self.state.best_model_checkpoint
-    if not os.path.isfile(os.path.join(_shards(best), "commit.json")):
-        log.warning("zinf: the best checkpoint %s holds no zinf shards (save_only_model=True?); the model keeps "
-                    "its last weights", best)
-        return None
     log.info("zinf: loading the best model from %s (score: %s)", best, self.state.best_metric)
-    engine.load_checkpoint(_shards(best))
+    if os.path.isfile(os.path.join(_shards(best), "commit.json")):
+        engine.load_checkpoint(_shards(best))
+    elif _is_peft(self.model):
+        _load_best_adapter(self, engine, best)
+    else:
+        _load_best_weights(self, engine, best)
     return None
+
+
+def _load_best_weights(trainer: Any, engine: ZeroInfinityEngine, best: str) -> None:
+    """A best checkpoint without zinf shards (``save_only_model=True``) holds the model's weights alone: loaded as
+    Trainer loads them without zinf (``load_state_dict(strict=False)`` and its warnings about the keys; the optimizer
+    state stays the last step's), each rank reading only its slices of the files (``zinf.load_pretrained``). A tiled
+    layer is saved untiled, so with tiled layers the files are read whole and split (``load_full_state_dict``)."""
+    from transformers.trainer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    if not any(os.path.isfile(os.path.join(best, n)) for n in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+                                                                WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        log.warning("zinf: no model weights in the best checkpoint %s; the model keeps its last weights", best)
+        return
+    engine.synchronize()  # a background optimizer step may still be writing the masters
+    if tile_spec(engine.module):
+        with open_weights(best) as files:
+            state = {k: files.read_range(k, 0, t.numel).view(t.shape).clone() for k, t in files.tensors.items()}
+        engine.load_full_state_dict(state, strict=False)
+        return
+    engine.hooks.keep.drop()  # groups a forward kept gathered would keep the last values
+    report = load_pretrained(engine.module, best, strict=False)
+    trainer._issue_warnings_after_load(report.incompatible_keys())
+
+
+def _load_best_adapter(trainer: Any, engine: ZeroInfinityEngine, best: str) -> None:
+    """The best checkpoint of a peft model without zinf shards holds the active adapter's file alone (what ``_save``
+    wrote): each of its tensors goes into the parameter that ``get_peft_model_state_dict`` saved under its key, through
+    the fp32 master of that parameter's group (only the adapter's groups change; the frozen base is not touched)."""
+    from peft.utils import get_peft_model_state_dict
+    from transformers.trainer import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
+
+    files = [os.path.join(best, n) for n in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+             if os.path.isfile(os.path.join(best, n))]
+    if not files:
+        log.warning("zinf: no adapter weights in the best checkpoint %s; the model keeps its last weights", best)
+        return
+    model = trainer.model
+    named = dict(model.named_parameters(remove_duplicate=False))
+    saved = get_peft_model_state_dict(model, state_dict=named, adapter_name=model.active_adapters[0])
+    with open_weights(files[0]) as tensors:
+        values = {id(p): tensors.read_range(k, 0, p.numel()).clone() for k, p in saved.items()
+                  if isinstance(p, nn.Parameter) and k in tensors.tensors}
+    engine.synchronize()
+    for g in engine.groups:
+        mine = [(slot, values[id(p)]) for p, slot in zip(g.params, g.slots) if p is not None and id(p) in values]
+        if not mine:
+            continue
+        master = g.master_shard.read().to("cpu", torch.float32, copy=True)
+        lo, hi = g.layout.lo, g.layout.lo + g.shard_numel
+        for slot, value in mine:  # the part of each parameter in this rank's shard
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                master[start - lo : end - lo] = value[start - slot.offset : end - slot.offset].float()
+        engine.set_master(g, master.to(g.device))
 
 
 def _is_peft(model: nn.Module) -> bool:
