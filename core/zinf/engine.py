@@ -325,7 +325,9 @@ class ZeroInfinityEngine:
         parameters stay partitioned. A prefetch round still in flight is applied first, so no
         collective of this engine is left pending at exit; with ``wait_for_ranks=False`` it is dropped instead and
         nothing collective runs (a process ending on an error, where the other ranks may be anywhere). A second call
-        does nothing. Engines a script leaves open are closed at exit (zinf/shutdown.py)."""
+        does nothing. Engines a script leaves open are closed at exit (zinf/shutdown.py). The model's groups live as
+        long as its parameters or the engine do (a closed engine still reads the weights: ``full_state_dict``); on
+        the device tier they go at the first garbage collection after both (nothing in a group holds it strongly)."""
         if self.closed:
             return
         with phase("closing the engine"):
@@ -339,8 +341,8 @@ class ZeroInfinityEngine:
             try:
                 self.placement.close()
             finally:  # the process group and shared memory go whatever the placement raised
-                if self.ctx.buffers is not None:
-                    self.ctx.buffers.clear()
+                if self.ctx.buffers is not None:  # this engine's own kept gather blocks
+                    self.ctx.buffers.close()
                 self.comm.close()
                 self.closed = True
 

@@ -3,11 +3,14 @@
 // [Note: int8 moments]
 // Each block of 256 elements (counted from the start of the stepped range) keeps a signed exponent e per moment;
 // an element's moment is its code's value times 2^e, where e is the smallest with the block's largest magnitude
-// <= 2^e. exp_avg's code is a sign bit and a float of 4 exponent and 3 mantissa bits (largest 1.0, smallest
-// normal 2^-14, subnormals down to 2^-17); exp_avg_sq's (never negative) a float of 5 exponent and 3 mantissa
-// bits (1.0 down to 2^-30, subnormals to 2^-33), and a positive value never becomes 0, which would turn the
-// update into m / eps. Scales that are powers of two make decoding and scaling exact, so a decoded block encodes
-// back to the same codes: a checkpoint holding the decoded fp32 values resumes exactly. A block is decoded, stepped
+// <= 2^e, within [-127, 127]. exp_avg's code is a sign bit and a float of 4 exponent and 3 mantissa bits (largest
+// 1.0, smallest normal 2^-14, subnormals down to 2^-17); exp_avg_sq's (never negative) a float of 5 exponent and 3
+// mantissa bits (1.0 down to 2^-30, subnormals to 2^-33), and a positive value never becomes 0, which would turn the
+// update into m / eps. fp32 reaches 2^128: a block whose largest magnitude is past 2^127 takes e = 127 and codes up
+// to the format's largest, 1.875 (past 1.875 * 2^127 a value saturates there; inf too). A block whose codes are all
+// 0 is a zero block, e = kZeroBlock, whatever e its values asked for: one encoding per value. Scales that are powers
+// of two make decoding and scaling exact, so a decoded block encodes back to the same bytes (exponents included): a
+// checkpoint holding the decoded fp32 values resumes exactly. A block is decoded, stepped
 // in fp32 exactly as the fp32 path does (kernel_scalar_body.h), and encoded again with stochastic rounding (20
 // random bits per moment from two hashes of the element's index), so each moment keeps its expected value. The
 // same scalar code serves every ISA and zinf.native.adam's torch twin mirrors it operation for operation.
@@ -52,11 +55,13 @@ inline float exp2_scale(int8_t e) { return e <= -127 ? std::ldexp(1.0f, e) : pow
 inline float block_scale(int8_t e) { return e == kZeroBlock ? 0.0f : exp2_scale(e); }
 inline float block_inverse(int8_t e) { return e == kZeroBlock ? 0.0f : 1.0f / exp2_scale(e); }
 
-// a in [0, 1]: the code of a float with 3 mantissa bits and exponent bias ``bias`` (smallest normal 2^(1 - bias)),
-// rounded stochastically with the 20 random bits r20. Branch-free, so that the block loops vectorize.
+constexpr float kLargestCode = 1.875f;  // both formats' largest code: used only in blocks of the largest scale
+
+// a in [0, kLargestCode]: the code of a float with 3 mantissa bits and exponent bias ``bias`` (smallest normal
+// 2^(1 - bias)), rounded stochastically with the 20 random bits r20. Branch-free, so that the block loops vectorize.
 inline uint32_t encode_magnitude(float a, uint32_t r20, int bias) {
-  a = a >= 0.0f ? a : 0.0f;  // NaN: not representable (a step that made one is a failed step)
-  a = a > 1.0f ? 1.0f : a;   // inf
+  a = a >= 0.0f ? a : 0.0f;                 // NaN: not representable (a step that made one is a failed step)
+  a = a > kLargestCode ? kLargestCode : a;  // saturates: past 1.875 * 2^127, and inf
   const uint32_t u = (f32_bits(a) + r20) & ~0xFFFFFu;
   const uint32_t normal = (((u >> 23) - 127u + static_cast<uint32_t>(bias)) << 3) | ((u >> 20) & 7u);
   float t = a * pow2(bias + 2);  // a over the subnormal step 2^(1 - bias - 3): exact
@@ -154,6 +159,8 @@ inline void adam_int8_range(const AdamArgs& a, size_t begin, size_t end) {
       mcode_top = cm > mcode_top ? cm : mcode_top;
       vcode_top = cv > vcode_top ? cv : vcode_top;
     }
+    if (mcode_top == 0) me = kZeroBlock;  // values too small for the smallest scale's codes: a zero block
+    if (vcode_top == 0) ve = kZeroBlock;
     if (me > -127 && mcode_top == kHalfCodeM) halve_scale(mc + b0, n, &me, true);
     if (ve > -127 && vcode_top == kHalfCodeV) halve_scale(vc + b0, n, &ve, false);
     a.exp_avg_scale[block] = me;

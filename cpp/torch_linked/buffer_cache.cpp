@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <list>
 #include <mutex>
 #include <new>
@@ -16,45 +17,60 @@ namespace {
 
 constexpr size_t kAlignment = 64;  // c10's own CPU alignment
 
-struct Cached {
+class BufferCache;
+
+// One block of memory, in use or kept; its DataPtr's context, so that a freed block goes back to the cache that
+// handed it out (each engine has its own).
+struct Block {
   void* ptr;
   size_t nbytes;
+  BufferCache* owner;
 };
 
-// Blocks come from posix_memalign and go back to free; a freed block is kept while the blocks in use and the blocks
-// kept together stay within the bound: a quarter more than the most ever in use at once, plus the largest block.
-// The least recently freed kept blocks make room for a newly freed one.
+// Blocks come from posix_memalign and go back to free. The blocks in use and the blocks kept together stay within
+// the bound at all times: a quarter more than the most ever in use at once, plus the largest block. A miss makes
+// room for its fresh block before allocating it, and a freed block is kept only where it fits; the least recently
+// freed kept blocks go first to make room. Once closed, the cache keeps nothing.
 class BufferCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, nullptr, &BufferCache::release, c10::Device(c10::DeviceType::CPU)};
-    void* ptr = take(nbytes);
-    if (ptr == nullptr) {
-      if (posix_memalign(&ptr, kAlignment, nbytes) != 0) throw std::bad_alloc();
-      std::lock_guard<std::mutex> lock(mu_);
-      ++misses_;
-      note_live(ptr, nbytes);
+    Block* block = take(nbytes);
+    if (block == nullptr) {
+      void* ptr = nullptr;
+      if (posix_memalign(&ptr, kAlignment, nbytes) != 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        live_bytes_ -= nbytes;  // the room reserved by take()
+        throw std::bad_alloc();
+      }
+      block = new Block{ptr, nbytes, this};
     }
-    return {ptr, ptr, &BufferCache::release, c10::Device(c10::DeviceType::CPU)};
+    return {block->ptr, block, &BufferCache::release, c10::Device(c10::DeviceType::CPU)};
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
-  static void release(void* ptr) {
-    if (ptr != nullptr) instance()->give_back(ptr);
+  static void release(void* ctx) {
+    if (ctx != nullptr) {
+      auto* block = static_cast<Block*>(ctx);
+      block->owner->give_back(block);
+    }
   }
 
-  static BufferCache* instance() {
-    static BufferCache* cache = new BufferCache();  // never destroyed: storages may be freed during exit
-    return cache;
-  }
-
-  // gives every kept block back and starts counting the most in use at once again (an engine closed)
+  // gives every kept block back and starts counting the most in use at once again
   void clear() {
     std::lock_guard<std::mutex> lock(mu_);
     trim_to(0);
     peak_live_ = live_bytes_;
     largest_ = 0;
+  }
+
+  // gives every kept block back and keeps none from now on (its engine closed; storages may still name this cache
+  // as their allocator, so it is never destroyed)
+  void close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    trim_to(0);
   }
 
   void stats(uint64_t* out) {
@@ -65,25 +81,33 @@ class BufferCache final : public c10::Allocator {
     out[3] = hits_;
     out[4] = misses_;
     out[5] = dropped_;
+    out[6] = largest_;
   }
 
  private:
-  void* take(size_t nbytes) {
+  // a kept block of ``nbytes``, or none (a miss: its bytes are counted in use from now on, and kept blocks make
+  // room for them before the caller allocates)
+  Block* take(size_t nbytes) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = by_size_.find(nbytes);
-    if (it == by_size_.end() || it->second.empty()) return nullptr;
+    if (it == by_size_.end() || it->second.empty()) {
+      ++misses_;
+      note_live(nbytes);
+      const uint64_t limit = bound();
+      trim_to(limit > live_bytes_ ? limit - live_bytes_ : 0);
+      return nullptr;
+    }
     auto pos = it->second.back();
     it->second.pop_back();
-    void* ptr = pos->ptr;
+    Block* block = *pos;
     lru_.erase(pos);
     cached_bytes_ -= nbytes;
     ++hits_;
-    note_live(ptr, nbytes);
-    return ptr;
+    note_live(nbytes);
+    return block;
   }
 
-  void note_live(void* ptr, size_t nbytes) {
-    sizes_[ptr] = nbytes;
+  void note_live(size_t nbytes) {
     live_bytes_ += nbytes;
     if (live_bytes_ > peak_live_) peak_live_ = live_bytes_;
     if (nbytes > largest_) largest_ = nbytes;
@@ -92,39 +116,29 @@ class BufferCache final : public c10::Allocator {
   // without the slack, blocks of the sizes a step needs next are evicted at its peak (measured: a few misses a step)
   uint64_t bound() const { return peak_live_ + peak_live_ / 4 + largest_; }
 
-  void give_back(void* ptr) {
+  void give_back(Block* block) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sizes_.find(ptr);
-    if (it == sizes_.end()) {  // not ours (cannot happen: only this allocator's DataPtrs carry this deleter)
-      std::free(ptr);
-      return;
-    }
-    const size_t nbytes = it->second;
-    sizes_.erase(it);
-    live_bytes_ -= nbytes;
+    live_bytes_ -= block->nbytes;
     const uint64_t limit = bound();
-    if (nbytes > limit) {
-      ++dropped_;
-      std::free(ptr);
-      return;
-    }
     // the least recently freed blocks go first, to make room for this one
-    trim_to(limit - nbytes > live_bytes_ ? limit - nbytes - live_bytes_ : 0);
-    if (live_bytes_ + cached_bytes_ + nbytes > limit) {
+    const uint64_t room = live_bytes_ + block->nbytes <= limit ? limit - live_bytes_ - block->nbytes : 0;
+    trim_to(room);
+    if (closed_ || live_bytes_ + cached_bytes_ + block->nbytes > limit) {
       ++dropped_;
-      std::free(ptr);
+      std::free(block->ptr);
+      delete block;
       return;
     }
-    lru_.push_back(Cached{ptr, nbytes});
-    by_size_[nbytes].push_back(std::prev(lru_.end()));
-    cached_bytes_ += nbytes;
+    lru_.push_back(block);
+    by_size_[block->nbytes].push_back(std::prev(lru_.end()));
+    cached_bytes_ += block->nbytes;
   }
 
   // frees kept blocks, least recently freed first, until at most `keep` bytes are kept
   void trim_to(uint64_t keep) {
     while (cached_bytes_ > keep && !lru_.empty()) {
-      Cached oldest = lru_.front();
-      auto& same = by_size_[oldest.nbytes];
+      Block* oldest = lru_.front();
+      auto& same = by_size_[oldest->nbytes];
       for (auto pos = same.begin(); pos != same.end(); ++pos) {
         if (*pos == lru_.begin()) {
           same.erase(pos);
@@ -132,35 +146,42 @@ class BufferCache final : public c10::Allocator {
         }
       }
       lru_.pop_front();
-      cached_bytes_ -= oldest.nbytes;
+      cached_bytes_ -= oldest->nbytes;
       ++dropped_;
-      std::free(oldest.ptr);
+      std::free(oldest->ptr);
+      delete oldest;
     }
   }
 
   std::mutex mu_;
-  std::list<Cached> lru_;
-  std::unordered_map<size_t, std::vector<std::list<Cached>::iterator>> by_size_;
-  std::unordered_map<void*, size_t> sizes_;
+  std::list<Block*> lru_;
+  std::unordered_map<size_t, std::vector<std::list<Block*>::iterator>> by_size_;
   uint64_t cached_bytes_ = 0, live_bytes_ = 0, peak_live_ = 0, largest_ = 0;
   uint64_t hits_ = 0, misses_ = 0, dropped_ = 0;
+  bool closed_ = false;
 };
 
 }  // namespace
 
 extern "C" {
 
-// The storage (a c10::StorageImpl, Python's UntypedStorage._cdata) allocates through the cache from its next resize.
-int zinf_buffer_cache_attach(void* storage_impl) {
+// A new cache (one per engine), written to `out`. Never destroyed: storages it allocated for keep it as their
+// allocator.
+void zinf_buffer_cache_new(void** out) { *out = new BufferCache(); }
+
+// The storage (a c10::StorageImpl, Python's UntypedStorage._cdata) allocates through `cache` from its next resize.
+int zinf_buffer_cache_attach(void* cache, void* storage_impl) {
   auto* storage = static_cast<c10::StorageImpl*>(storage_impl);
   if (storage == nullptr || !storage->resizable()) return 1;
-  storage->set_allocator(BufferCache::instance());
+  storage->set_allocator(static_cast<BufferCache*>(cache));
   return 0;
 }
 
-void zinf_buffer_cache_clear() { BufferCache::instance()->clear(); }
+void zinf_buffer_cache_clear(void* cache) { static_cast<BufferCache*>(cache)->clear(); }
 
-// cached bytes, live bytes, peak live bytes, hits, misses, blocks freed
-void zinf_buffer_cache_stats(uint64_t* out) { BufferCache::instance()->stats(out); }
+void zinf_buffer_cache_close(void* cache) { static_cast<BufferCache*>(cache)->close(); }
+
+// cached bytes, live bytes, peak live bytes, hits, misses, blocks freed, largest block's bytes
+void zinf_buffer_cache_stats(void* cache, uint64_t* out) { static_cast<BufferCache*>(cache)->stats(out); }
 
 }  // extern "C"

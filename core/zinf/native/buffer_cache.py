@@ -13,12 +13,15 @@ allocator: ``cpp/torch_linked/buffer_cache.cpp``, a ``c10::Allocator`` that keep
 allocation of the same size. ``resize(storage, nbytes)`` points the storage at it and resizes; the reshard's
 ``resize_(0)`` hands the block back to it. The same storage, the same views, memory that stays mapped.
 
-Bounded by construction: a freed block is kept only while the blocks in use and the blocks kept stay within a
-quarter more than the most ever in use at once, plus the largest block (the least recently freed kept blocks go
-first to make room): without that slack the blocks a step needs next are evicted at its peak, a few misses a step.
-So gather memory stays within 1.25 times its own high-water mark and one block. The step report counts the bytes it
-keeps at the end of the step, its hits and its misses (``gather_cache_bytes``, ``gather_cache_hits``,
-``gather_cache_misses``): gather memory, within the gathered peak, not in the engine's resident bytes.
+Bounded by construction: the blocks in use and the blocks kept together stay within a quarter more than the most
+ever in use at once, plus the largest block, at every moment: a miss makes room for its fresh block before taking it,
+and a freed block is kept only where it fits (the least recently freed kept blocks go first to make room). Without
+that slack the blocks a step needs next are evicted at its peak, a few misses a step. So gather memory stays within
+1.25 times its own high-water mark and one block. Each engine has a cache of its own (``buffer_cache()`` makes one):
+its bound follows its own gathers, its step report counts its own bytes kept at the end of the step, hits and misses
+(``gather_cache_bytes``, ``gather_cache_hits``, ``gather_cache_misses``: gather memory, within the gathered peak,
+not in the engine's resident bytes), and its close gives back its own blocks, not another engine's. A closed cache
+keeps nothing; a block it handed out goes back to it (and is freed) whichever engine resizes the storage later.
 
 It is the one part of zinf that links torch: c10's allocator interface is C++, so the file is built against the
 installed torch's headers, once per torch version, into ``ZINF_CACHE_DIR`` (default ``~/.cache/zinf``) with the
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE_NAME = "buffer_cache.cpp"
 _LIB_NAME = "libzinf_buffer_cache.so"
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}  # the library, loaded once per process: "lib", "path", "error"
 
 
 @dataclass(frozen=True)
@@ -61,20 +64,23 @@ class CacheStats:
     hits: int  # allocations served from kept blocks
     misses: int  # allocations that took fresh memory
     freed: int  # blocks given back to the system (no room to keep them)
+    largest_bytes: int  # the largest block so far (the "one block" of the bound)
 
 
 class BufferCache:
-    """The process's gather buffer cache (one allocator for every engine in the process)."""
+    """One engine's gather buffer cache: its own kept blocks, bound and counts (``buffer_cache()`` makes one)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self._lib = lib
         self.path = path
+        self._handle = ctypes.c_void_p()
+        lib.zinf_buffer_cache_new(ctypes.byref(self._handle))
         self._taken = (0, 0)
 
     def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Resize ``storage`` (a CPU storage) to ``nbytes`` through the cache: from now on its memory comes from the
         cache and goes back to it when it is resized to 0 or freed."""
-        if self._lib.zinf_buffer_cache_attach(ctypes.c_void_p(storage._cdata)) != 0:
+        if self._lib.zinf_buffer_cache_attach(self._handle, ctypes.c_void_p(storage._cdata)) != 0:
             raise ValueError("zinf: the gather buffer cache was handed a storage that cannot be resized")
         storage.resize_(nbytes)
 
@@ -87,8 +93,8 @@ class BufferCache:
         return out.set_(out.untyped_storage(), 0, (numel,))
 
     def stats(self) -> CacheStats:
-        out = (ctypes.c_uint64 * 6)()
-        self._lib.zinf_buffer_cache_stats(out)
+        out = (ctypes.c_uint64 * 7)()
+        self._lib.zinf_buffer_cache_stats(self._handle, out)
         return CacheStats(*[int(v) for v in out])
 
     def take_counts(self) -> dict[str, int]:
@@ -100,9 +106,13 @@ class BufferCache:
         return {"gather_cache_hits": hits, "gather_cache_misses": misses, "gather_cache_bytes": now.cached_bytes}
 
     def clear(self) -> None:
-        """Give every kept block back to the system and start the bound again from the bytes in use now (an engine
-        closed: the next one's gathers set their own high-water mark)."""
-        self._lib.zinf_buffer_cache_clear()
+        """Give every kept block back to the system and start the bound again from the bytes in use now."""
+        self._lib.zinf_buffer_cache_clear(self._handle)
+
+    def close(self) -> None:
+        """Give every kept block back to the system and keep none from now on (its engine closed): a block still in
+        use is freed when its storage lets it go."""
+        self._lib.zinf_buffer_cache_close(self._handle)
 
 
 def _source() -> Path | None:
@@ -148,31 +158,31 @@ def _build(source: Path) -> Path:
     return lib
 
 
-def _load() -> BufferCache:
+def _load() -> tuple[ctypes.CDLL, Path]:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("it is built for Linux only")
     source = _source()
     if source is None:
         raise RuntimeError(f"its source {_SOURCE_NAME} is not installed with zinf")
     path = _build(source)
-    return BufferCache(ctypes.CDLL(str(path)), path)  # every argument is passed as its ctypes type
+    return ctypes.CDLL(str(path)), path  # every argument is passed as its ctypes type
 
 
 def buffer_cache() -> BufferCache | None:
-    """The process's gather buffer cache, built on first use; None where it cannot be (``unavailable_reason``
-    says why; with ``ZINF_REQUIRE_NATIVE=1`` that is an error)."""
-    if "cache" not in _state:
+    """A new gather buffer cache (one per engine), the library built and loaded on first use; None where it cannot
+    be (``unavailable_reason`` says why; with ``ZINF_REQUIRE_NATIVE=1`` that is an error)."""
+    if "error" not in _state:
         try:
-            _state["cache"], _state["error"] = _load(), None
+            (_state["lib"], _state["path"]), _state["error"] = _load(), None
         except Exception as exc:  # no compiler, no headers, a failed build or load: gathers allocate as torch does
-            _state["cache"], _state["error"] = None, f"{type(exc).__name__}: {exc}"
+            _state["error"] = f"{type(exc).__name__}: {exc}"
             if os.environ.get("ZINF_REQUIRE_NATIVE", "0") not in ("", "0"):
                 raise ImportError(f"ZINF_REQUIRE_NATIVE is set but zinf's gather buffer cache could not be built "
                                   f"({_state['error']}); it needs a C++17 compiler (CXX, else c++)") from exc
             log.warning("zinf: gathers allocate fresh memory each time: the gather buffer cache is unavailable (%s)",
                         _state["error"])
-    cache = _state["cache"]
-    return cache if isinstance(cache, BufferCache) else None
+    lib, path = _state.get("lib"), _state.get("path")
+    return BufferCache(lib, path) if isinstance(lib, ctypes.CDLL) and isinstance(path, Path) else None
 
 
 def unavailable_reason() -> str | None:

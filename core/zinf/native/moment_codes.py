@@ -16,6 +16,7 @@ __all__ = ["MOMENT_BLOCK", "ZERO_BLOCK", "blocks", "decode", "encode", "sr_bits2
 
 MOMENT_BLOCK = 256
 ZERO_BLOCK = -128
+LARGEST_CODE = 1.875  # both formats' largest code: reached only in blocks of the largest scale, 2^127
 _BIAS = {"exp_avg": 15, "exp_avg_sq": 31}
 
 
@@ -73,7 +74,8 @@ def _block_exponents(values: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_magnitude(a: torch.Tensor, r20: torch.Tensor, bias: int) -> torch.Tensor:
-    a = torch.where(a >= 0, a, torch.zeros((), dtype=torch.float32)).clamp(max=1.0)  # NaN -> 0, inf -> 1
+    # NaN -> 0; past 1.875 * 2^127 (and inf) -> the largest code
+    a = torch.where(a >= 0, a, torch.zeros((), dtype=torch.float32)).clamp(max=LARGEST_CODE)
     bits = a.view(torch.int32).to(torch.int64)
     u = (bits + r20) & ~0xFFFFF
     normal = ((u >> 23) - 127 + bias) << 3 | ((u >> 20) & 7)
@@ -104,12 +106,14 @@ def encode(name: str, values: torch.Tensor, seed: int, index_base: int) -> tuple
 
 
 def _canonical(name: str, codes: torch.Tensor, exps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block whose largest code is 0.5 takes the scale halved and its codes doubled, exactly (the kernel's
-    ``halve_scale``): one encoding per value."""
+    """One encoding per value (the kernel's): a block whose codes are all 0 is a zero block, and a block whose largest
+    code is 0.5 takes the scale halved and its codes doubled, exactly (``halve_scale``)."""
     n, bias = codes.numel(), _BIAS[name]
     signed = name == "exp_avg"
     mag = codes & 0x7F if signed else codes
-    half = (_block_max(mag) == (14 if signed else 30) << 3) & (exps.to(torch.int64) > -127)
+    top = _block_max(mag)
+    exps = torch.where(top == 0, torch.full_like(exps, ZERO_BLOCK), exps)
+    half = (top == (14 if signed else 30) << 3) & (exps.to(torch.int64) > -127)
     if bool(half.any()):
         redo = half.repeat_interleave(MOMENT_BLOCK)[:n] & (mag != 0)
         doubled = _encode_magnitude(_decode_magnitude(mag, bias) * 2.0, torch.zeros_like(mag), bias)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
+import weakref
 from typing import Protocol, Sequence
 
 import torch
@@ -68,7 +69,8 @@ class GradShard:
     def __init__(self, group: GroupKey, ranges: Sequence[tuple[int, int]], device: torch.device,
                  stash: GradStash | None = None, eager_stats: bool = False, check_finite: bool = False,
                  off_device: bool = False) -> None:
-        self._group = group  # for the stash's records; the shard itself never reads the group
+        # for the stash's records; the shard itself never reads the group. Weak, as MasterShard's (see there)
+        self._group_ref = weakref.ref(group)
         self.numel = group.shard_numel
         self.ranges = list(ranges)  # per parameter slot: [start, end) of this rank's part, in shard coordinates
         self.device = device
@@ -87,6 +89,12 @@ class GradShard:
         self._stats_due = False  # completed while its copies were in flight: statistics taken when it lands
         self._landing_lock = threading.Lock()  # an early optimizer step may land it off the training thread
         self.version = 0  # counts additions: a step taken early (zinf/optim/early_steps.py) checks it is unchanged
+
+    @property
+    def _group(self) -> GroupKey:
+        group = self._group_ref()
+        assert group is not None, "a gradient shard outlived its group"
+        return group
 
     # -- memory -------------------------------------------------------------------------------
     @property

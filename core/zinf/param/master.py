@@ -17,6 +17,7 @@ again gets the master back, widened from the shard (``restore``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol, Sequence
 
 import torch
@@ -41,10 +42,19 @@ class MasterShard:
     frozen groups]). ``group`` is the group it belongs to, as its store knows it."""
 
     def __init__(self, group: GroupKey, residence: ShardResidence, tensor: torch.Tensor | None) -> None:
-        self.group, self.residence = group, residence
+        # weak: the group holds its master, not the reverse, so that a group is freed as soon as the registry lets
+        # it go (its parameters freed), not at a later garbage collection (see ZeroInfinityEngine.close)
+        self._group = weakref.ref(group)
+        self.residence = residence
         self.tensor = tensor
         self.shard_only = False
         self.home: MasterHome | None = None
+
+    @property
+    def group(self) -> GroupKey:
+        group = self._group()
+        assert group is not None, "a master shard outlived its group"
+        return group
 
     @staticmethod
     def cut(layout: FlatLayout, values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -203,3 +203,61 @@ def test_int8_moments_need_their_exponents() -> None:
     codes = torch.zeros(n, dtype=torch.uint8)
     with pytest.raises(ValueError, match="int8 moments.*need `exp_avg_scale`"):
         native.adam_step(torch.zeros(n), torch.zeros(n), codes, codes.clone(), native.AdamHyper(), step=1)
+
+
+def _int8_step(grad: torch.Tensor, hyper: native.AdamHyper, seed: int, torch_twin: bool = False,
+               ) -> tuple[torch.Tensor, ...]:
+    """One step from zero int8 moments: (exp_avg codes, exponents, exp_avg_sq codes, exponents)."""
+    n = grad.numel()
+    m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    me = torch.full((moment_codes.blocks(n),), moment_codes.ZERO_BLOCK, dtype=torch.int8)
+    ve = me.clone()
+    step_fn = native.adam_step_torch if torch_twin else native.adam_step
+    step_fn(torch.zeros(n), grad, m, v, hyper, step=1, seed=seed, exp_avg_scale=me, exp_avg_sq_scale=ve)
+    return m, me, v, ve
+
+
+def test_int8_moments_past_the_largest_scale_keep_their_value(simd: str) -> None:
+    """A block whose largest moment is past 2^127 (fp32 reaches 2^128) takes the largest scale, 2^127, with codes
+    up to 1.875: its values keep 3 bits of mantissa instead of all being clipped to 2^127; past 1.875 * 2^127 a value
+    saturates there. Both moments, in the kernel at every SIMD level and in the torch twin alike."""
+    g = torch.linspace(1.3e19, 1.8e19, 256)  # exp_avg_sq = g^2 (beta2 0): 1.7e38 to 3.24e38
+    got = _int8_step(g, native.AdamHyper(lr=1e-3, beta1=0.0, beta2=0.0), seed=5)
+    ref = _int8_step(g, native.AdamHyper(lr=1e-3, beta1=0.0, beta2=0.0), seed=5, torch_twin=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert got[3].tolist() == [127]
+    v = moment_codes.decode("exp_avg_sq", got[2], got[3]).double()
+    want = (g.double() ** 2).clamp(max=1.875 * 2.0**127)
+    err = (v / want - 1).abs().max().item()
+    assert err < 0.125 and bool(torch.isfinite(v).all()), err
+    huge = torch.linspace(-3.3e38, 3.3e38, 256, dtype=torch.float64).float()  # exp_avg = g (beta1 0)
+    m, me, _, _ = _int8_step(huge, native.AdamHyper(lr=1e-3, beta1=0.0, beta2=0.5), seed=5)
+    twin = _int8_step(huge, native.AdamHyper(lr=1e-3, beta1=0.0, beta2=0.5), seed=5, torch_twin=True)
+    assert torch.equal(m, twin[0]) and me.tolist() == twin[1].tolist() == [127]
+    m_values = moment_codes.decode("exp_avg", m, me).double()
+    want = huge.double().clamp(-1.875 * 2.0**127, 1.875 * 2.0**127)
+    big = want.abs() > 2.0**120
+    err = (m_values[big] / want[big] - 1).abs().max().item()
+    assert err < 0.125, err
+    for name, codes, exps in (("exp_avg", m, me), ("exp_avg_sq", got[2], got[3])):  # one encoding per value
+        again = moment_codes.encode(name, moment_codes.decode(name, codes, exps), seed=99, index_base=3)
+        assert torch.equal(again[0], codes) and torch.equal(again[1], exps), name
+
+
+def test_an_int8_block_of_zeros_has_one_encoding(simd: str) -> None:
+    """Moments so small that every code of their block rounds to 0 are stored as a zero block, the same bytes as a
+    block that was never stepped: equal states, equal bytes (checkpoints compared bytewise, exact resumes)."""
+    tiny = torch.tensor([2.0**-149, -(2.0**-149), 2.0**-149, 0.0])  # exp_avg = g (beta1 0); exp_avg_sq underflows
+    zero = (torch.zeros(4, dtype=torch.uint8), torch.tensor([moment_codes.ZERO_BLOCK], dtype=torch.int8))
+    zeroed = 0
+    for seed in range(8):
+        m, me, v, ve = _int8_step(tiny, native.AdamHyper(lr=0.0, beta1=0.0, beta2=0.999), seed=seed)
+        ref = _int8_step(tiny, native.AdamHyper(lr=0.0, beta1=0.0, beta2=0.999), seed=seed, torch_twin=True)
+        assert all(torch.equal(a, b) for a, b in zip((m, me, v, ve), ref)), seed
+        assert torch.equal(v, zero[0]) and torch.equal(ve, zero[1])
+        if not bool(moment_codes.decode("exp_avg", m, me).any()):
+            zeroed += 1
+            assert torch.equal(m, zero[0]) and torch.equal(me, zero[1]), (seed, m, me)
+    assert zeroed > 0  # most seeds round every code to 0
+    codes, exps = moment_codes.encode("exp_avg", tiny, seed=0, index_base=0)
+    assert not codes.any() and exps.tolist() == [moment_codes.ZERO_BLOCK]

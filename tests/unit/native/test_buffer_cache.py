@@ -1,7 +1,8 @@
 """[Note: gather buffer cache] in zinf/native/buffer_cache.py: a storage resized through the cache keeps its identity
 (views of it, as autograd saves them, see the new values), a freed block serves the next allocation of its size,
-what is kept stays within the most ever in use at once, and where the cache cannot be built zinf says why (or
-refuses, under ``ZINF_REQUIRE_NATIVE=1``)."""
+what is kept and in use stays within the bound at every allocation, each engine has a cache of its own (its counts,
+its kept blocks, its close), and where the cache cannot be built zinf says why (or refuses, under
+``ZINF_REQUIRE_NATIVE=1``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from zinf.native.buffer_cache import buffer_cache
+import zinf
+from zinf.native.buffer_cache import CacheStats, buffer_cache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cache is built on Linux only")
 
@@ -84,18 +86,90 @@ def test_kept_blocks_stay_within_the_bound(cache) -> None:
     b.untyped_storage().resize_(0)
     s = cache.stats()
     assert s.cached_bytes >= 2 * size  # both kept
-    # blocks of another size, larger: the least recently freed make room for them
-    c, d = torch.empty(0), torch.empty(0)
-    cache.resize(c.untyped_storage(), size + size // 2)
-    cache.resize(d.untyped_storage(), size + size // 2)
-    c.untyped_storage().resize_(0)
-    d.untyped_storage().resize_(0)
+    # blocks of other sizes, larger, one after the other: the least recently freed make room for them
+    largest = size
+    for nbytes in (size + size // 2, size + 3 * size // 4):
+        largest = nbytes
+        c = torch.empty(0)
+        cache.resize(c.untyped_storage(), nbytes)
+        c.untyped_storage().resize_(0)
     s = cache.stats()
-    largest = size + size // 2
+    assert s.largest_bytes == largest
     assert s.live_bytes + s.cached_bytes <= s.peak_live_bytes + s.peak_live_bytes // 4 + largest
     assert s.freed >= 1
     cache.clear()
     assert cache.stats().cached_bytes == 0
+
+
+def _within_bound(s: CacheStats, largest: int) -> bool:
+    return s.live_bytes + s.cached_bytes <= s.peak_live_bytes + s.peak_live_bytes // 4 + largest
+
+
+def test_a_miss_makes_room_before_it_takes_fresh_memory(cache) -> None:
+    """Blocks of sizes it does not keep, one at a time, into a cache that is full: each one's fresh memory is made
+    room for by the blocks kept longest, so in use and kept together never pass the bound."""
+    size = 8 * MiB
+    a, b = torch.empty(0), torch.empty(0)
+    cache.resize(a.untyped_storage(), size)
+    cache.resize(b.untyped_storage(), size)  # the high-water mark: two blocks
+    a.untyped_storage().resize_(0)
+    b.untyped_storage().resize_(0)
+    largest = size
+    for k in range(1, 9):  # half a block and a little more each time: never a size it keeps
+        nbytes = size // 2 + k * 4096
+        largest = max(largest, nbytes)
+        t = torch.empty(0)
+        cache.resize(t.untyped_storage(), nbytes)
+        s = cache.stats()
+        assert s.live_bytes == nbytes and _within_bound(s, largest), (k, s)
+        t.untyped_storage().resize_(0)
+        assert _within_bound(cache.stats(), largest), (k, cache.stats())
+    assert cache.stats().freed >= 1
+
+
+def test_a_closed_cache_keeps_nothing_and_takes_back_its_own_blocks(cache) -> None:
+    kept, held = torch.empty(0), torch.empty(0)
+    cache.resize(kept.untyped_storage(), MiB)
+    cache.resize(held.untyped_storage(), 2 * MiB)
+    kept.untyped_storage().resize_(0)
+    other = buffer_cache()
+    other.resize(kept.untyped_storage(), MiB)  # the storage moves to another cache: its next block is that one's
+    cache.close()
+    assert (cache.stats().cached_bytes, cache.stats().live_bytes) == (0, 2 * MiB)
+    other.resize(held.untyped_storage(), 0)  # a block goes back to the cache it came from, closed: freed
+    kept.untyped_storage().resize_(0)
+    assert (cache.stats().cached_bytes, cache.stats().live_bytes) == (0, 0)
+    assert (other.stats().cached_bytes, other.stats().live_bytes) == (MiB, 0)
+
+
+def _engine(seed: int) -> zinf.ZeroInfinityEngine:
+    """fp32 compute from bf16 shards on one rank: every gather widens into a buffer of the group's own."""
+    config = {"precision": "fp32", "param_storage": "bf16", "overlap": {"persistent_numel": 0}}
+    torch.manual_seed(seed)
+    with zinf.Init(zinf.ZeroConfig.from_dict(config)):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    return zinf.initialize(model, torch.optim.AdamW(model.parameters()), config)
+
+
+def _step(engine: zinf.ZeroInfinityEngine) -> tuple[int, int]:
+    engine.backward(engine(torch.randn(4, 256)).square().mean())
+    engine.step()
+    counts = engine.report().counts
+    return counts["gather_cache_hits"], counts["gather_cache_misses"]
+
+
+def test_each_engine_counts_keeps_and_clears_its_own_gathers() -> None:
+    first = _engine(0)
+    steady = [_step(first) for _ in range(3)][-1]  # from the third step on, every step gathers alike
+    kept = first.ctx.buffers.stats().cached_bytes
+    assert steady[0] > 0 and kept > 0
+    second = _engine(1)
+    assert _step(second)[1] > 0  # its first gathers take fresh memory: the first engine's kept blocks are its own
+    assert _step(first) == steady  # the second engine's gathers are not in the first's counts
+    second.close()
+    assert first.ctx.buffers.stats().cached_bytes == kept  # closing the second left the first's blocks alone
+    first.close()
+    assert first.ctx.buffers.stats().cached_bytes == 0
 
 
 def test_empty_takes_its_memory_from_the_cache(cache) -> None:
