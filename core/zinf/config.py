@@ -79,8 +79,8 @@ class ZeroConfig(Checked):
         sees rank 0's statistics on every rank, and a full state dict holds rank 0's); False keeps each
         rank's own, updated by its own batches only. See [Note: buffers like DDP] in zinf/schedule/buffers.py.
     collective_timeout_s: how long a collective may wait for the other ranks, in seconds, before the run
-        stops with an error naming the rank that stopped answering, where torch allows it (0 = torch's
-        default timeout).
+        stops with an error naming the rank that stopped answering, where torch allows it (0 = the process group's
+        own timeout).
     trim_heap_bytes: with the compute device the CPU and the parameters offloaded (``offload.params`` "cpu" or
         "nvme": host memory is what the run is short of), gathered parameters and gradients are freed to glibc's
         heap, which keeps what they free and fragments; zinf hands the heap's free pages back (``malloc_trim``)

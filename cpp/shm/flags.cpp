@@ -56,8 +56,14 @@ void post(uint32_t* flag, uint32_t seq) {
   futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, uint32_t seq, double timeout_s,
-             int spins) {
+void mark_closed(uint32_t* closed, uint32_t* flag) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __atomic_store_n(closed, 1u, __ATOMIC_RELEASE);
+  futex(flag, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+WaitResult wait_all(const std::vector<uint32_t*>& flags, const std::vector<uint32_t*>& closed,
+                    const std::vector<int>& pids, uint32_t seq, double timeout_s, int spins) {
   using clock = std::chrono::steady_clock;
   // at most a year: a longer (or infinite) timeout must not overflow the clock's integer ticks into no wait at all
   const double bounded_s = timeout_s < 365.0 * 24 * 3600 ? timeout_s : 365.0 * 24 * 3600;
@@ -75,9 +81,14 @@ int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, 
         continue;
       }
       const auto now = clock::now();
-      if (now >= deadline) return static_cast<int>(i);
+      const int at = static_cast<int>(i);
+      if (now >= deadline) return {Outcome::kTimedOut, at};
+      // closed, or exited, and the flag still short of `seq` after that was seen: its last post came before
+      if (i < closed.size() && __atomic_load_n(closed[i], __ATOMIC_ACQUIRE) != 0 &&
+          !reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), seq))
+        return {Outcome::kClosed, at};
       if (i < pids.size() && now >= next_look) {
-        if (!process_alive(pids[i]) && !reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), seq)) return -2 - static_cast<int>(i);
+        if (!process_alive(pids[i]) && !reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), seq)) return {Outcome::kExited, at};
         next_look = now + std::chrono::milliseconds(kLivenessMs);
       }
       const timespec nap{0, kSleepNs};
@@ -85,7 +96,7 @@ int wait_all(const std::vector<uint32_t*>& flags, const std::vector<int>& pids, 
     }
   }
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  return -1;
+  return {Outcome::kReached, -1};
 }
 
 }  // namespace zinf::shm

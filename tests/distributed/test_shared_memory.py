@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -176,3 +177,64 @@ def test_a_peer_that_exits_is_named_at_once(tmp_path) -> None:
     mp.start_processes(_dead_peer, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
     waited, _, message = (tmp_path / "result0").read_text().partition("|")
     assert float(waited) < 5.0 and "rank 1 (pid " in message and "exited" in message, message
+
+
+def _closed_peer(rank: int, world: int) -> str:
+    comm = Comm.current()
+    transport = SameHostTransport.connect(comm, timeout_s=5.0)  # without the close noticed: a timeout after 5 s
+    assert transport is not None
+    out = torch.empty(world * 4)
+    transport.all_gather([out], [torch.full((4,), float(rank))])  # rank 1 closes right after its last post
+    assert torch.equal(out, torch.tensor([0.0] * 4 + [1.0] * 4))
+    if rank == 1:
+        transport.close()  # as engine.close() does; the process stays, in the barrier below
+        result = "closed"
+    else:
+        start = time.monotonic()
+        try:
+            transport.all_gather([out], [torch.ones(4)])
+            result = "no error"
+        except zinf.ZinfError as exc:
+            result = f"{time.monotonic() - start:.1f}|{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return result
+
+
+def test_a_peer_that_closed_its_transport_is_named_at_once() -> None:
+    waited, _, message = run_distributed(_closed_peer, 2)[0].partition("|")
+    assert float(waited) < 1.0 and "rank 1 closed its shared-memory transport" in message, message
+    assert "every rank at the same point" in message and "shared_memory: off" in message, message
+
+
+def _group_timeout(rank: int, world: int, rendezvous: str) -> dict:
+    dist.destroy_process_group()  # run_distributed's group has torch's default timeout; this one 1 s
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1))
+    comm = Comm.current()
+    explicit = SameHostTransport.connect(comm, timeout_s=2.5)  # collective_timeout_s goes first
+    assert explicit is not None
+    explicit.close()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=7))
+    out = {"explicit": explicit.timeout_s, "new_group": same_host._group_timeout_s(group)}
+    transport = SameHostTransport.connect(comm)
+    assert transport is not None
+    out["default"] = transport.timeout_s
+    if rank == 1:
+        time.sleep(3.0)  # never joins the collective
+        return out
+    start = time.monotonic()
+    try:
+        transport.all_gather([torch.empty(world * 4)], [torch.ones(4)])
+        out["error"] = "no error"
+    except zinf.ZinfError as exc:
+        out["waited"], out["error"] = time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_the_default_timeout_is_the_process_groups(tmp_path) -> None:
+    results = run_distributed(_group_timeout, 2, str(tmp_path / "rendezvous"))
+    for res in results:
+        assert (res["explicit"], res["new_group"], res["default"]) == (2.5, 7.0, 1.0), res
+    res = results[0]
+    assert res["error"].startswith("SharedMemoryTimeout") and "rank 1" in res["error"], res
+    assert 0.9 <= res["waited"] < 2.5, res

@@ -7,8 +7,9 @@ into the socket and out again, on the cores that also compute. Measured on 2 ran
 sixth of a GPT-2 step. When every rank of the group runs on one host, zinf's parameter all-gathers and gradient
 reduce-scatters go through files in ``/dev/shm`` instead (``overlap.shared_memory``):
 
-- each rank maps one segment of its own (a header with its flag, then two data buffers of ``CHUNK_BYTES``) and
-  every other rank's; the files are unlinked once every rank mapped them, so nothing is left behind by a crash;
+- each rank maps one segment of its own (a header with its flag and its closed mark, then two data buffers of
+  ``CHUNK_BYTES``) and every other rank's; the files are unlinked once every rank mapped them, so nothing is left
+  behind by a crash;
 - an all-gather copies this rank's shard into its buffer, posts its flag (a sequence number, after a fence), waits
   until every rank posted the same number, then copies every rank's buffer into its row of the output: one
   copy in, one copy out, no syscall but the futex wake;
@@ -21,10 +22,13 @@ reduce-scatters go through files in ``/dev/shm`` instead (``overlap.shared_memor
 
 Collectives complete when called (the returned handle is None): every rank issues them in the same order (the
 rounds of zinf/schedule/rounds.py see to it), so a rank waiting for the others always waits for something they
-will do. A rank that does not post within the timeout (``collective_timeout_s``, else gloo's 30 minutes) raises
-:class:`~zinf.errors.SharedMemoryTimeout`, which the collective watchdog reports like a gloo timeout; a rank whose
-process exited is noticed within a fifth of a second (its PID, exchanged when the segments are set up, is looked up
-while the others sleep on its flag), as gloo notices a closed socket.
+will do. A rank that does not post within the timeout (``collective_timeout_s``, else the process group's own:
+``init_process_group(timeout=...)``, gloo's 30 minutes by default) raises :class:`~zinf.errors.SharedMemoryTimeout`,
+which the collective watchdog reports like a gloo timeout. A rank that will never post again fails its waiters at
+once, as gloo notices a closed socket: one that closed its transport (``engine.close()``) sets its closed mark (after
+its last post) and wakes them, and they read the mark before each sleep on its flag; one whose process exited is
+noticed within a fifth of a second (its PID, exchanged when the segments are set up, is looked up while the others
+sleep on its flag).
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from zinf.errors import SharedMemoryTimeout, ZinfError
 from zinf.native import shm as native_shm
@@ -53,9 +58,10 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # one data buffer; a segment holds two, so 16 MiB of shared memory per rank
 SHM_DIR = "/dev/shm"
-_HEADER = 4096  # the flag, alone on its page
+_HEADER = 4096  # the flag, then the closed mark on a cache line of its own, alone on their page
+_CLOSED = 64  # the closed mark's offset in the header: 1 once its rank closed the transport
 _ALIGN = 64
-_DEFAULT_TIMEOUT_S = 1800.0  # gloo's default
+_DEFAULT_TIMEOUT_S = 1800.0  # gloo's default, where the process group's own timeout cannot be read
 _SPINS = 4000  # checks of a flag before sleeping on it (tens of microseconds), where every rank has a core
 
 
@@ -94,6 +100,17 @@ def _host_id() -> _HostId:
     return _HostId(host, boot, pid_ns, usable, native_shm.available())
 
 
+def _group_timeout_s(group: Any) -> float:
+    """The process group's own timeout in seconds (``init_process_group(timeout=...)``, ``new_group(timeout=...)``,
+    or torch's ``_set_pg_timeout`` since): the one its gloo collectives run under. Read from its CPU backend's
+    options, as torch's DeviceMesh reads it; gloo's default where this torch does not expose it."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return _DEFAULT_TIMEOUT_S
+
+
 class SameHostTransport:
     """The shared segments of one process group whose ranks share a host; made by :meth:`connect` (every rank
     together), closed by :meth:`close`."""
@@ -106,6 +123,7 @@ class SameHostTransport:
         self._maps = maps
         self._segments = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         self._flags = [s.data_ptr() for s in self._segments]
+        self._closed = [f + _CLOSED for f in self._flags]
         self._seq = 0
         # more ranks than cores: a rank that spins takes the core from the one it waits for
         self._spins = _SPINS if world <= len(os.sched_getaffinity(0)) else 0
@@ -131,7 +149,8 @@ class SameHostTransport:
     def connect(cls, comm: Comm, timeout_s: float = 0.0) -> "SameHostTransport | None":
         """Every rank of ``comm`` calls this together. None (on every rank alike) with one rank, a backend other
         than gloo, a compute device other than the CPU, ranks not all on this host, no writable ``/dev/shm``, or
-        no C++ extension."""
+        no C++ extension. A collective waits ``timeout_s`` for the other ranks where it is > 0
+        (``collective_timeout_s``), else the process group's own timeout."""
         if comm.world == 1 or "gloo" not in comm.backend or comm.device.type != "cpu":
             return None
         rank, world, all_gather_object = comm.rank, comm.world, comm.all_gather_object
@@ -175,11 +194,13 @@ class SameHostTransport:
             log.warning("zinf: shared memory between the ranks of this host could not be set up (%s); the "
                         "collectives go through the process group", errors[0])
             return None
-        return cls(rank, world, maps, timeout_s if timeout_s > 0 else _DEFAULT_TIMEOUT_S, token, pids)
+        return cls(rank, world, maps, timeout_s if timeout_s > 0 else _group_timeout_s(comm.group), token, pids)
 
     def close(self) -> None:
+        """Unmap the segments, marking this rank's closed first: a rank that still waits for it fails at once."""
         if self.state is TransportState.CLOSED:
             return
+        native_shm.mark_closed(self._closed[self.rank], self._flags[self.rank])
         self._segments.clear()
         for m in self._maps:
             m.close()
@@ -276,15 +297,21 @@ class SameHostTransport:
         seq = self._seq + 1
         native_shm.post(self._flags[self.rank], seq)
         peers = [r for r in range(self.world) if r != self.rank]
-        late = native_shm.wait_all([self._flags[r] for r in peers], [self._pids[r] for r in peers], seq, self.timeout_s,
-                                   self._spins)
-        if late <= -2:
-            gone = peers[-2 - late]
+        outcome, at = native_shm.wait_all([self._flags[r] for r in peers], [self._closed[r] for r in peers],
+                                          [self._pids[r] for r in peers], seq, self.timeout_s, self._spins)
+        if outcome is native_shm.Outcome.CLOSED:
+            raise ZinfError(
+                f"zinf: rank {peers[at]} closed its shared-memory transport (its engine was closed, by the script or "
+                f"on an error of its own that its log shows) while this rank waited for it in a shared-memory "
+                f"collective (chunk {seq}), so it will never take part. Close the engine on every rank at the same "
+                f"point (after the same step), or set overlap.shared_memory: off to use the process group")
+        if outcome is native_shm.Outcome.EXITED:
+            gone = peers[at]
             raise ZinfError(f"zinf: rank {gone} (pid {self._pids[gone]}) exited while this rank waited for it in a "
                             f"shared-memory collective (chunk {seq}); its own log says why")
-        if late >= 0:
+        if outcome is native_shm.Outcome.TIMED_OUT:
             raise SharedMemoryTimeout(
-                f"zinf: timed out after {self.timeout_s:.0f}s waiting for rank {peers[late]} in a shared-memory "
+                f"zinf: timed out after {self.timeout_s:g} s waiting for rank {peers[at]} in a shared-memory "
                 f"collective (chunk {seq}); that rank stopped, died or runs other collectives. Raise "
                 f"collective_timeout_s if it is only slow, or set overlap.shared_memory: off to use the process group")
         self.ops += 1
