@@ -8,6 +8,7 @@ builds the engine; ``fabric.backward``, ``optimizer.step()`` and ``fabric.clip_g
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -26,7 +27,7 @@ from typing_extensions import override
 
 import zinf
 from lightning_zinf._shared import (
-    build_engine, lightning_precision_name, offload_preset, resolve_config, with_precision,
+    build_engine, lightning_precision_name, module_names, offload_preset, resolve_config, with_precision,
 )
 
 __all__ = ["ZeroInfinityFabricStrategy", "ZeroInfinityFabricPrecision"]
@@ -171,6 +172,19 @@ class ZeroInfinityFabricStrategy(DDPStrategy, _Sharded):
             "Use fabric.clip_gradients(model, optimizer, max_norm=...)."
         )
 
+    def _load_raw(self, path: _PATH, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """``fabric.load_raw(path, model)``: an ordinary state dict (``torch.save(model.state_dict())``) loaded into
+        the shards, every rank taking its own; only tensors are read unless ``weights_only=False``."""
+        if not isinstance(state, nn.Module):
+            raise TypeError(f"zero_infinity: {path} is one file, which loads into a model only "
+                            "(fabric.load_raw(path, model)); an optimizer's state is in the directory "
+                            "fabric.save wrote: fabric.load(directory, state).")
+        module = getattr(state, "_forward_module", state)
+        module = module.root if isinstance(module, _EngineForward) else module
+        loaded = torch.load(path, map_location="cpu", weights_only=weights_only is not False)
+        self._engine().load_full_state_dict(module_names(loaded, module), strict=strict)
+        return {}
+
     # -- checkpoints: a directory of per-rank shards; other state in the engine's client state ------
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
@@ -184,6 +198,8 @@ class ZeroInfinityFabricStrategy(DDPStrategy, _Sharded):
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        if os.path.isfile(path):  # fabric.load_raw: one file of a module's ordinary state dict
+            return self._load_raw(path, state, strict, weights_only)
         # Fabric's weights_only=False is the user saying the file is trusted (else the config's checkpoint.allow_pickle)
         client_state = self._engine().load_checkpoint(str(path), allow_pickle=True if weights_only is False else None)
         if not isinstance(state, dict):  # a module, an optimizer or nothing: the engine restored what there is

@@ -130,6 +130,12 @@ class ZeroInfinityStrategy(DDPStrategy):
                         "and does not call it.")
         if self.engine is not None:  # a second fit/validate/test: same partitioned parameters, fresh hooks
             self.engine.close()
+        if self._layer_sync is not None:
+            raise MisconfigurationException(
+                "zero_infinity: Trainer(sync_batchnorm=True) is not supported: the engine's collectives and "
+                "SyncBatchNorm's would share the process group unordered. Remove sync_batchnorm (each rank then "
+                "normalizes over its own batch), or use a normalization without batch statistics (LayerNorm, GroupNorm)."
+            )
         self.optimizers, self.lr_scheduler_configs = [], []
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
