@@ -13,4 +13,6 @@ from .native import _native_four_bit as four_bit
 from .native import _native_pool as pool
 from .native import _native_shm as shm
 
-__all__ = ["adam", "aio", "checksum", "fault", "four_bit", "pool", "shm"]
+source_fingerprint: str  # SHA-256 over the C++ sources it was built from (cpp/CMakeLists.txt)
+
+__all__ = ["adam", "aio", "checksum", "fault", "four_bit", "pool", "shm", "source_fingerprint"]

@@ -5,6 +5,7 @@
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line, 4-bit block codes.";
+  m.attr("source_fingerprint") = ZINF_SOURCE_FINGERPRINT;  // cpp/CMakeLists.txt
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
   auto aio = m.def_submodule("aio");

@@ -11,13 +11,16 @@ Stubs: the extension itself is typed by ``zinf/_native.pyi`` (it must sit beside
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["NativeInfo", "info", "require", "set_num_threads", "set_simd_level"]
+__all__ = ["NativeInfo", "info", "require", "set_num_threads", "set_simd_level", "source_fingerprint", "stale_build"]
 
 _BUILD_HINT = (
     "build it with `pip install -e .` (editable) or `pip install .` from the zinf repository root "
@@ -33,6 +36,33 @@ try:
 except Exception as exc:  # ImportError, or an OSError from a broken .so
     _native = None
     _load_error = f"{type(exc).__name__}: {exc}"
+
+
+
+def source_fingerprint(cpp_dir: Path) -> str:
+    """The fingerprint cpp/CMakeLists.txt builds into the extension: SHA-256 over the lines "<path> <SHA-256>\\n"
+    of every .cpp and .h under ``cpp_dir`` but torch_linked/ (built apart, at first use), sorted by path."""
+    files = sorted(p.relative_to(cpp_dir).as_posix() for p in cpp_dir.rglob("*") if p.suffix in (".cpp", ".h"))
+    lines = "".join(f"{f} {hashlib.sha256((cpp_dir / f).read_bytes()).hexdigest()}\n"
+                    for f in files if not f.startswith("torch_linked/"))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def stale_build(built: str, cpp_dir: Path) -> str | None:
+    """Why an extension of fingerprint ``built`` does not match the sources in ``cpp_dir`` (None where it does, or
+    where there are no sources: an installed wheel): an editable install whose C++ changed since it was built."""
+    if not (cpp_dir / "CMakeLists.txt").is_file() or built == source_fingerprint(cpp_dir):
+        return None
+    return (f"the extension was built from other C++ sources than those in {cpp_dir} (changed since the build); "
+            "rebuild it with `pip install -e .` from the repository root")
+
+
+_CHECKOUT_CPP = Path(__file__).resolve().parents[3] / "cpp"  # core/zinf/native/loader.py in a source checkout
+if _native is not None:
+    _load_error = stale_build(getattr(_native, "source_fingerprint", ""), _CHECKOUT_CPP)
+    if _load_error is not None:
+        _native = None
+        logging.getLogger(__name__).warning("zinf: not using the C++ extension: %s", _load_error)
 
 if _native is None and os.environ.get("ZINF_REQUIRE_NATIVE", "0") not in ("", "0"):
     raise ImportError(
