@@ -50,6 +50,7 @@ from zinf.schedule.rounds import Rounds
 from zinf.schedule.tensors import map_tensors
 from zinf.tiling import remap_optimizer, tile_linears
 from zinf.update.clip import clip_grad_norm_, grad_norm
+from zinf.update import torch_clip
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.schedule.reduce import GradReducer
 from zinf import integrations, shutdown
@@ -142,6 +143,7 @@ class ZeroInfinityEngine:
         log.info("zinf: %d groups, %d parameters, %d per rank (world %d, %s, %s)", len(self.groups),
                  sum(g.numel for g in self.groups), sum(g.shard_numel for g in self.groups), self.comm.world,
                  self.config.precision, self.device)
+        torch_clip.track(self)  # torch.nn.utils.clip_grad_norm_ of its parameters clips its shards (update/torch_clip.py)
         shutdown.track(self)  # closed at exit if the script does not (see [Note: the end of a run] in zinf/shutdown.py)
 
     # -- the training loop ----------------------------------------------------------------------

@@ -353,6 +353,9 @@ _RECORDS = {
     ("schedule/module_backward.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "
         "per process, so that .to()/.cpu()/.half() see partitioned parameters",
+    ("update/torch_clip.py", "torch.nn.utils"): "torch's clip_grad_norm_ (defined in torch.nn.utils.clip_grad, "
+        "re-exported by torch.nn.utils) is routed through zinf once per process, so that it clips a zinf model's "
+        "gradient shards",
     ("integrations/quantized.py", "model"): "transformers' mark of a 4-bit model (its quantizer sets the same "
         "attribute), which peft and TRL read",
     ("integrations/transformers.py", "model.get_parameter_or_buffer(name)"):
