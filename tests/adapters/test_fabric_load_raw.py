@@ -7,6 +7,7 @@ With one rank zinf is bit-identical to plain training, so a run is compared with
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import lightning as L
 import pytest
@@ -15,6 +16,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 import lightning_zinf  # noqa: F401  (registers "zero_infinity")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_after() -> Iterator[None]:
+    """Fabric and the Trainer leave their one-rank process group initialized: later tests in this process start
+    without one."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _net() -> nn.Module:
