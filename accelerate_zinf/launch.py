@@ -93,6 +93,9 @@ def build_command(argv: list[str], workdir: str) -> tuple[list[str], dict[str, s
     if ns.module:
         options = [o for o in options if o not in ("-m", "--module")]
         script = ["--module", *script]
+    elif not os.path.isfile(script[0]):
+        raise ConfigError(f"zinf launch: the script {script[0]!r} is not a file; fix its path (relative to "
+                          f"{os.getcwd()}), or give --module (-m) to run a module by its name.")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_file, *options,
            "-m", "accelerate_zinf.run", *script]
     env = dict(os.environ)

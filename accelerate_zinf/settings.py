@@ -118,7 +118,9 @@ def check_launch_config(data: Mapping[str, Any], path: str) -> tuple[dict[str, A
         raise ConfigError(f"zinf launch: compute_environment={accelerate_part['compute_environment']!r} in {path}; "
                           "zinf launch starts local processes: use compute_environment: LOCAL_MACHINE.")
     with_mixed_precision(config, accelerate_part.get("mixed_precision", "no"))
-    nproc = int(accelerate_part.get("num_processes", 1) or 1)
+    nproc = _num_processes(accelerate_part.get("num_processes"), path)
+    if accelerate_part.get("num_processes") is not None:
+        accelerate_part["num_processes"] = nproc  # e.g. "2" from ${oc.env:NPROC,2}, as Accelerate expects it
     if (str(accelerate_part.get("distributed_type")) == "MULTI_CPU" and nproc > 1
             and not accelerate_part.get("mpirun_config")):
         raise ConfigError(
@@ -126,3 +128,15 @@ def check_launch_config(data: Mapping[str, Any], path: str) -> tuple[dict[str, A
             "unless mpirun is used. For several gloo processes on one machine use distributed_type: MULTI_GPU with "
             "use_cpu: true (zinf launch exports ACCELERATE_USE_CPU=true for you).")
     return accelerate_part, config
+
+
+def _num_processes(value: Any, path: str) -> int:
+    """``num_processes`` of a launch config: unset (one process) or an integer >= 1."""
+    if value is None:
+        return 1
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"zinf launch: num_processes: {value!r} in {path}; it must be an integer >= 1 (the number "
+                          "of processes to start, e.g. num_processes: 2), or left out for one process.")
+    return value

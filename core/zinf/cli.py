@@ -58,7 +58,7 @@ def _main(argv: list[str]) -> int:
     info = sub.add_parser("info", help="versions, the native build, and (--nvme) each drive's O_DIRECT speed")
     info.add_argument("--nvme", nargs="+", metavar="PATH", default=[],
                       help="directories to measure (sequential write and read through zinf's AsyncIO)")
-    info.add_argument("--size-mib", type=int, default=256, help="test file size per path (default 256)")
+    info.add_argument("--size-mib", type=_size_mib, default=256, help="test file size per path, at least 1 (default 256)")
     info.add_argument("--bytes-per-s", type=int, default=0, metavar="N",
                       help="measure under the cap offload.aio_bytes_per_s=N puts on a run's disk traffic (default: none)")
     rep = sub.add_parser("report", help="summarise the 'zinf: step ...' lines of a training log")
@@ -87,6 +87,18 @@ def _main(argv: list[str]) -> int:
     if args.command == "upgrade-checkpoint":
         return _upgrade(args)
     return _consolidate(args)
+
+
+def _size_mib(text: str) -> int:
+    """``--size-mib``: a whole number of MiB, at least 1 (a smaller file measures nothing a run would see)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB; give e.g. --size-mib 256") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} MiB is too small to measure a drive; give at least --size-mib 1 "
+                                         "(default 256)")
+    return value
 
 
 _CONSOLIDATE = """\

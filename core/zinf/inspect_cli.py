@@ -29,7 +29,12 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
 
     import zinf
     from zinf import native
-    from zinf.offload.disk_speed import measure_path, save_speed
+    from zinf.errors import ConfigError
+    from zinf.offload.disk_speed import measure_path, measured_bytes, save_speed
+
+    if nvme_paths and size_bytes < 2**20:
+        raise ConfigError(f"--size-mib {size_bytes / 2**20:g} is too small to measure a drive; give at least "
+                          "--size-mib 1 (default 256)")
 
     built = native.info()
     lines = [
@@ -71,10 +76,14 @@ def info(out: TextIO, nvme_paths: list[str] | None = None, size_bytes: int = 256
         if bytes_per_s:
             mode += f", capped at {bytes_per_s / 1e9:.3g} GB/s"
         out.write(f"nvme {path}: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s, both at once {mixed_gbs:.2f} "
-                  f"GB/s ({size_bytes / 2**20:.0f} MiB sequential, {mode})\n")
+                  f"GB/s ({_mib(measured_bytes(size_bytes))} sequential, {mode})\n")
         # an engine's step report compares its NVMe bytes with it
         save_speed(path, write_gbs, read_gbs, direct, mixed_gbs=mixed_gbs, bytes_per_s=bytes_per_s)
     return status
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes % 2**20 == 0 else f"{nbytes / 2**20:.3f} MiB"
 
 
 # -- zinf report ----------------------------------------------------------------------------------------
@@ -83,6 +92,14 @@ _TIME = re.compile(r"^([a-z_]+) ([0-9.]+) ms$")
 _BYTES = re.compile(r"^([a-z]+) ([0-9.]+) MiB$")
 _HIDDEN = re.compile(r"^io_hidden ([0-9.]+)%$")
 _DISK = re.compile(r"^disk_busy ([0-9.]+)%$")
+
+
+# what the training thread's step is made of: compute and what the engine took out of it (zinf/engine.py,
+# _finish_report), and the optimizer step
+_STEP_PARTS = ("compute", "all_gather", "reduce_scatter", "optimizer", "broadcast_buffers", "heap_trim")
+# no share of the step: ran on the background thread, or (adam with an overlapped optimizer step) may have;
+# nvme_floor is a bound on the disk's time, not time spent
+_NO_SHARE = frozenset({"background_nvme_read", "background_nvme_write", "adam", "nvme_floor"})
 
 
 @dataclass
@@ -98,10 +115,9 @@ class ParsedStep:
 
     @property
     def step_ms(self) -> float:
-        """The training thread's time: compute + the waits outside it + the optimizer step (the other categories
-        are parts of these or ran on the background thread)."""
-        return sum(self.ms.get(k, 0.0) for k in ("compute", "all_gather", "reduce_scatter", "optimizer",
-                                                 "broadcast_buffers"))
+        """The training thread's time: compute + the times the engine takes out of it (waits, heap trims) + the
+        optimizer step (the other categories are parts of these, ran on the background thread, or are a bound)."""
+        return sum(self.ms.get(k, 0.0) for k in _STEP_PARTS)
 
 
 def parse_summary(line: str) -> ParsedStep | None:
@@ -161,8 +177,7 @@ def report(path: str, out: TextIO, err: TextIO) -> int:
         if key in OPTIONAL_CATEGORIES and not any(key in s.ms for s in steps):
             continue
         mean = statistics.fmean(values)
-        on_training_thread = not key.startswith("background_")
-        share = f"{mean / mean_total * 100:.0f}%" if mean_total > 0 and on_training_thread else "-"
+        share = f"{mean / mean_total * 100:.0f}%" if mean_total > 0 and key not in _NO_SHARE else "-"
         note = f"  ({_WHERE[key]})" if key in _WHERE else ""
         name = f"  {key}" if key in _WHERE else key
         out.write(f"{name:<24}{mean:>10.1f}{statistics.median(values):>11.1f}{share:>8}{note}\n")

@@ -24,6 +24,7 @@ from zinf.errors import ConfigError, UnsupportedModelError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "accelerate"
+TRAIN = str(EXAMPLES / "train.py")  # zinf launch checks that the script is a file
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -56,6 +57,8 @@ BAD = {
     "fp8": ({"mixed_precision": "fp8"}, ["mixed_precision='fp8'"]),
     "precision conflict": ({"mixed_precision": "fp16", "zinf": {"precision": "bf16"}}, ["disagree"]),
     "unknown accelerate key": ({"num_proceses": 2}, ["Accelerate refuses", "num_proceses"]),
+    "num_processes a word": ({"num_processes": "two"}, ["num_processes: 'two'", "an integer >= 1"]),
+    "num_processes zero": ({"num_processes": 0}, ["num_processes: 0", "an integer >= 1"]),
 }
 
 
@@ -64,7 +67,7 @@ def test_zinf_launch_refuses_bad_configs_with_the_key_and_the_fix(tmp_path: Path
     changes, expected = BAD[case]
     path = _config(tmp_path, **changes)
     with pytest.raises(ConfigError) as err:
-        build_command(["--config", str(path), "train.py"], str(tmp_path))
+        build_command(["--config", str(path), TRAIN], str(tmp_path))
     for text in expected:
         assert text in str(err.value), f"{case}: {text!r} not in {err.value}"
 
@@ -73,11 +76,11 @@ def test_zinf_launch_builds_accelerate_launch_with_both_config_files(tmp_path: P
     work = tmp_path / "work"
     work.mkdir()
     cmd, env = build_command(["--config_file", str(EXAMPLES / "zinf_nvme.yaml"), "--main_process_port", "29533",
-                              "train.py", "--config", "mine.yaml", "--lr", "3e-4"], str(work))
+                              TRAIN, "--config", "mine.yaml", "--lr", "3e-4"], str(work))
     i = cmd.index("-m", 3)
     assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(work / "accelerate.yaml")]
     assert cmd[5:i] == ["--main_process_port", "29533"]  # the launcher's own options pass through
-    assert cmd[i:] == ["-m", "accelerate_zinf.run", "train.py", "--config", "mine.yaml", "--lr", "3e-4"]  # the script's too
+    assert cmd[i:] == ["-m", "accelerate_zinf.run", TRAIN, "--config", "mine.yaml", "--lr", "3e-4"]  # the script's too
     assert env["ACCELERATE_USE_CPU"] == "true" and env[ENV_CONFIG] == str(work / "zinf.yaml")
     assert "zinf" not in yaml.safe_load((work / "accelerate.yaml").read_text())
     engine = yaml.safe_load((work / "zinf.yaml").read_text())
@@ -89,12 +92,30 @@ def test_zinf_launch_takes_config_after_the_launchers_own_options(tmp_path: Path
     script's: the launcher's options and their values are stepped over."""
     work = tmp_path / "work"
     work.mkdir()
-    cmd, env = build_command(["--num_processes", "2", "--config", str(EXAMPLES / "zinf_nvme.yaml"), "train.py",
+    cmd, env = build_command(["--num_processes", "2", "--config", str(EXAMPLES / "zinf_nvme.yaml"), TRAIN,
                               "--config", "mine.yaml"], str(work))
     i = cmd.index("-m", 3)
     assert cmd[3:5] == ["--config_file", str(work / "accelerate.yaml")] and "--num_processes" in cmd[5:i]
-    assert cmd[i:] == ["-m", "accelerate_zinf.run", "train.py", "--config", "mine.yaml"]
+    assert cmd[i:] == ["-m", "accelerate_zinf.run", TRAIN, "--config", "mine.yaml"]
     assert env[ENV_CONFIG] == str(work / "zinf.yaml")
+
+
+def test_zinf_launch_refuses_a_missing_script_before_starting_processes(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nonexist.py")
+    with pytest.raises(ConfigError) as err:
+        build_command(["--config", str(EXAMPLES / "zinf_cpu.yaml"), missing, "--lr", "3e-4"], str(tmp_path))
+    assert f"the script {missing!r} is not a file" in str(err.value) and "--module" in str(err.value)
+    cmd, _ = build_command(["--config", str(EXAMPLES / "zinf_cpu.yaml"), "-m", "pkg.train"], str(tmp_path))
+    assert cmd[-3:] == ["accelerate_zinf.run", "--module", "pkg.train"]  # a module is named, not a file
+
+
+def test_zinf_launch_accepts_num_processes_from_an_environment_variable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ZINF_TEST_NPROC", "3")
+    path = _config(tmp_path, num_processes="${oc.env:ZINF_TEST_NPROC,2}")
+    work = tmp_path / "work"
+    work.mkdir()
+    build_command(["--config", str(path), TRAIN], str(work))
+    assert yaml.safe_load((work / "accelerate.yaml").read_text())["num_processes"] == 3
 
 
 def test_zinf_launch_passes_a_dynamo_config_to_accelerate(tmp_path: Path) -> None:
@@ -103,7 +124,7 @@ def test_zinf_launch_passes_a_dynamo_config_to_accelerate(tmp_path: Path) -> Non
     path = _config(tmp_path, dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True})
     work = tmp_path / "work"
     work.mkdir()
-    build_command(["--config", str(path), "train.py"], str(work))
+    build_command(["--config", str(path), TRAIN], str(work))
     written = yaml.safe_load((work / "accelerate.yaml").read_text())
     assert written["dynamo_config"] == {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
 

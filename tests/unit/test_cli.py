@@ -115,3 +115,33 @@ def test_report_refuses_a_log_without_step_lines(tmp_path: Path, capsys) -> None
     err = capsys.readouterr().err
     assert "no zinf step lines" in err and "log_every_n_steps" in err
     assert main(["report", str(tmp_path / "absent.log")]) == 2
+
+
+@pytest.mark.parametrize("size", ["0", "-4"])
+def test_info_refuses_a_test_file_under_one_mib_and_keeps_the_saved_speed(tmp_path: Path, capsys, size: str) -> None:
+    (tmp_path / "zinf-disk-speed.json").write_text('{"speeds": {}}')
+    with pytest.raises(SystemExit) as stop:
+        main(["info", "--nvme", str(tmp_path), "--size-mib", size])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert "--size-mib" in captured.err and "at least --size-mib 1" in captured.err and "nvme " not in captured.out
+    assert (tmp_path / "zinf-disk-speed.json").read_text() == '{"speeds": {}}'  # the earlier measurement stays
+    from zinf.errors import ConfigError
+    from zinf.inspect_cli import info
+
+    with pytest.raises(ConfigError, match="--size-mib"):
+        info(sys.stdout, [str(tmp_path)], 4096)
+
+
+def test_report_counts_heap_trim_and_gives_no_share_to_adam_or_the_floor(tmp_path: Path, capsys) -> None:
+    """heap_trim is training-thread time the engine takes out of compute; adam may run on the background thread and
+    nvme_floor is a bound: neither is a share of the step."""
+    seconds = {"compute": 0.010, "all_gather": 0.002, "reduce_scatter": 0.001, "optimizer": 0.003,
+               "heap_trim": 0.004, "adam": 0.030, "nvme_floor": 0.050, "step_wall": 0.020}
+    log = tmp_path / "trim.log"
+    log.write_text("".join(_log_line(StepReport(step=s, seconds=seconds)) for s in range(2)))
+    assert main(["report", str(log)]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["total"][1:] == ["20.0", "20.0", "100%"]  # 10 + 2 + 1 + 3 + 4 ms
+    assert rows["heap_trim"][1:] == ["4.0", "4.0", "20%"] and rows["compute"][3] == "50%"
+    assert rows["adam"][1:] == ["30.0", "30.0", "-"] and rows["nvme_floor"][1:] == ["50.0", "50.0", "-"]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "measure_path", "measure_read", "save_speed"]
+__all__ = ["DiskSpeed", "SPEED_FILE", "load_speed", "measure_path", "measure_read", "measured_bytes", "save_speed"]
 
 SPEED_FILE = "zinf-disk-speed.json"
 _GB = 1e9
@@ -111,17 +111,25 @@ def _offload_io(size_bytes: int, bytes_per_s: float = 0.0) -> Iterator[tuple[Any
         pool.close()
 
 
+def measured_bytes(size_bytes: int) -> int:
+    """The test file :func:`measure_path` writes for ``size_bytes``: whole 4 KiB blocks (O_DIRECT), rounded down."""
+    if size_bytes < 4096:
+        raise ValueError(f"a disk measurement needs at least 4096 bytes, got {size_bytes}")
+    return size_bytes // 4096 * 4096
+
+
 def measure_path(path: str, size_bytes: int, bytes_per_s: float = 0.0) -> tuple[float, float, float, bool]:
     """Sequential write then read of one ``size_bytes`` file in ``path`` through zinf's AsyncIO, with the
     offload engine's settings (``bytes_per_s``: its ``offload.aio_bytes_per_s`` cap), then its first half read while
     as many bytes are written to a second file; returns (write GB/s, read GB/s, reads and writes at once GB/s,
-    whether O_DIRECT was in effect). The files are removed afterwards."""
+    whether O_DIRECT was in effect). The file holds :func:`measured_bytes` (``size_bytes`` in whole 4 KiB blocks; less
+    than one block is refused). The files are removed afterwards."""
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"{path!r} is not a directory (give the directory offload.nvme_paths would name)")
     if not os.access(directory, os.W_OK):
         raise ValueError(f"{path!r} is not writable by this process")
-    size_bytes = max(4096, size_bytes // 4096 * 4096)
+    size_bytes = measured_bytes(size_bytes)
     free = shutil.disk_usage(directory).free
     if free < size_bytes:
         raise ValueError(f"{path!r} has {free / 2**20:.0f} MiB free, the test needs {size_bytes / 2**20:.0f} MiB "
