@@ -63,6 +63,7 @@ def main() -> int:
 
 
 def train(cfg: JobConfig) -> int:
+    out_dir = writable_out_dir(cfg.train.out_dir)  # every rank writes its part of the checkpoint there
     if "RANK" in os.environ:
         cuda = torch.cuda.is_available()
         if cuda:
@@ -126,7 +127,6 @@ def train(cfg: JobConfig) -> int:
     train_s = time.perf_counter() - start
     bar.close()
 
-    out_dir = os.path.abspath(cfg.train.out_dir)
     ckpt_dir = os.path.join(out_dir, "checkpoint")
     t0 = time.perf_counter()
     engine.save_checkpoint(ckpt_dir, client_state={"config": dataclasses.asdict(cfg)})
@@ -150,6 +150,21 @@ def train(cfg: JobConfig) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def writable_out_dir(out_dir: str) -> str:
+    """``train.out_dir`` as an absolute path, created and checked writable before training: a directory that
+    cannot hold the results is refused in a second, not at save time after the whole run."""
+    path = os.path.abspath(out_dir)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise zinf.ConfigError(f"train.out_dir={out_dir!r} is not a directory this process can write "
+                               f"({exc.strerror or exc}). Pass a writable directory, e.g. train.out_dir=run1 "
+                               "(created when missing).") from None
+    return path
 
 
 def place_offload(zdict: dict, model_cfg: GPTConfig, world: int) -> str | None:

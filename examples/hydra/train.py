@@ -19,7 +19,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from zinf import ZeroConfig
+from zinf import ConfigError, ZeroConfig
+from zinf.cli import traceback_wanted
 from zinf.hydra_configs import register_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,8 +31,15 @@ register_configs()  # zinf/{schema,default,cpu_offload,...}, strategy/zero_infin
 @hydra.main(version_base=None, config_path=".", config_name="config")
 def main(cfg: DictConfig) -> None:
     # Hydra checked keys and types when it composed cfg; the engine checks the values (and a ??? left unset)
-    # here, naming the key, before any process starts. The strategy node builds its own from ${zinf}.
-    ZeroConfig.from_dict(cfg.zinf)
+    # here, naming the key, before any process starts: a bad value is one line on stderr and exit code 2, as in
+    # examples/train_gpt.py. The strategy node builds its own from ${zinf}.
+    try:
+        ZeroConfig.from_dict(cfg.zinf)
+    except ConfigError as exc:
+        if traceback_wanted():
+            raise
+        sys.stderr.write(f"train.py: error: {' '.join(str(exc).split())} (ZINF_TRACEBACK=1 shows the traceback)\n")
+        sys.exit(2)
     # Lightning and the model are imported once the settings are known good: a bad setting is refused in about
     # two seconds, not after Lightning's import (about seven on a 2-core machine)
     from lightning.pytorch import seed_everything

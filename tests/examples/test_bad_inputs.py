@@ -63,6 +63,14 @@ def test_the_main_job_refuses_bad_settings_before_anything_is_written(tmp_path: 
     assert list((tmp_path / "nvme").iterdir()) == []  # no temporary NVMe directory was made
 
 
+def test_an_output_directory_it_cannot_write_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("keep me")
+    code, err = _run(tmp_path, f"train.out_dir={tmp_path / 'a_file' / 'out'}", "train.steps=1")
+    line = _one_line(err)
+    assert code == 2 and "train.out_dir=" in line and "Pass a writable directory" in line, line
+    assert list((tmp_path / "nvme").iterdir()) == []  # refused before the NVMe directory, so before training
+
+
 def test_a_missing_config_file_is_one_line(tmp_path: Path) -> None:
     code, err = _run(tmp_path, "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "nope.yaml' does not exist" in _one_line(err)

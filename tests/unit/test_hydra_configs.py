@@ -229,6 +229,14 @@ def test_example_refuses_bad_settings_before_training(tmp_path: Path) -> None:
     assert no_paths.returncode != 0 and "'zinf.offload.nvme_paths' has no value" in no_paths.stderr
 
 
+def test_example_refuses_a_bad_value_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZINF_TRACEBACK", raising=False)
+    run = _example(tmp_path, "zinf.precision=fp64", timeout=120)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and "Traceback" not in run.stderr and len(lines) == 1, run.stderr
+    assert "'precision' = 'fp64'" in lines[0]
+
+
 @pytest.mark.slow
 def test_example_trains_with_a_preset_and_overrides(tmp_path: Path) -> None:
     start = time.monotonic()

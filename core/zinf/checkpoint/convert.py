@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from zinf.checkpoint.config_match import check_config_matches
 from zinf.checkpoint.shard_writer import SAFETENSORS, TORCH, FileLayout, ShardWriter, parse_size, plan_shards
 from zinf.checkpoint.sharded import iter_state, state_specs
-from zinf.errors import ConfigError
+from zinf.errors import CheckpointError, ConfigError
 
 __all__ = ["export_checkpoint", "resolve_target", "Target", "Exported", "FORMATS", "DTYPES", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -37,6 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 FILE_SUFFIXES = (".pt", ".pth", ".bin")
 CONFIG = "config.json"
+COMMIT = "commit.json"  # names a checkpoint's current save (zinf/checkpoint/commit_record.py)
 CONFIG_FILES = (CONFIG, "generation_config.json")  # what --config DIR copies (config.json required)
 _PARTIAL = ".zinf-partial"
 
@@ -81,6 +83,14 @@ def _config_files(config: str | os.PathLike) -> dict[str, Path]:
         raise ConfigError(f"zinf consolidate: --config {str(files[CONFIG])!r} is not a model config (a JSON object): "
                           f"{exc}. Pass the model's config.json.") from None
     return files
+
+
+def _checkpoint_below(path: Path) -> Path | None:
+    """A direct subdirectory of ``path`` holding a zinf checkpoint, where ``path`` itself has none."""
+    if not path.is_dir() or (path / COMMIT).exists():
+        return None
+    found = sorted(p for p in path.iterdir() if p.is_dir() and (p / COMMIT).is_file())
+    return next((p for p in found if p.name == "zinf_model"), found[0] if found else None)
 
 
 def _is_own(name: str) -> bool:
@@ -204,7 +214,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     needed. Options are checked (:func:`resolve_target`) before anything is read or written. Only the record and
     the tensors are read (never the client state); ``allow_pickle`` opens parts of the earlier, pickled format."""
     target = resolve_target(out, format=format, dtype=dtype, max_shard_size=max_shard_size, config=config)
-    specs, tied = state_specs(checkpoint, allow_pickle=allow_pickle)
+    try:
+        specs, tied = state_specs(checkpoint, allow_pickle=allow_pickle)
+    except CheckpointError as exc:
+        inner = _checkpoint_below(Path(checkpoint))
+        if inner is None:
+            raise
+        raise CheckpointError(f"{exc} Did you mean {inner}? It holds a zinf checkpoint (Accelerate's save_state "
+                              "writes the engine's under zinf_model); pass that directory as CKPT.") from None
+    if CONFIG in target.config_files:  # from_pretrained(OUT) builds the model from it: the names and shapes must fit
+        check_config_matches(target.config_files[CONFIG], specs, tied)
     hint = " The checkpoint's record is inconsistent; consolidate it with the zinf that wrote it."
     plan = plan_shards(specs, tied, target.limit_bytes, target.dtype, duplicate_hint=hint)
     log.info("zinf consolidate: %s -> %s: %d tensors, %s, %d %s file(s)", checkpoint, target.out, len(plan.specs),
