@@ -85,7 +85,7 @@ from zinf.plan.cost import Calibration, Estimate, Workload, estimate
 from zinf.plan.frozen_base import FrozenBase, choose_frozen_base
 from zinf.plan.placements import ALL_PLACEMENTS, PlanPlacement, parse_placement
 from zinf.plan.machine import Machine, measure_machine
-from zinf.plan.model import (ModelSpec, PlanError, spec_from_factory, spec_from_hf, spec_from_module,
+from zinf.plan.model import (ModelSpec, PlanError, check_at_least, spec_from_factory, spec_from_hf, spec_from_module,
                              spec_from_params)
 
 __all__ = ["plan", "Plan", "Machine", "measure_machine", "ModelSpec", "PlanError", "PlanPlacement", "Estimate",
@@ -109,7 +109,7 @@ class Plan:
         """The ``zinf:`` section (a ZeroConfig dict) for ``est`` (default: the recommended placement)."""
         est = est or self.recommended
         if est is None:
-            raise PlanError("zinf plan: no placement fits this machine; see the table for what each one lacks.")
+            raise PlanError(f"zinf plan: {self._why_none()}")
         cfg: dict[str, Any] = {"precision": est.precision, "offload": est.placement.offload_config()}
         if est.storage != est.precision:
             cfg["param_storage"] = est.storage
@@ -125,6 +125,16 @@ class Plan:
         if self.workload.checkpointing:
             cfg["activation_checkpointing"] = {"modules": ["<your block class, e.g. Block>"]}
         return cfg
+
+    def _why_none(self) -> str:
+        """Why nothing is recommended: no placement fits, or those that fit have no step time (a speed unknown)."""
+        if any(e.fits for e in self.estimates) and self.workload.world > 1 and not self.machine.allgather_bw:
+            known = self.machine.allgather_source
+            why = "the machine was described for one rank" if known.startswith("not needed") else known
+            return (f"placements fit, but their step time is unknown: the all-gather speed of {self.workload.world} "
+                    f"ranks is not known ({why}); give it with --allgather-gbps (GB/s per rank) to compare them and "
+                    "get a recommendation.")
+        return "no placement fits: use more ranks, a larger NVMe path, or a smaller batch; the table says what each lacks."
 
     def yaml(self, est: Estimate | None = None) -> str:
         from omegaconf import OmegaConf
@@ -198,7 +208,7 @@ class Plan:
                      "nvme GiB counts the states' bytes (swap files add 4 KiB alignment per record); moved GiB is what "
                      "one step reads and writes on NVMe, copies to the device and all-gathers, per rank.")
         if self.recommended is None:
-            lines.append("no placement fits: use more ranks, a larger NVMe path, or a smaller batch.")
+            lines.append(self._why_none())
         else:
             rec = self.recommended
             lines += ["", f"recommended: {rec.placement.name} (compute {rec.precision}, parameters stored in "
@@ -249,6 +259,7 @@ def model_spec(model: Any = None, *, params: float | None = None, layers: int | 
     if len(given) != 1:
         raise PlanError("zinf plan: give exactly one model: --params N [--layers L --hidden H], --hf-config TYPE "
                         f"[--hf-kwargs JSON], or --module pkg.mod:factory (found {given or 'none'}).")
+    check_at_least(1, **{"--layers": layers, "--hidden": hidden, "--vocab": vocab, "--seq": seq_len})
     if qlora and hf_config is None and (model is None or isinstance(model, (nn.Module, ModelSpec))):
         raise PlanError("zinf plan: --qlora plans a transformers model's 4-bit base; give it with --hf-config TYPE.")
     if params is not None:
@@ -287,6 +298,11 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         raise PlanError(f"zinf plan: --world = {world} is not allowed; expected a number of ranks >= 1.")
     if batch_tokens < 1:
         raise PlanError(f"zinf plan: --batch-tokens = {batch_tokens} is not allowed; expected tokens per rank per step >= 1.")
+    check_at_least(1, **{"--seq": seq_len, "--ranks-per-node": ranks_per_node, "sub_group_numel": sub_group_numel})
+    check_at_least(0, **{"--pinned-pool-bytes": pinned_pool_bytes, "--max-cpu-bytes": max_cpu_bytes})
+    if allgather_gbps is not None and not (math.isfinite(allgather_gbps) and allgather_gbps > 0):
+        raise PlanError(f"zinf plan: --allgather-gbps = {allgather_gbps} is not allowed; expected a finite speed in GB/s "
+                        "> 0 (or leave it out to measure or estimate it).")
     from zinf.config import PRECISIONS
     from zinf.config_sections import RESHARD_AFTER_FORWARD
 
@@ -315,6 +331,9 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
 
         free = nvme_free_bytes(paths)  # the paths must exist, also with a given machine
         machine = dataclasses.replace(machine, nvme_free_bytes={**free, **machine.nvme_free_bytes})
+        if allgather_gbps is not None:  # the given speed overrides the machine's figure, as it does a measurement
+            machine = dataclasses.replace(machine, allgather_bw=allgather_gbps * 1e9,
+                                          allgather_source="given (--allgather-gbps)")
     if ranks_per_node is None:
         ranks_per_node = world if machine.device == "cpu" else min(world, _cuda_count())
     wl = Workload(world=world, batch_tokens=batch_tokens, seq_len=seq, checkpointing=checkpointing,

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -83,20 +84,32 @@ class Machine:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Machine":
-        """A machine as ``to_dict`` (or the "machine" entry of ``zinf plan --json``) wrote it."""
+    def from_dict(cls, data: dict, source: str = "machine description") -> "Machine":
+        """A machine as ``to_dict`` (or the "machine" entry of ``zinf plan --json``) wrote it; each field is checked
+        (``source`` names where it came from in the errors)."""
         from dataclasses import fields
 
         from zinf.plan.model import PlanError
 
+        if not isinstance(data, dict):
+            raise PlanError(f"zinf plan: {source} must be a JSON object (the \"machine\" entry of 'zinf plan --json'), "
+                            f"found {type(data).__name__}.")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise PlanError(f"zinf plan: machine description has unknown keys {unknown}; expected {sorted(known)}.")
+            raise PlanError(f"zinf plan: {source} has unknown keys {unknown}; expected {sorted(known)}.")
         try:
-            return cls(**data)
+            machine = cls(**data)
         except TypeError as exc:
-            raise PlanError(f"zinf plan: machine description is incomplete ({exc}).") from None
+            raise PlanError(f"zinf plan: {source} is incomplete ({exc}).") from None
+        for name, value, kind in _field_kinds(machine):
+            problem = _field_problem(value, kind)
+            if problem:
+                raise PlanError(f"zinf plan: {source}: field {name!r} = {value!r} is not allowed; expected {problem}.")
+        for name in ("device_bytes", "host_bytes", "cores", "threads"):
+            setattr(machine, name, int(getattr(machine, name)))
+        machine.nvme_free_bytes = {p: int(v) for p, v in machine.nvme_free_bytes.items()}
+        return machine
 
     @classmethod
     def load(cls, path: str) -> "Machine":
@@ -110,7 +123,52 @@ class Machine:
                             "'zinf plan --json' (its \"machine\" entry).") from None
         except ValueError as exc:
             raise PlanError(f"zinf plan: --machine {path!r} is not JSON ({exc}).") from None
-        return cls.from_dict(data.get("machine", data) if isinstance(data, dict) else data)
+        return cls.from_dict(data.get("machine", data) if isinstance(data, dict) else data, f"--machine {path!r}")
+
+
+def _field_kinds(m: Machine) -> list[tuple[str, object, str]]:
+    """Each field of ``m`` with what it must hold: "speed" (a finite number > 0), "bytes" (a whole number >= 0),
+    "count" (a whole number >= 1), "seconds" (a finite number >= 0), "text"; "?" allows None, "{}" a dict of them by
+    name, "[]" a list of them."""
+    return [("device", m.device, "device"), ("device_name", m.device_name, "text"), ("device_bytes", m.device_bytes, "bytes"),
+            ("host_bytes", m.host_bytes, "bytes"), ("cores", m.cores, "count"), ("flops", m.flops, "{speed}+"),
+            ("host_bw", m.host_bw, "speed"), ("device_bw", m.device_bw, "speed"),
+            ("nvme_free_bytes", m.nvme_free_bytes, "{bytes}"), ("disk_read_bw", m.disk_read_bw, "{speed}"),
+            ("disk_write_bw", m.disk_write_bw, "{speed}"), ("disk_mixed_bw", m.disk_mixed_bw, "{speed}"),
+            ("h2d_bw", m.h2d_bw, "speed?"), ("allgather_bw", m.allgather_bw, "speed?"),
+            ("allgather_source", m.allgather_source, "text"), ("threads", m.threads, "count"),
+            ("collective_latency", m.collective_latency, "seconds"), ("notes", m.notes, "[text]")]
+
+
+_EXPECTED = {"speed": "a finite number > 0 (per second)", "bytes": "a whole number of bytes >= 0",
+             "count": "a whole number >= 1", "seconds": "a finite number of seconds >= 0", "text": "a string",
+             "device": "'cpu' or 'cuda'"}
+
+
+def _field_problem(value: object, kind: str) -> str | None:
+    """What ``value`` should be instead, or None when it is a ``kind`` (see ``_field_kinds``)."""
+    if kind.endswith("?"):
+        return None if value is None else _field_problem(value, kind[:-1])
+    if kind.startswith("{"):
+        inner, nonempty = kind[1:kind.index("}")], kind.endswith("+")
+        what = f"a JSON object{' (not empty)' if nonempty else ''} of {_EXPECTED[inner]} by name"
+        if not isinstance(value, dict) or (nonempty and not value):
+            return what
+        bad = any(not isinstance(k, str) or _field_problem(v, inner) for k, v in value.items())
+        return what if bad else None
+    if kind.startswith("["):
+        inner = kind[1:-1]
+        ok = isinstance(value, list) and all(_field_problem(v, inner) is None for v in value)
+        return None if ok else f"a JSON list of {_EXPECTED[inner]}"
+    if kind in ("text", "device"):
+        ok = isinstance(value, str) and (kind == "text" or value in ("cpu", "cuda"))
+        return None if ok else _EXPECTED[kind]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return _EXPECTED[kind]
+    if kind in ("bytes", "count") and value != int(value):
+        return _EXPECTED[kind]
+    low_ok = value > 0 if kind == "speed" else value >= (1 if kind == "count" else 0)
+    return None if low_ok else _EXPECTED[kind]
 
 
 def available_ram() -> int:

@@ -20,7 +20,7 @@ from torch import nn
 from zinf.errors import ConfigError
 from zinf.param.four_bit import convertible_linears
 
-__all__ = ["PlanError", "GroupShape", "ModelSpec", "spec_from_module", "spec_from_hf", "spec_from_params",
+__all__ = ["PlanError", "check_at_least", "GroupShape", "ModelSpec", "spec_from_module", "spec_from_hf", "spec_from_params",
            "spec_from_factory", "FOUR_BIT_BLOCK"]
 
 FOUR_BIT_BLOCK = 64  # elements per scale of a 4-bit group (bitsandbytes' block size)
@@ -136,6 +136,7 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
     except ImportError as exc:  # pragma: no cover - transformers is a test extra
         raise PlanError(f"zinf plan: --hf-config needs transformers (pip install transformers): {exc}") from exc
     if isinstance(config, str):
+        model_type = config
         try:
             config = AutoConfig.for_model(config, **dict(kwargs or {}))
         except ValueError as exc:
@@ -143,9 +144,12 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
                             "such as 'gpt2', 'llama', 'mistral'.") from None
         except TypeError as exc:
             raise PlanError(f"zinf plan: --hf-kwargs {dict(kwargs or {})} do not fit the {config!r} config: {exc}") from None
+        if kwargs:
+            _check_config_keys(type(config)(), config, kwargs, model_type)
     elif not isinstance(config, PretrainedConfig):
         raise PlanError(f"zinf plan: expected a transformers config or model type, found {type(config).__name__}.")
     elif kwargs:
+        _check_config_keys(type(config)(), type(config)(**dict(kwargs)), kwargs, type(config).__name__)
         config.update(dict(kwargs))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -161,11 +165,32 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
                      seq_len=seq_len or positions, vocab=getattr(config, "vocab_size", spec.vocab))
 
 
+def _check_config_keys(defaults: Any, built: Any, kwargs: Mapping[str, Any], name: str) -> None:
+    """Each key of ``kwargs`` is a setting of the config: transformers keeps a key it does not know as a new
+    attribute without a word (the plan would be of the default model), so a key that ``built`` (the config made with
+    ``kwargs``) holds as an attribute its ``defaults`` lack is refused. Aliases (``attribute_map``) and keys its
+    ``__init__`` consumes (``rope_theta``, ``torch_dtype``) are no new attributes and pass."""
+    import difflib
+
+    extra = set(vars(built)) - set(vars(defaults))
+    known = set(vars(defaults)) | set(getattr(defaults, "attribute_map", {}) or {})
+    for key in kwargs:
+        if key in extra and key not in known:
+            near = difflib.get_close_matches(str(key), sorted(k for k in known if not k.startswith("_")), n=3)
+            hint = f"did you mean {', '.join(repr(k) for k in near)}?" if near else "see the config class's attributes."
+            raise PlanError(f"zinf plan: --hf-kwargs key {key!r} is not a setting of the {name!r} config "
+                            f"({type(defaults).__name__}); {hint}")
+
+
 def spec_from_params(numel: float, num_layers: int | None = None, hidden: int | None = None, vocab: int | None = None,
                      seq_len: int | None = None) -> ModelSpec:
     """A GPT-like stack of ``numel`` parameters: per layer two norms and four linear layers (qkv, proj, fc, out:
     12 h^2 + 13 h parameters), the rest one embedding table tied to the output head. Shapes not given are
     assumed: hidden = 128 x layers (GPT-3's aspect ratio) solved from ``numel``."""
+    if not isinstance(numel, (int, float)) or isinstance(numel, bool) or not math.isfinite(numel):
+        raise PlanError(f"zinf plan: --params = {numel} is not a parameter count; expected a finite number >= 1 such "
+                        "as 1.3e9.")
+    check_at_least(1, **{"--layers": num_layers, "--hidden": hidden, "--vocab": vocab, "--seq": seq_len})
     numel = int(numel)
     if numel < 1:
         raise PlanError(f"zinf plan: --params = {numel} is not a parameter count; give a positive number such as 1.3e9.")
@@ -221,6 +246,16 @@ def spec_from_factory(target: str, kwargs: Mapping[str, Any] | str | None = None
     with torch.device("meta"):
         model = fn(**dict(kwargs or {}))
     return spec_from_module(model, source=target, seq_len=seq_len)
+
+
+def check_at_least(low: int, **flags: Any) -> None:
+    """Each given (not None) value of ``flags`` (named as on the command line) is a whole number >= ``low``."""
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            what = "a count" if low >= 1 else "a number of bytes"
+            raise PlanError(f"zinf plan: {flag} = {value!r} is not allowed; expected {what} >= {low} (a whole number).")
 
 
 def parse_json_kwargs(text: str, flag: str) -> dict[str, Any]:
