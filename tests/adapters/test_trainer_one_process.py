@@ -24,6 +24,8 @@ import accelerate_zinf  # noqa: E402
 import zinf  # noqa: E402
 from zinf.integrations.trainer import engine_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # about 10 s: a transformers model built and trained in process
+
 BEST_ONLY_MODEL = dict(max_steps=6, eval_strategy="steps", eval_steps=2, save_steps=2, save_only_model=True,
                        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
 

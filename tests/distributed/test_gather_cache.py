@@ -52,6 +52,7 @@ def _run(rank: int, world: int, cache: str, tier: str, nvme: str) -> dict:
     return {"losses": losses, "counts": counts, "gathered": gathered, "resident": resident}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["memory", "nvme"])
 def test_gathers_reuse_their_memory_and_train_the_same(tier: str, tmp_path) -> None:
     cached, fresh = (run_distributed(_run, 2, cache, tier, os.path.join(tmp_path, cache))

@@ -14,6 +14,8 @@ import zinf
 from models import build, llama_config
 from zinf.cli import main
 
+pytestmark = pytest.mark.slow  # about 10 s: transformers models built and consolidated in process
+
 pytest.importorskip("transformers")
 
 

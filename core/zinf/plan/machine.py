@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -106,10 +106,8 @@ class Machine:
             problem = _field_problem(value, kind)
             if problem:
                 raise PlanError(f"zinf plan: {source}: field {name!r} = {value!r} is not allowed; expected {problem}.")
-        for name in ("device_bytes", "host_bytes", "cores", "threads"):
-            setattr(machine, name, int(getattr(machine, name)))
-        machine.nvme_free_bytes = {p: int(v) for p, v in machine.nvme_free_bytes.items()}
-        return machine
+        counts = {name: int(getattr(machine, name)) for name in ("device_bytes", "host_bytes", "cores", "threads")}
+        return replace(machine, **counts, nvme_free_bytes={p: int(v) for p, v in machine.nvme_free_bytes.items()})
 
     @classmethod
     def load(cls, path: str) -> "Machine":
