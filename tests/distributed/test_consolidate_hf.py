@@ -46,6 +46,7 @@ def _load(out: Path) -> tuple[dict[str, torch.Tensor], torch.dtype]:
     return model.state_dict(), model.model.embed_tokens.weight.dtype
 
 
+@pytest.mark.slow
 def test_hf_export_of_a_trained_llama_loads_with_from_pretrained(tmp_path: Path) -> None:
     source = save_llama(tmp_path / "source", tied=True)
     ckpt = tmp_path / "ckpt"

@@ -80,7 +80,8 @@ def _plain_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_resident_parameters_are_one_over_world(world: int) -> None:
     for rank, m in enumerate(run_distributed(_worker, world)):
         share = m["model"] / world

@@ -91,7 +91,7 @@ def _check(name: str, world: int, got: dict, ref: tuple[list[float], dict[str, t
     assert not got["frozen_grad_shards"], f"{name}: frozen groups hold gradient shards: {got['frozen_grad_shards']}"
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_patterns_match_pytorch(world: int, references, tmp_path) -> None:
     names = list(PATTERNS) if world < 4 else [n for n in PATTERNS if not n.startswith("hf_")]
     results = run_distributed(_train_all, world, names, str(tmp_path))[0]

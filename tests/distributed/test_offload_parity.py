@@ -54,7 +54,7 @@ def _units(rank: int, world: int, recipe: Recipe) -> list[str]:
     return units
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_placement_matches_pytorch(world: int, tmp_path: Path) -> None:
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()

@@ -28,6 +28,7 @@ def _run(rank: int, world: int, prefetch_bytes: int) -> dict:
             "peak": report.peak_gathered_bytes}
 
 
+@pytest.mark.slow
 def test_a_window_smaller_than_every_group_still_gathers_one_ahead() -> None:
     tiny, off, roomy = (run_distributed(_run, 2, b)[0] for b in (1, 0, 64 << 20))
     assert tiny["smallest"] > 1  # no group fits the window

@@ -145,6 +145,7 @@ def _budget(rank: int, world: int, tiles: list[int] | None, budget: int) -> dict
     return {"losses": losses, "peaks": peaks}
 
 
+@pytest.mark.slow
 def test_a_layer_over_the_gather_budget_trains_under_it_once_tiled() -> None:
     budget = 96 * 1024  # the wide layer alone needs 257 KiB gathered (weight and bias)
     refused = run_distributed(_budget, 2, None, budget)[0]

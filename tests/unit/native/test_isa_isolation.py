@@ -37,6 +37,7 @@ def _weak_symbols(obj: Path) -> set[str]:
     return {line.split(" ", 2)[2] for line in text.splitlines() if line.split(" ")[1:2] and line.split(" ")[1] in "WVu"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and nm")
 def test_no_helper_is_shared_between_instruction_sets(tmp_path: Path) -> None:
     jobs = {name: subprocess.Popen(["g++", "-std=c++17", "-c", f"-I{ADAM}", *flags, str(ADAM / name), "-o",
