@@ -8,6 +8,7 @@ The submodules' stubs sit beside the Python modules that wrap them, in ``zinf/na
 from .native import _native_adam as adam
 from .native import _native_aio as aio
 from .native import _native_checksum as checksum
+from .native import _native_convert as convert
 from .native import _native_fault as fault
 from .native import _native_four_bit as four_bit
 from .native import _native_pool as pool
@@ -15,4 +16,4 @@ from .native import _native_shm as shm
 
 source_fingerprint: str  # SHA-256 over the C++ sources it was built from (cpp/CMakeLists.txt)
 
-__all__ = ["adam", "aio", "checksum", "fault", "four_bit", "pool", "shm", "source_fingerprint"]
+__all__ = ["adam", "aio", "checksum", "convert", "fault", "four_bit", "pool", "shm", "source_fingerprint"]

@@ -9,4 +9,5 @@ void bind_checksum(pybind11::module_& m);
 void bind_shm(pybind11::module_& m);
 void bind_fault(pybind11::module_& m);
 void bind_four_bit(pybind11::module_& m);
+void bind_convert(pybind11::module_& m);
 }  // namespace zinf::bindings

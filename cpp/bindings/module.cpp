@@ -1,10 +1,10 @@
-// zinf._native: one extension module with submodules adam, aio, pool, checksum, shm, fault and four_bit.
+// zinf._native: one extension module with submodules adam, aio, pool, checksum, shm, fault, four_bit and convert.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line, 4-bit block codes.";
+  m.doc() = "zinf native core: CPU Adam, async file I/O, aligned host buffer pool, checksums, shared-memory flags, the fatal-signal line, 4-bit block codes, widening 16-bit floats.";
   m.attr("source_fingerprint") = ZINF_SOURCE_FINGERPRINT;  // cpp/CMakeLists.txt
   auto adam = m.def_submodule("adam");
   zinf::bindings::bind_adam(adam);
@@ -20,4 +20,6 @@ PYBIND11_MODULE(_native, m) {
   zinf::bindings::bind_fault(fault);
   auto four_bit = m.def_submodule("four_bit");
   zinf::bindings::bind_four_bit(four_bit);
+  auto convert = m.def_submodule("convert");
+  zinf::bindings::bind_convert(convert);
 }

@@ -18,6 +18,7 @@ One module per job, each beside the stub of the extension submodule it wraps:
 - :mod:`.aio` (``_native_aio.pyi``): ``AsyncIO``, ``PythonAsyncIO``, the ``AIOError`` family.
 - :mod:`.pool` (``_native_pool.pyi``): ``PinnedBufferPool``, ``PoolExhaustedError``.
 - :mod:`.checksum` (``_native_checksum.pyi``): ``crc32c``, ``crc32c_py``, ``checksum_backend``.
+- :mod:`.widen` (``_native_convert.pyi``): ``widen_into``, bf16/fp16 to fp32 (fallback: torch's copy).
 - :mod:`.shm` (``_native_shm.pyi``): ``post``, ``wait_all``, ``mark_closed`` (no fallback: without the extension, ``available()`` is False).
 - :mod:`.fault` (``_native_fault.pyi``): ``install``, ``phase``, ``describe`` (fallback: Python's faulthandler, which
   names no rank or phase).

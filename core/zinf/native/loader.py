@@ -106,7 +106,7 @@ def require() -> ModuleType:
 
 
 def set_simd_level(level: str) -> None:
-    """Force the Adam kernels' SIMD level: 'avx512', 'avx2' or 'scalar' (also env ZINF_SIMD)."""
+    """Force the SIMD level of the Adam kernels and the widening: 'avx512', 'avx2' or 'scalar' (also env ZINF_SIMD)."""
     require().adam.set_simd_level(level)
 
 

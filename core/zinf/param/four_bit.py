@@ -32,6 +32,7 @@ from torch import nn
 
 from zinf.errors import UnsupportedModelError
 from zinf.native import four_bit as native_four_bit
+from zinf.native.widen import widen_into
 
 __all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears"]
 
@@ -69,7 +70,7 @@ class WidenedShard:
         return empty(world * shard_numel, dtype=self.dtype, device=device)
 
     def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
-        out.copy_(gathered)
+        widen_into(out, gathered)  # [Note: streaming the widening] in zinf/native/widen.py
 
 
 def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = None) -> list[tuple[str, nn.Linear]]:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from zinf.errors import SharedMemoryTimeout, ZinfError
 from zinf.native import shm as native_shm
+from zinf.native.widen import widen_into
 from zinf.report import tier_of
 
 if TYPE_CHECKING:
@@ -336,7 +337,7 @@ class _Widened:
     def write(self, r: int, start: int, raw: torch.Tensor) -> None:
         """Rank r's shard bytes ``raw``, from byte ``start`` of the shard, into its row, widened."""
         first = start // self.dtype.itemsize
-        self.rows[r, first : first + raw.numel() // self.dtype.itemsize].copy_(raw.view(self.dtype))
+        widen_into(self.rows[r, first : first + raw.numel() // self.dtype.itemsize], raw.view(self.dtype))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,11 @@
+"""Stubs for zinf._native.convert (a submodule of zinf._native; wrapped by widen.py beside this file)."""
+
+import enum
+
+class Narrow(enum.Enum):
+    BF16 = 0
+    FP16 = 1
+
+STREAM_BYTES: int
+
+def widen(src: int, dst: int, n: int, kind: Narrow) -> None: ...

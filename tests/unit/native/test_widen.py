@@ -1,0 +1,55 @@
+"""zinf.native.widen_into ([Note: streaming the widening]): the native widening of bf16 and fp16 to fp32 gives
+torch's values bit for bit (infinities, NaNs, signed zeros, fp16 subnormals) at every SIMD level this CPU has, for
+outputs below and above the streaming size and at unaligned addresses; what it does not take falls back to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zinf import native
+from zinf.native.widen import widen_into
+
+pytestmark = pytest.mark.skipif(not native.info().available, reason="needs the native extension")
+LEVELS = {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "scalar"]}.get(native.info().simd_level, ["scalar"])
+
+
+def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    low = -30 if dtype == torch.bfloat16 else -7  # fp16 subnormals lie below 6.1e-5
+    v = torch.randn(n, generator=g) * torch.logspace(low, 4, max(n, 1))[torch.randperm(max(n, 1), generator=g)][:n]
+    v = v.to(dtype)
+    if n > 8:
+        v[1], v[3], v[5], v[7] = float("inf"), float("-inf"), float("nan"), -0.0
+    return v
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    before = native.info().simd_level
+    native.set_simd_level(request.param)
+    yield request.param
+    native.set_simd_level(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 15, 17, 4099, (1 << 18) + 5, 3_000_001])  # 1 MiB of fp32 is 2^18 elements
+@pytest.mark.parametrize("offset", [0, 3])
+def test_widening_gives_torchs_bits(level: str, dtype: torch.dtype, n: int, offset: int) -> None:
+    src = _values(n, dtype)
+    out = torch.full((n + offset,), 7.0)[offset:]  # offset 3: the start 12 bytes past a 64-byte boundary
+    widen_into(out, src)
+    assert torch.equal(out.view(torch.int32), src.float().view(torch.int32))
+
+
+def test_what_it_does_not_take_is_torchs_copy() -> None:
+    src = _values(64, torch.bfloat16)
+    strided = torch.zeros(128)[::2]
+    widen_into(strided, src)
+    assert torch.equal(strided.view(torch.int32), src.float().view(torch.int32))
+    doubles = torch.zeros(64, dtype=torch.float64)
+    widen_into(doubles, src)
+    assert torch.equal(doubles.view(torch.int64), src.double().view(torch.int64))
+    same = torch.zeros(64)
+    widen_into(same, src.float())
+    assert torch.equal(same.view(torch.int32), src.float().view(torch.int32))
