@@ -80,7 +80,7 @@ def _collectives(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_equal_gloos(world: int) -> None:
     results = run_distributed(_collectives, world)
     for rank, res in enumerate(results):
