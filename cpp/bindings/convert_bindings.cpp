@@ -17,11 +17,12 @@ void bind_convert(py::module_& m) {
       .value("FP16", zinf::convert::Narrow::kFp16);
   m.def(
       "widen",
-      [](uintptr_t src, uintptr_t dst, size_t n, zinf::convert::Narrow kind) {
+      [](uintptr_t src, uintptr_t dst, size_t n, zinf::convert::Narrow kind, int threads) {
         py::gil_scoped_release release;
-        zinf::convert::widen(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<float*>(dst), n, kind);
+        zinf::convert::widen(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<float*>(dst), n, kind,
+                             threads);
       },
-      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("kind"));
+      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("kind"), py::arg("threads") = 1);
   m.attr("STREAM_BYTES") = zinf::convert::kStreamBytes;
 }
 

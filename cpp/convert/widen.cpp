@@ -4,16 +4,39 @@
 #include "widen.h"
 
 #include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
 
 #include "../adam/adam.h"
-#define ZINF_ISA isa_widen  // convert.h's scalar helpers, built for this file alone
-#include "../adam/convert.h"
 
 namespace zinf::convert {
 namespace {
 
+float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// As vcvtph2ps and torch: exact, subnormals made normal, a signalling NaN quieted (its payload kept).
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-08f;  // mant * 2^-24, exact
+    uint32_t u;
+    std::memcpy(&u, &mag, 4);
+    return bits_f32(u | sign);
+  }
+  if (exp == 31) return bits_f32(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
+  return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
 float narrow_to_f32(uint16_t h, Narrow kind) {
-  return kind == Narrow::kBf16 ? zinf::adam::bf16_to_f32(h) : zinf::adam::f16_to_f32(h);
+  return kind == Narrow::kBf16 ? bits_f32(static_cast<uint32_t>(h) << 16) : f16_to_f32(h);
 }
 
 void widen_scalar(const uint16_t* src, float* dst, size_t n, Narrow kind) {
@@ -21,8 +44,7 @@ void widen_scalar(const uint16_t* src, float* dst, size_t n, Narrow kind) {
 }
 
 __attribute__((target("avx512f,avx512bw"))) void widen_avx512(const uint16_t* src, float* dst, size_t n,
-                                                              Narrow kind) {
-  const bool stream = n * sizeof(float) >= kStreamBytes;
+                                                              Narrow kind, bool stream) {
   size_t i = 0;
   if (stream) {  // scalar up to a 64-byte boundary of dst: streaming stores are aligned
     for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = narrow_to_f32(src[i], kind);
@@ -40,8 +62,8 @@ __attribute__((target("avx512f,avx512bw"))) void widen_avx512(const uint16_t* sr
   for (; i < n; ++i) dst[i] = narrow_to_f32(src[i], kind);
 }
 
-__attribute__((target("avx2,f16c"))) void widen_avx2(const uint16_t* src, float* dst, size_t n, Narrow kind) {
-  const bool stream = n * sizeof(float) >= kStreamBytes;
+__attribute__((target("avx2,f16c"))) void widen_avx2(const uint16_t* src, float* dst, size_t n, Narrow kind,
+                                                     bool stream) {
   size_t i = 0;
   if (stream) {
     for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) dst[i] = narrow_to_f32(src[i], kind);
@@ -59,18 +81,35 @@ __attribute__((target("avx2,f16c"))) void widen_avx2(const uint16_t* src, float*
   for (; i < n; ++i) dst[i] = narrow_to_f32(src[i], kind);
 }
 
-}  // namespace
-
-void widen(const uint16_t* src, float* dst, size_t n, Narrow kind) {
+void widen_range(const uint16_t* src, float* dst, size_t n, Narrow kind, bool stream) {
   switch (zinf::adam::simd_level()) {
     case zinf::adam::SimdLevel::kAvx512:
-      widen_avx512(src, dst, n, kind);
+      widen_avx512(src, dst, n, kind, stream);
       return;
     case zinf::adam::SimdLevel::kAvx2:
-      widen_avx2(src, dst, n, kind);
+      widen_avx2(src, dst, n, kind, stream);
       return;
     default:
       widen_scalar(src, dst, n, kind);
+  }
+}
+
+}  // namespace
+
+void widen(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads) {
+  const bool stream = n * sizeof(float) >= kStreamBytes;
+  const size_t per_thread = kStreamBytes / sizeof(float);  // no slice under 1 MiB of output
+  const int nt = static_cast<int>(std::min<size_t>(std::max(threads, 1), std::max<size_t>(n / per_thread, 1)));
+  if (nt <= 1) {
+    widen_range(src, dst, n, kind, stream);
+    return;
+  }
+  const size_t chunk = (n / nt + 15) / 16 * 16;  // slices start 64 bytes apart in dst's alignment
+#pragma omp parallel num_threads(nt)
+  {
+    const size_t begin = std::min(n, chunk * static_cast<size_t>(omp_get_thread_num()));
+    const size_t end = omp_get_thread_num() == nt - 1 ? n : std::min(n, begin + chunk);
+    widen_range(src + begin, dst + begin, end - begin, kind, stream);  // each slice fences its own stores
   }
 }
 

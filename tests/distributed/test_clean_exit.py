@@ -8,7 +8,7 @@
   "terminate called" (see [Note: the end of a run] in zinf/shutdown.py). N is ``ZINF_EXIT_RUNS`` (default 12, which
   keeps CI's end-to-end tier in its budget on 2 cores; ``ZINF_EXIT_RUNS=50`` for a longer hunt after a change to
   zinf/shutdown.py or the native threads).
-- The fault line: a rank killed by a signal inside a zinf step (a bad memory access in the backward; an abort in a
+- The fault line (slow tier too): a rank killed by a signal inside a zinf step (a bad memory access in the backward; an abort in a
   worker thread during the optimizer step) and a rank ended by an uncaught exception each leave a line naming the
   rank and the phase (see [Note: the fault line] in zinf/native/fault.py).
 """
@@ -67,6 +67,7 @@ def test_a_script_ending_on_a_collective_exits_cleanly(placement: str, tmp_path:
     assert not list(tmp_path.iterdir()), "swap files left behind"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "line"), [
     ("segv-backward", r"zinf: rank 1 of 2 \(pid \d+\) killed by SIGSEGV .* in its main thread during backward"),
     ("abort-thread-step", r"zinf: rank 1 of 2 \(pid \d+\) killed by SIGABRT .* in thread \d+ \(\S+\) during the "

@@ -268,8 +268,10 @@ def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
 # the last: codes packed two bytes an element (bnb_4bit_quant_storage=torch.bfloat16), read from memory as bytes
 @pytest.mark.parametrize("quant_type,double,nvme,storage", [("nf4", True, False, torch.uint8),
                                                             ("fp4", False, True, torch.uint8),
-                                                            ("nf4", True, True, torch.uint8),
-                                                            ("nf4", False, False, torch.bfloat16)])
+                                                            pytest.param("nf4", True, True, torch.uint8,
+                                                                         marks=pytest.mark.slow),
+                                                            pytest.param("nf4", False, False, torch.bfloat16,
+                                                                         marks=pytest.mark.slow)])
 def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
                                                                        quant_type: str, double: bool, nvme: bool,
                                                                        storage: torch.dtype) -> None:

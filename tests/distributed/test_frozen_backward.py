@@ -81,6 +81,7 @@ def _train(rank: int, world: int, frozen: bool) -> dict:
     return {"losses": losses, "peak": max(peaks[1:])}  # after the first step's recording of the order
 
 
+@pytest.mark.slow
 def test_a_frozen_base_is_released_during_the_backward() -> None:
     frozen = run_distributed(_train, 2, True)[0]
     trainable = run_distributed(_train, 2, False)[0]

@@ -159,7 +159,7 @@ def _difference(small: dict[str, dict[str, int]], large: dict[str, dict[str, int
     return {key: d for key, d in diff.items() if d}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_frozen_parameters_cost_their_storage_width(world: int, tmp_path: Path) -> None:
     results = run_distributed(_measure_all, world, str(tmp_path))
     failures = []
@@ -299,7 +299,7 @@ def _reference(precision: str, world: int, frozen_in_optimizer: bool) -> tuple[l
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"])
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict]]:
     world = request.param
     return world, run_distributed(_train_all, world, str(tmp_path_factory.mktemp(f"frozen{world}")))

@@ -53,6 +53,7 @@ def _load_on_other_world(rank: int, world: int, root: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_node_local_directories(tmp_path: Path) -> None:
     root = str(tmp_path)
     results = run_distributed(_save_and_resume, 4, root, 2)

@@ -8,7 +8,9 @@ buffer with ordinary stores, so the core first reads each destination line into 
 traffic. The native loop writes outputs of ``STREAM_BYTES`` (1 MiB) and more with non-temporal stores that skip
 that read: twice the speed on one core of a 2-vCPU Xeon (200 MB of fp32 out, 14.6 against 30.6 ms). The compute
 reads the full buffer back from memory either way (a block's weights are larger than the cache). Smaller outputs,
-which the compute may still find in the cache, keep ordinary stores. The values are torch's, bit for bit
+which the compute may still find in the cache, keep ordinary stores. Like torch's copy it splits a large output
+over the intra-op threads (each given at least 1 MiB). The values are torch's, bit for bit; an fp16 NaN comes out a
+quiet NaN, where torch's own bits for one depend on whether it falls in its vector loop or its tail
 (``tests/unit/native/test_widen.py``).
 """
 
@@ -20,17 +22,25 @@ from .loader import _native
 
 __all__ = ["widen_into"]
 
-_KINDS = {} if _native is None else {torch.bfloat16: _native.convert.Narrow.BF16,
-                                     torch.float16: _native.convert.Narrow.FP16}
+_convert = getattr(_native, "convert", None)
+_KINDS = {} if _convert is None else {torch.bfloat16: _convert.Narrow.BF16, torch.float16: _convert.Narrow.FP16}
 
 
 def widen_into(out: torch.Tensor, src: torch.Tensor) -> None:
     """``out.copy_(src)`` for ``src`` bf16 or fp16 and ``out`` fp32 of as many elements, both contiguous in host
-    memory: natively (GIL released), see [Note: streaming the widening]; anything else (other dtypes or devices,
-    strided views, no native build) by torch's copy."""
+    memory and apart: natively (GIL released, on up to torch's intra-op thread count), see [Note: streaming the
+    widening]; anything else (other dtypes or devices, strided or overlapping views, no native build) by torch's
+    copy, which also refuses what it refuses."""
     kind = _KINDS.get(src.dtype)
     if (kind is None or out.dtype != torch.float32 or out.device.type != "cpu" or src.device.type != "cpu"
-            or out.numel() != src.numel() or not out.is_contiguous() or not src.is_contiguous()):
+            or out.numel() != src.numel() or not out.is_contiguous() or not src.is_contiguous()
+            or _overlap(out, src)):
         out.copy_(src)
         return
-    _native.convert.widen(src.data_ptr(), out.data_ptr(), src.numel(), kind)
+    _convert.widen(src.data_ptr(), out.data_ptr(), src.numel(), kind, torch.get_num_threads())
+    torch.autograd.graph.increment_version(out)  # as copy_ would: autograd sees the write
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -20,9 +20,8 @@ The outermost match wins (a block's own ModuleList of experts is inside the bloc
 mixture-of-experts routing no longer makes the ranks' gathers differ). A block stays module by module
 (logged) when it contains a tiled layer (tiling exists to gather a layer a tile at a time), when its
 parameters alone exceed ``overlap.max_gathered_bytes``, or, with the parameters on NVMe, when its shards read
-at once would need more of the pinned staging pool than both the largest single module's (the room the pool
-always keeps for one gather) and half the room the optimizer's pipeline and the trained shards' updates leave
-(``PoolNeeds.stages_like_one_group``). A
+at once would need more of the pinned staging pool than the largest single module's (the room the pool keeps
+for one gather: a Llama-7B decoder layer is larger than its embedding, so it stays module by module there). A
 block inside or around a configured unit is left to the configuration. Gathering a block at once keeps one
 block's full parameters in memory instead of one module's, as FSDP2 does: ``unit_policy="modules"`` is the
 setting for the smallest footprint.
@@ -132,9 +131,9 @@ def choose_units(model: nn.Module, config: ZeroConfig, names: dict[nn.Module, st
                              "gathered module by module", []).append(block)
             continue
         if not stages(groups):
-            apart.setdefault("have shards whose reads from NVMe at once need more of the pinned staging pool than it "
-                             "keeps room for: gathered module by module (raise offload.pinned_pool_bytes to gather "
-                             "each as one unit)", []).append(block)
+            apart.setdefault("have shards whose reads from NVMe at once need more of the pinned staging pool than the "
+                             "largest single module's, the room each gather is sure of (a larger pool does not change "
+                             "it): gathered module by module", []).append(block)
             continue
         take(block)
     for why, blocks in apart.items():

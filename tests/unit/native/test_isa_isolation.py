@@ -1,11 +1,14 @@
-"""The CPU-Adam's AVX2 and scalar kernels never call code built for AVX-512.
+"""The CPU-Adam's AVX2 and scalar kernels never call code built for AVX-512, and the widening's wide registers stay in
+its functions for those instruction sets.
 
 The helpers of cpp/adam's shared headers (conversions, the scalar Adam body, the int8 moments) are compiled into
 each instruction set's kernel file. As ordinary inline functions, a helper the compiler did not inline is one weak
 symbol in every file, and the linker keeps one of the builds, maybe the AVX-512 one, for every kernel to call: a
 crash (SIGILL) on a CPU without AVX-512 that a machine with it never shows. Each kernel file names its instruction
 set (an inline namespace, ``ZINF_ISA``), so no weak symbol is defined by two of them: checked here on the objects the
-build makes (the same files and flags as cpp/CMakeLists.txt, compiled apart)."""
+build makes (the same files and flags as cpp/CMakeLists.txt, compiled apart). cpp/convert/widen.cpp keeps each
+instruction set's loop in a function of its own target instead: its disassembly shows AVX-512 registers only in
+``widen_avx512`` and AVX registers only there and in ``widen_avx2``."""
 
 from __future__ import annotations
 
@@ -49,3 +52,37 @@ def test_no_helper_is_shared_between_instruction_sets(tmp_path: Path) -> None:
     wide = weak.pop("kernels_avx512.cpp")
     for name, symbols in weak.items():
         assert not wide & symbols, f"{name} and kernels_avx512.cpp both define {sorted(wide & symbols)}"
+
+
+def _registers_by_function(obj: Path) -> dict[str, set[str]]:
+    """For each function of ``obj``, the kinds of vector register its instructions name ("zmm", "ymm")."""
+    text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(obj)], check=True, capture_output=True,
+                          text=True).stdout
+    out: dict[str, set[str]] = {}
+    name = ""
+    for line in text.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            name = head.group(1)
+            out[name] = set()
+        elif name:
+            out[name].update(re.findall(r"%(zmm|ymm)", line))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None, reason="needs g++ and objdump")
+def test_the_widening_keeps_wide_registers_in_its_own_functions(tmp_path: Path) -> None:
+    text = (ROOT / "cpp" / "CMakeLists.txt").read_text()
+    common = re.search(r"set\(ZINF_COMMON_FLAGS ([^)]*)\)", text).group(1).split()  # type: ignore[union-attr]
+    obj = tmp_path / "widen.o"
+    subprocess.run(["g++", "-std=c++17", "-fopenmp", "-c", *common, str(ROOT / "cpp" / "convert" / "widen.cpp"),
+                    "-o", str(obj)], check=True, capture_output=True)
+    assert not _weak_symbols(obj) - {"DW.ref.__gxx_personality_v0"}
+    found = _registers_by_function(obj)
+    assert any("widen_avx512" in f and "zmm" in regs for f, regs in found.items()), sorted(found)
+    for function, regs in found.items():
+        if "zmm" in regs:
+            assert "widen_avx512" in function, function
+        if "ymm" in regs:
+            assert "widen_avx512" in function or "widen_avx2" in function, function

@@ -1,6 +1,8 @@
 """zinf.native.widen_into ([Note: streaming the widening]): the native widening of bf16 and fp16 to fp32 gives
-torch's values bit for bit (infinities, NaNs, signed zeros, fp16 subnormals) at every SIMD level this CPU has, for
-outputs below and above the streaming size and at unaligned addresses; what it does not take falls back to torch."""
+torch's values bit for bit (infinities, signed zeros, fp16 subnormals; bf16 NaNs with their bits) at every SIMD level
+this CPU has, for outputs below and above the streaming size, at unaligned addresses and on several threads. An fp16
+NaN, quiet or signalling, comes out a NaN: torch's own bits for one differ between its vector loop and its tail
+(0x7fffffff there). What it does not take (overlapping ranges among them) falls back to torch."""
 
 from __future__ import annotations
 
@@ -21,7 +23,20 @@ def _values(n: int, dtype: torch.dtype) -> torch.Tensor:
     v = v.to(dtype)
     if n > 8:
         v[1], v[3], v[5], v[7] = float("inf"), float("-inf"), float("nan"), -0.0
+        # signalling NaNs (quiet bit clear, payload set) at the head, the middle and the tail
+        snan = [0x7C01, 0xFD55] if dtype == torch.float16 else [0x7F81, 0xFFBF]
+        bits = v.view(torch.int16)
+        for at in (0, 2, n // 2, n // 2 + 1, n - 2, n - 1):
+            bits[at] = snan[at % 2] - 65536 if snan[at % 2] >= 32768 else snan[at % 2]
     return v
+
+
+def _same(out: torch.Tensor, src: torch.Tensor) -> bool:
+    ref = src.float()
+    if src.dtype == torch.float16:  # NaN for NaN; every other value bit for bit
+        nan = ref.isnan()
+        return torch.equal(nan, out.isnan()) and torch.equal(out.view(torch.int32)[~nan], ref.view(torch.int32)[~nan])
+    return torch.equal(out.view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.fixture(params=LEVELS)
@@ -39,7 +54,34 @@ def test_widening_gives_torchs_bits(level: str, dtype: torch.dtype, n: int, offs
     src = _values(n, dtype)
     out = torch.full((n + offset,), 7.0)[offset:]  # offset 3: the start 12 bytes past a 64-byte boundary
     widen_into(out, src)
-    assert torch.equal(out.view(torch.int32), src.float().view(torch.int32))
+    assert _same(out, src)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_several_threads_give_the_same_bits(threads: int) -> None:
+    src = _values(3_000_001, torch.float16)
+    out = torch.empty(3_000_002)[1:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        widen_into(out, src)
+    finally:
+        torch.set_num_threads(before)
+    assert _same(out, src)
+
+
+def test_overlapping_ranges_are_refused_as_torch_refuses_them() -> None:
+    buf = torch.zeros(1 << 19)
+    src = buf[: 1 << 18].view(torch.bfloat16)  # the first half of the fp32 buffer's bytes, as bf16
+    with pytest.raises(RuntimeError, match="single memory location"):
+        widen_into(buf, src)
+
+
+def test_the_write_counts_as_one_for_autograd() -> None:
+    out = torch.zeros(64)
+    before = out._version
+    widen_into(out, _values(64, torch.bfloat16))
+    assert out._version > before
 
 
 def test_what_it_does_not_take_is_torchs_copy() -> None:
