@@ -23,7 +23,6 @@ void bind_convert(py::module_& m) {
                              threads);
       },
       py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("kind"), py::arg("threads") = 1);
-  m.attr("STREAM_BYTES") = zinf::convert::kStreamBytes;
 }
 
 }  // namespace zinf::bindings

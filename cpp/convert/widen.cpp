@@ -7,36 +7,25 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "../adam/adam.h"
+#define ZINF_ISA isa_widen  // convert.h's scalar conversions, built for this file alone
+#include "../adam/convert.h"
 
 namespace zinf::convert {
 namespace {
 
-float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using zinf::adam::bf16_to_f32;
+using zinf::adam::bits_f32;
+using zinf::adam::f16_to_f32;
+using zinf::adam::f32_bits;
 
-// As vcvtph2ps and torch: exact, subnormals made normal, a signalling NaN quieted (its payload kept).
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {
-    const float mag = static_cast<float>(mant) * 5.9604644775390625e-08f;  // mant * 2^-24, exact
-    uint32_t u;
-    std::memcpy(&u, &mag, 4);
-    return bits_f32(u | sign);
-  }
-  if (exp == 31) return bits_f32(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
-  return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
+// As vcvtph2ps and torch's vector loop: an fp16 signalling NaN comes out quiet (its payload kept), which the Adam
+// kernels' f16_to_f32 does not do; bf16 NaNs keep their bits, as torch keeps them.
 float narrow_to_f32(uint16_t h, Narrow kind) {
-  return kind == Narrow::kBf16 ? bits_f32(static_cast<uint32_t>(h) << 16) : f16_to_f32(h);
+  if (kind == Narrow::kBf16) return bf16_to_f32(h);
+  const uint32_t u = f32_bits(f16_to_f32(h));
+  return bits_f32((u & 0x7fffffffu) > 0x7f800000u ? u | 0x400000u : u);
 }
 
 void widen_scalar(const uint16_t* src, float* dst, size_t n, Narrow kind) {

@@ -8,9 +8,9 @@
   "terminate called" (see [Note: the end of a run] in zinf/shutdown.py). N is ``ZINF_EXIT_RUNS`` (default 12, which
   keeps CI's end-to-end tier in its budget on 2 cores; ``ZINF_EXIT_RUNS=50`` for a longer hunt after a change to
   zinf/shutdown.py or the native threads).
-- The fault line (slow tier too): a rank killed by a signal inside a zinf step (a bad memory access in the backward; an abort in a
-  worker thread during the optimizer step) and a rank ended by an uncaught exception each leave a line naming the
-  rank and the phase (see [Note: the fault line] in zinf/native/fault.py).
+- The fault line (slow tier too): a rank killed by a signal inside a zinf step (a bad memory access in the
+  backward; an abort in a worker thread during the optimizer step) and a rank ended by an uncaught exception each
+  leave a line naming the rank and the phase (see [Note: the fault line] in zinf/native/fault.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,4 @@ class Narrow(enum.Enum):
     BF16 = 0
     FP16 = 1
 
-STREAM_BYTES: int
-
 def widen(src: int, dst: int, n: int, kind: Narrow, threads: int = 1) -> None: ...

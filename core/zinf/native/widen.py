@@ -5,7 +5,7 @@ beside this file).
 A group stored in 16 bits and computed in fp32 (``param_storage``) is widened on every gather: on a CPU LoRA step
 of a 1.1B Llama this copy took 18% of the step, at the speed of writing memory. torch's copy writes the fp32
 buffer with ordinary stores, so the core first reads each destination line into its cache, a third of the copy's
-traffic. The native loop writes outputs of ``STREAM_BYTES`` (1 MiB) and more with non-temporal stores that skip
+traffic. The native loop writes outputs of 1 MiB (``kStreamBytes`` in cpp/convert/widen.h) and more with non-temporal stores that skip
 that read: twice the speed on one core of a 2-vCPU Xeon (200 MB of fp32 out, 14.6 against 30.6 ms). The compute
 reads the full buffer back from memory either way (a block's weights are larger than the cache). Smaller outputs,
 which the compute may still find in the cache, keep ordinary stores. Like torch's copy it splits a large output

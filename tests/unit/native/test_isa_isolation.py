@@ -23,10 +23,19 @@ ROOT = Path(__file__).resolve().parents[3]
 ADAM = ROOT / "cpp" / "adam"
 
 
+def _cmake() -> str:
+    return (ROOT / "cpp" / "CMakeLists.txt").read_text()
+
+
+def _common_flags() -> list[str]:
+    """The flags cpp/CMakeLists.txt gives every file (ZINF_COMMON_FLAGS)."""
+    return re.search(r"set\(ZINF_COMMON_FLAGS ([^)]*)\)", _cmake()).group(1).split()  # type: ignore[union-attr]
+
+
 def _flags() -> dict[str, list[str]]:
     """Each kernel file's compile flags, as cpp/CMakeLists.txt gives them."""
-    text = (ROOT / "cpp" / "CMakeLists.txt").read_text()
-    common = re.search(r"set\(ZINF_COMMON_FLAGS ([^)]*)\)", text).group(1).split()  # type: ignore[union-attr]
+    text = _cmake()
+    common = _common_flags()
     out = {"kernels_scalar.cpp": list(common)}
     for isa in ("avx512", "avx2"):
         opts = re.search(rf"target_compile_options\(zinf_kernels_{isa} PRIVATE \$\{{ZINF_COMMON_FLAGS\}} ([^)]*)\)", text)
@@ -73,10 +82,8 @@ def _registers_by_function(obj: Path) -> dict[str, set[str]]:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None, reason="needs g++ and objdump")
 def test_the_widening_keeps_wide_registers_in_its_own_functions(tmp_path: Path) -> None:
-    text = (ROOT / "cpp" / "CMakeLists.txt").read_text()
-    common = re.search(r"set\(ZINF_COMMON_FLAGS ([^)]*)\)", text).group(1).split()  # type: ignore[union-attr]
     obj = tmp_path / "widen.o"
-    subprocess.run(["g++", "-std=c++17", "-fopenmp", "-c", *common, str(ROOT / "cpp" / "convert" / "widen.cpp"),
+    subprocess.run(["g++", "-std=c++17", "-fopenmp", "-c", *_common_flags(), str(ROOT / "cpp" / "convert" / "widen.cpp"),
                     "-o", str(obj)], check=True, capture_output=True)
     assert not _weak_symbols(obj) - {"DW.ref.__gxx_personality_v0"}
     found = _registers_by_function(obj)
