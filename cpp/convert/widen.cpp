@@ -7,8 +7,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "../adam/adam.h"
+#include "../checksum/crc32c.h"
 #define ZINF_ISA isa_widen  // convert.h's scalar conversions, built for this file alone
 #include "../adam/convert.h"
 
@@ -83,7 +86,64 @@ void widen_range(const uint16_t* src, float* dst, size_t n, Narrow kind, bool st
   }
 }
 
+// The widening of [src, src + n) in blocks, each checksummed first (its bytes then come from the cache).
+uint32_t widen_crc_range(const uint16_t* src, float* dst, size_t n, Narrow kind, bool stream, uint32_t crc) {
+  const size_t per = kCrcBlockBytes / sizeof(uint16_t);
+  for (size_t i = 0; i < n; i += per) {
+    const size_t m = std::min(per, n - i);
+    crc = zinf::checksum::crc32c(src + i, m * sizeof(uint16_t), crc);
+    widen_range(src + i, dst + i, m, kind, stream);
+  }
+  return crc;
+}
+
+uint32_t copy_crc_range(const uint8_t* src, uint8_t* dst, size_t n, uint32_t crc) {
+  for (size_t i = 0; i < n; i += kCrcBlockBytes) {
+    const size_t m = std::min(kCrcBlockBytes, n - i);
+    crc = zinf::checksum::crc32c(src + i, m, crc);
+    std::memcpy(dst + i, src + i, m);
+  }
+  return crc;
+}
+
+// Slices of [0, n) elements for up to ``threads`` threads, each at least ``min_per_thread`` elements and starting
+// at a multiple of ``align`` elements; ``range(begin, end)`` returns its slice's CRC32C from 0, and the slices' CRCs
+// are joined in order onto ``crc``.
+template <typename Range>
+uint32_t crc_slices(size_t n, size_t elem_bytes, size_t min_per_thread, size_t align, int threads, uint32_t crc,
+                    Range range) {
+  const int nt = static_cast<int>(std::min<size_t>(std::max(threads, 1), std::max<size_t>(n / min_per_thread, 1)));
+  if (nt <= 1) return zinf::checksum::crc32c_combine(crc, range(size_t{0}, n), n * elem_bytes);
+  const size_t chunk = (n / nt + align - 1) / align * align;
+  std::vector<uint32_t> crcs(nt, 0);
+  std::vector<size_t> lens(nt, 0);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    const size_t begin = std::min(n, chunk * static_cast<size_t>(t));
+    const size_t end = t == nt - 1 ? n : std::min(n, begin + chunk);
+    lens[t] = end - begin;
+    crcs[t] = range(begin, end);
+  }
+  for (int t = 0; t < nt; ++t) crc = zinf::checksum::crc32c_combine(crc, crcs[t], lens[t] * elem_bytes);
+  return crc;
+}
+
 }  // namespace
+
+uint32_t widen_crc(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads, uint32_t crc) {
+  const bool stream = n * sizeof(float) >= kStreamBytes;
+  return crc_slices(n, sizeof(uint16_t), kStreamBytes / sizeof(float), 16, threads, crc, [&](size_t b, size_t e) {
+    return widen_crc_range(src + b, dst + b, e - b, kind, stream, 0);  // each slice fences its own stores
+  });
+}
+
+uint32_t copy_crc(const void* src, void* dst, size_t n, int threads, uint32_t crc) {
+  const auto* s = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  return crc_slices(n, 1, kStreamBytes, 64, threads, crc,
+                    [&](size_t b, size_t e) { return copy_crc_range(s + b, d + b, e - b, 0); });
+}
 
 void widen(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads) {
   const bool stream = n * sizeof(float) >= kStreamBytes;

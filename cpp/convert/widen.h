@@ -16,4 +16,14 @@ void widen(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads);
 
 constexpr size_t kStreamBytes = size_t{1} << 20;
 
+// widen() that also returns the CRC32C of src's 2n bytes, continuing from ``crc`` (zinf::checksum::crc32c's
+// chaining): one pass over src. Each block of kCrcBlockBytes is checksummed, then widened while it is still in the
+// core's cache, so src is read from memory once where a checksum and a widening read it twice.
+uint32_t widen_crc(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads, uint32_t crc);
+
+// std::memcpy of n bytes that also returns their CRC32C, continuing from ``crc``, in the same blocks and threads.
+uint32_t copy_crc(const void* src, void* dst, size_t n, int threads, uint32_t crc);
+
+constexpr size_t kCrcBlockBytes = size_t{48} << 10;  // six of the checksum's 8 KiB streams, well inside a core's L2
+
 }  // namespace zinf::convert

@@ -11,7 +11,9 @@ loaded under ``zinf.Init`` with parameters on NVMe in bf16 storage, most of it f
   (``offload.frozen_reads: whole``) trains bit for bit as all-gathering them and as a copied base; no all-gather is
   issued for a frozen group read whole (each collective counted by the group it gathers), the ranks' transport moves
   the trained groups' gathers alone, and an evaluation forward reads one more shard of each frozen group than the
-  gathered path and nothing else (the engine's NVMe bytes).
+  gathered path and nothing else (the engine's NVMe bytes);
+- [Note: one pass per byte] in zinf/offload/in_place.py: read whole, or by one rank, a frozen shard's checksum is
+  taken in the gather's widening copy and never in a pass of its own; all-gathered, at the read.
 """
 
 from __future__ import annotations
@@ -206,6 +208,23 @@ class _Counted:
         collectives.all_gather = counted_gather
         Comm.all_gather_into, Comm.all_gather_coalesced = counted_into, counted_coalesced
 
+        # [Note: one pass per byte]: where a frozen shard's checksum is taken, at the read or in the gather's copy
+        from zinf.offload.in_place import InPlaceRecord
+        from zinf.param.store import ContentCheck
+
+        self.checked_at_read = self.checked_in_copy = 0
+        check, verify = InPlaceRecord.check, ContentCheck.verify
+
+        def counted_check(record, buf, content=True):
+            self.checked_at_read += content
+            return check(record, buf, content)
+
+        def counted_verify(pending, actual):
+            self.checked_in_copy += 1
+            return verify(pending, actual)
+
+        InPlaceRecord.check, ContentCheck.verify = counted_check, counted_verify
+
 
 def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
     counted = _Counted()
@@ -215,10 +234,11 @@ def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
         frozen = {id(g) for g in engine.groups if not g.trainable}
         read_whole = {id(g) for g in engine.groups if g.residence.whole}
         counted.groups.clear()
-        counted.bytes = counted.gathered_bytes = 0
+        counted.bytes = counted.gathered_bytes = counted.checked_at_read = counted.checked_in_copy = 0
         model.train()
         losses = [lm_step_global(engine, x, rank, world) for x in token_batches(3, 4)]
         gathers = list(counted.groups)
+        checks = {"at_read": counted.checked_at_read, "in_copy": counted.checked_in_copy}
         moved, named = counted.bytes, counted.gathered_bytes
         # an evaluation forward: each group gathered once, read once (the pool holds the tiny model)
         model.eval()
@@ -229,7 +249,7 @@ def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
         read = engine.placement.io_counts()["nvme_read_bytes"]
         out[name] = {"losses": losses, "state": engine.full_state_dict(), "frozen": frozen, "whole": read_whole,
                      "trained_gathers": sum(1 for g in gathers if g not in frozen),
-                     "gathers": gathers, "moved": moved, "named": named, "eval_read": read,
+                     "gathers": gathers, "moved": moved, "named": named, "eval_read": read, "checks": checks,
                      "frozen_shard_bytes": sum(g.shard_nbytes for g in engine.groups if not g.trainable)}
         engine.close()
     return out
@@ -253,4 +273,27 @@ def test_frozen_groups_read_whole_train_exactly_without_collectives(checkpoint: 
         # each frozen group's other shard is read too, and nothing else
         assert whole["eval_read"] - gathered["eval_read"] == whole["frozen_shard_bytes"], \
             (whole["eval_read"], gathered["eval_read"], whole["frozen_shard_bytes"])
+        # read whole, each frozen shard's checksum is taken in the widening copy, never in a pass of its own; gathered
+        # through the ranks' transport, at the read
+        assert whole["checks"]["at_read"] == 0 and whole["checks"]["in_copy"] >= len(whole["frozen"]), whole["checks"]
+        assert gathered["checks"]["in_copy"] == 0 and gathered["checks"]["at_read"] > 0, gathered["checks"]
     assert results[0]["whole"]["losses"] == results[1]["whole"]["losses"]
+
+
+def _one_rank_checks(rank: int, world: int, path: str, nvme: str) -> dict:
+    counted = _Counted()
+    model, engine = _build(path, nvme, True)
+    counted.checked_at_read = counted.checked_in_copy = 0  # the trained groups' shards, copied to swap at the placement
+    model.train()
+    losses = [lm_step_global(engine, x, rank, world) for x in token_batches(2, 4)]
+    engine.close()
+    return {"losses": losses, "at_read": counted.checked_at_read, "in_copy": counted.checked_in_copy}
+
+
+def test_one_rank_takes_the_checksum_in_the_widening_copy(checkpoint: Path, tmp_path: Path) -> None:
+    """One rank widens each frozen bf16 shard where it was read: that copy takes the checksum, and the steps are those
+    of a base copied to the swap files (the checksum's refusal: ``test_a_checkpoint_changed_under_a_run_is_refused``)."""
+    (r,) = run_distributed(_one_rank_checks, 1, str(checkpoint), str(tmp_path / "nvme"))
+    assert r["at_read"] == 0 and r["in_copy"] > 0, r
+    (copied,) = run_distributed(_train, 1, str(checkpoint), str(tmp_path / "copied"), False)
+    assert r["losses"] == copied["losses"][:2], (r["losses"], copied["losses"])

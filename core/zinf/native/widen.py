@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from .checksum import crc32c
 from .loader import _native
 
-__all__ = ["widen_into"]
+__all__ = ["copy_checked", "widen_into"]
 
 _convert = getattr(_native, "convert", None)
 _KINDS = {} if _convert is None else {torch.bfloat16: _convert.Narrow.BF16, torch.float16: _convert.Narrow.FP16}
@@ -39,6 +40,27 @@ def widen_into(out: torch.Tensor, src: torch.Tensor) -> None:
         return
     _convert.widen(src.data_ptr(), out.data_ptr(), src.numel(), kind, torch.get_num_threads())
     torch.autograd.graph.increment_version(out)  # as copy_ would: autograd sees the write
+
+
+def copy_checked(out: torch.Tensor, src: torch.Tensor, crc: int = 0) -> int:
+    """``out.copy_(src)`` (widened where ``out`` is fp32 and ``src`` 16-bit, else of one dtype) and the CRC32C of
+    ``src``'s bytes continuing from ``crc``, taken in the same pass over ``src`` (see [Note: one pass per byte] in
+    zinf/offload/in_place.py). Where the native loop does not apply (as :func:`widen_into` says), torch's copy and
+    a checksum of its own."""
+    kind = _KINDS.get(src.dtype) if out.dtype == torch.float32 else None
+    same = out.dtype == src.dtype
+    if (_convert is None or (kind is None and not same) or out.device.type != "cpu" or src.device.type != "cpu"
+            or out.numel() != src.numel() or not out.is_contiguous() or not src.is_contiguous()
+            or _overlap(out, src)):
+        out.copy_(src)
+        return crc32c(src.reshape(-1).view(torch.uint8), crc, threads=torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if kind is not None:
+        crc = _convert.widen_crc(src.data_ptr(), out.data_ptr(), src.numel(), kind, threads, crc)
+    else:
+        crc = _convert.copy_crc(src.data_ptr(), out.data_ptr(), src.numel() * src.element_size(), threads, crc)
+    torch.autograd.graph.increment_version(out)
+    return crc
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -15,6 +15,18 @@ So loading such a base writes nothing, and the drive holds the model once. The f
 never written. Each read checks every file it touched against the size, modification time and inode seen at load,
 and the bytes against the CRC32C taken at load (without the native build: the identity alone): a checkpoint
 changed, replaced or truncated under a run is an error naming the file, never values trained on.
+
+[Note: one pass per byte]
+A frozen shard read from the files was passed over twice before the compute saw it: its checksum, then the widening
+copy (bf16 to fp32) into the full buffer. Where the gather itself makes that copy (a group every rank reads whole,
+or one rank's shard widened where it was read), the store leaves the checksum to it (``fetch(...,
+defer_check=True)``, then ``take_check``): the copy takes the CRC32C of each block it reads while the block is in
+the core's cache (``zinf.native.widen.copy_checked``), and the gather compares it with the record's (a
+:class:`~zinf.param.store.ContentCheck`) before the parameters point at the values. The files' identities are
+still checked when the read is waited for. Until a check passes its slot stays unchecked: a slot handed to a gather
+again after one that failed is checked before its bytes are used. The all-gathered path keeps the check at the
+read: the copy into the ranks' transport would be the pass to fuse with, and a bad chunk would reach the other
+ranks before the last one was checksummed.
 """
 
 from __future__ import annotations
@@ -211,8 +223,10 @@ class InPlaceRecord:
         and compact it (not checked: ``check`` does that)."""
         self.finish(aio, self.submit(aio, buf), buf)
 
-    def check(self, buf: torch.Tensor) -> None:
-        """After a read into ``buf``: every file as it was at loading, and the bytes' checksum the one taken then."""
+    def check(self, buf: torch.Tensor, content: bool = True) -> None:
+        """After a read into ``buf``: every file as it was at loading, and (``content``) the bytes' checksum the one
+        taken then; without ``content`` the caller takes the checksum as it copies the bytes ([Note: one pass per
+        byte])."""
         for path, seen in self.identities.items():
             try:
                 now = file_identity(path)
@@ -222,13 +236,17 @@ class InPlaceRecord:
                 what = "replaced" if now[:2] != seen[:2] else f"resized ({seen[2]} -> {now[2]} bytes)" \
                     if now[2] != seen[2] else "modified"
                 raise self.changed(path, f"it was {what} since loading")
-        if self.crc is not None:
-            actual = native.crc32c(self.shard_of(buf))
-            if actual != self.crc:
-                raise self.changed(self.path, f"the bytes read have CRC32C {actual:#010x}, {self.crc:#010x} at loading")
+        if content and self.crc is not None:
+            self.check_crc(native.crc32c(self.shard_of(buf)))
+
+    def check_crc(self, actual: int) -> None:
+        """The CRC32C of the bytes read is the one taken at loading."""
+        if actual != self.crc:
+            raise self.changed(self.path, f"the bytes read have CRC32C {actual:#010x}, {self.crc:#010x} at loading")
 
     def changed(self, path: str, why: str) -> CheckpointChangedError:
         return CheckpointChangedError(
             f"zinf: {self.name}'s frozen values are read from the checkpoint file {path}, and {why}. Refusing to "
             "train on them. Leave checkpoint files untouched while a run reads them, or set "
             "offload.frozen_in_place: false to copy frozen shards to the swap files at the start.")
+

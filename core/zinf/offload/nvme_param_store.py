@@ -16,8 +16,10 @@ from zinf.native import PoolExhaustedError
 from zinf.offload.pool_room import ACQUIRE_TIMEOUT_S, PARAMS, PoolRoom
 from zinf.offload.in_place import InPlaceRecord
 from zinf.offload.nvme_slots import Slot, SlotState
+from zinf.device_memory import device_is_apart
 from zinf.offload.param_store import copy_in
 from zinf.offload.swap import Record, SwapSpace
+from zinf.param.store import ContentCheck
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
@@ -62,6 +64,7 @@ class NvmeShardStore:
             id(g): in_place.get(id(g)) or swap.allocate(g.shard_nbytes) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, Slot] = {}  # insertion order: the most recently filled last
+        self._checks: dict[int, ContentCheck] = {}  # checksums handed to the gathers' copies, until taken
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
         # share the slots; see [Note: background step] in zinf/optim/offloaded.py
         self._lock = threading.RLock()
@@ -151,7 +154,9 @@ class NvmeShardStore:
             self._drop(consumed[0] if consumed else gathered[0][1] if gathered else idle[-1][0])
             return True
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
+        """The shard in its slot (read now if it was not read ahead). ``defer_check``: the caller's copy of it takes
+        a frozen shard's checksum (``take_check``; [Note: one pass per byte] in zinf/offload/in_place.py)."""
         deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
         while True:
             # the read is started (or found) and its slot taken under one hold of the lock: in between, the
@@ -159,20 +164,33 @@ class NvmeShardStore:
             # then a collective mismatch, with overlap_optimizer and a pool smaller than the shards)
             with self._lock:
                 if self.prefetch(group, demand=True):
-                    return self._hand_to_gather(group)
+                    return self._hand_to_gather(group, defer_check)
             if self.room.make_room():
                 continue
             if time.monotonic() > deadline:  # nothing came free: the optimizer step holds the rest
                 raise MemoryError(f"zinf offload: the pinned pool cannot stage {group.name}; raise offload.pinned_pool_bytes")
             time.sleep(0.002)
 
-    def _hand_to_gather(self, group: "FlatParamGroup") -> torch.Tensor:
+    def take_check(self, group: "FlatParamGroup") -> ContentCheck | None:
+        """After ``fetch(group, defer_check=True)``: the checksum the caller's copy must verify, or None (nothing
+        left unchecked: a shard from the swap, already checked, or copied to a device apart)."""
+        with self._lock:
+            return self._checks.pop(id(group), None)
+
+    def _hand_to_gather(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
         """The slot that ``prefetch`` has just made or found, handed to the gather (the caller holds the lock)."""
         key = id(group)
         slot = self._slots[key]
         assert not slot.staged, f"{group.name}: gathered while its update is being staged"
+        rec = self.records[key]
+        defer = defer_check and isinstance(rec, InPlaceRecord) and rec.crc is not None \
+            and not device_is_apart(group.device)
         if slot.read is not None:
-            self._finish_read(key, slot)
+            self._finish_read(key, slot, defer)
+        if slot.unchecked and defer:
+            self._checks[key] = ContentCheck(rec.check_crc, slot.checked)
+        elif slot.unchecked:
+            self._check_content(key, slot)
         # the buffer goes back to the pool (or is staged again) only once this copy has read it
         source, copied = copy_in(self._streams, group, self._data(group, slot.buf))
         slot.hand_to_gather(copied)
@@ -202,6 +220,8 @@ class NvmeShardStore:
                 assert not slot.staged, f"{group.name}: read while its update is being staged"
                 if slot.read is not None:
                     self._finish_read(key, slot)
+                if slot.unchecked:
+                    self._check_content(key, slot)
                 return self._data(group, slot.buf, own=True).clone()
         # no slot: the file holds the shard (a slot is dropped only once its write has finished)
         rec = self.records[key]
@@ -254,14 +274,23 @@ class NvmeShardStore:
     def end_update(self) -> None:
         return None
 
-    def _finish_read(self, key: int, slot: Slot) -> None:
-        """Wait for ``slot``'s read and check what it read."""
+    def _finish_read(self, key: int, slot: Slot, defer: bool = False) -> None:
+        """Wait for ``slot``'s read and check what it read (``defer``: a frozen shard's checksum left unchecked, for
+        the gather's copy to take)."""
         rec = self.records[key]
         assert slot.read is not None
         with region("nvme_read", self._names[key]):
             self.swap.wait(slot.read, rec)
-        slot.read_done()
-        self.swap.verify(rec, slot.buf)
+        slot.read_done(unchecked=defer)
+        self.swap.verify(rec, slot.buf, content=not defer)
+
+    def _check_content(self, key: int, slot: Slot) -> None:
+        """The checksum of a slot whose deferred check never ran (its gather failed before it) taken now."""
+        rec = self.records[key]
+        assert isinstance(rec, InPlaceRecord)
+        with self.swap.timers.time("checksum"):
+            rec.check(slot.buf)
+        slot.checked()
 
     def _finish_io(self, key: int, slot: Slot) -> None:
         """Finish the I/O in flight on ``slot``."""

@@ -34,7 +34,7 @@ class Slot:
     the fence of the buffer's last copy to the device. The store does the I/O and the pool; every change of
     a slot is one of the verbs below. See [Note: NVMe parameter slots] in zinf/offload/nvme_param_store.py."""
 
-    __slots__ = ("buf", "state", "read", "write", "used", "_copied")
+    __slots__ = ("buf", "state", "read", "write", "used", "unchecked", "_copied")
 
     def __init__(self, buf: torch.Tensor, state: SlotState, read: int | None = None) -> None:
         assert (state is SlotState.READING) == (read is not None)
@@ -43,6 +43,9 @@ class Slot:
         self.read = read  # the read of the file into ``buf`` in flight (READING)
         self.write: int | None = None  # a write of ``buf`` to the file is in flight
         self.used = 0  # when its last gather finished (the store's counter); 0: not gathered since it was filled
+        # a frozen shard whose checksum a gather takes as it copies the bytes ([Note: one pass per byte] in
+        # zinf/offload/in_place.py): True from its read until a check passed
+        self.unchecked = False
         self._copied: BufferFence | None = None  # the last copy of ``buf`` to the device (a gather's source)
 
     @classmethod
@@ -64,10 +67,15 @@ class Slot:
     def staged(self) -> bool:
         return self.state is SlotState.STAGED
 
-    def read_done(self) -> None:
-        """Its read has been waited for: READING -> FILLED (the store verifies the trailer next)."""
+    def read_done(self, unchecked: bool = False) -> None:
+        """Its read has been waited for: READING -> FILLED (the store verifies the trailer next). ``unchecked``: the
+        bytes' checksum is left to the gather that copies them."""
         assert self.state is SlotState.READING, f"read_done from {self.state}"
-        self.state, self.read = SlotState.FILLED, None
+        self.state, self.read, self.unchecked = SlotState.FILLED, None, unchecked
+
+    def checked(self) -> None:
+        """The checksum of the bytes it holds matched."""
+        self.unchecked = False
 
     def hand_to_gather(self, copied: BufferFence) -> None:
         """A gather copies the buffer to the device (``copied``: that copy's fence) -> IN_USE. The previous copy's
@@ -86,7 +94,7 @@ class Slot:
         -> STAGED, as newly filled. Waits for the last device copy to have read the buffer."""
         assert self.idle and self.read is None and self.write is None, f"stage from {self.state}"
         self._wait_copied()
-        self.state, self.used = SlotState.STAGED, 0
+        self.state, self.used, self.unchecked = SlotState.STAGED, 0, False
 
     def commit(self) -> None:
         """The staged shard is complete: STAGED -> FILLED (the store starts its write next)."""

@@ -63,7 +63,7 @@ class CpuShardStore(DeviceShardStore):
                 shard = host
             self._shards[id(g)] = shard
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
         shard, self._fences[id(group)] = copy_in(self._streams, group, self._shards[id(group)])
         return shard
 

@@ -158,8 +158,11 @@ class SpillStore:
     def prefetch(self, group: "FlatParamGroup", demand: bool = False) -> bool:
         return True
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
         return self.read(group).to(group.device)
+
+    def take_check(self, group: "FlatParamGroup") -> None:
+        return None
 
     def done(self, group: "FlatParamGroup") -> None:
         return None

@@ -55,7 +55,7 @@ class StagedDeviceStore(DeviceShardStore):
     def end_update(self) -> None:
         self._after = None
 
-    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+    def fetch(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
         with self._lock:
             landing = self._landing.pop(id(group), None)
         if landing is not None:

@@ -322,11 +322,11 @@ class SwapSpace:
         with self.timers.time("background_nvme_read" if threading.get_ident() in self._background else "nvme_read"):
             rec.finish(self.aio, handles, buf)
 
-    def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor) -> None:
+    def verify(self, rec: Record | InPlaceRecord, buf: torch.Tensor, content: bool = True) -> None:
         """Check the trailer that was just read into ``buf`` (see [Note: offload file format]); a frozen shard read
-        from a checkpoint, against the files and the checksum seen at loading."""
+        from a checkpoint, against the files and (``content``) the checksum seen at loading."""
         if isinstance(rec, InPlaceRecord):
-            rec.check(buf)
+            rec.check(buf, content)
             return
         raw = bytes(buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + _TRAILER.size].numpy().tobytes())
         magic, run, rid, gen, nbytes, crc = _TRAILER.unpack(raw)

@@ -20,7 +20,7 @@ from zinf.param.layout import FlatLayout, ParamSlot
 from zinf.param.master import MasterHome, MasterShard
 from zinf.param.residence import ShardResidence, ShardSpill
 from zinf.param.state import GroupState
-from zinf.param.store import ShardStore, UpdateFence
+from zinf.param.store import ContentCheck, ShardStore, UpdateFence
 from zinf.runtime import collectives
 from zinf.runtime.collectives import GatherBatch
 from zinf.runtime.context import RunContext
@@ -78,6 +78,7 @@ class FlatParamGroup:
             self.full.untyped_storage().resize_(0)
         mark_device(master, self.shard, self.full)  # [Note: staged device] in zinf/device_memory.py
         self._widen_from: torch.Tensor | None = None  # the gathered narrow vector finish_gather widens
+        self._check: ContentCheck | None = None  # its checksum, where the store left it to that copy
         self.grad = GradShard(self, [self.layout.local_range(i) for i in range(len(self.slots))], device)
         self.grad_in = FlatGrad(self.layout, device, params)  # the flat gradient a backward assembles
         self._to_placeholders()
@@ -216,19 +217,18 @@ class FlatParamGroup:
         self.residence.fence.wait(self)
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
-        source = self.store.fetch(self)
+        # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather, which
+        # reading the store's own buffer takes its checksum too ([Note: one pass per byte] in offload/in_place.py)
+        into_full = self.storage_dtype == self.compute_dtype or (
+            self.four_bit is None and ctx.comm.gathers_widening(self.full))
+        defer = self.four_bit is None and (self.residence.whole or (self.world == 1 and not into_full))
+        source, self._check = self.store.fetch(self, defer_check=defer), self.store.take_check(self) if defer else None
         if self.residence.whole:  # every rank's shard, read here: no collective ([Note: frozen groups read whole])
             self._work = collectives.all_gather(ctx, source, source, self.name)  # ordered: waits for its copy-in
             self._widen_from, self.state = source, GroupState.GATHERING
             return
-        # [Note: storage dtype] a narrow shard is gathered into a narrow buffer (allocated here, on compute), or with
-        # one rank read as it is; finish_gather widens it into the full buffer
-        if self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full)):
-            gathered = self.full  # or widened into it as it is gathered ([Note: a widening gather])
-        elif self.world == 1:
-            gathered = source
-        else:
-            gathered = self.format.empty_shards(self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
+        gathered = self.full if into_full else source if self.world == 1 else self.format.empty_shards(  # [Note: a widening gather]
+            self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
         # one rank, the shard in device memory: nothing moves, nothing to order
         self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
         self._widen_from = None if gathered is self.full else gathered
@@ -242,8 +242,8 @@ class FlatParamGroup:
         if work is not None and (work.shared is None or work.shared.joined is None):
             work.join()
         if self._widen_from is not None:  # before done(): with one rank it is the store's buffer itself
-            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full)
-            self._widen_from = None
+            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full, self._check)
+            self._widen_from = self._check = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
             if p is not None:

@@ -25,14 +25,17 @@ all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from zinf.errors import UnsupportedModelError
 from zinf.native import four_bit as native_four_bit
-from zinf.native.widen import widen_into
+from zinf.native.widen import copy_checked, widen_into
+
+if TYPE_CHECKING:
+    from zinf.param.store import ContentCheck
 
 __all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears"]
 
@@ -69,8 +72,15 @@ class WidenedShard:
         ``empty`` allocates it (``torch.empty``, or a run context's gather buffers)."""
         return empty(world * shard_numel, dtype=self.dtype, device=device)
 
-    def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
-        widen_into(out, gathered)  # [Note: streaming the widening] in zinf/native/widen.py
+    def widen(self, gathered: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor,
+              check: "ContentCheck | None" = None) -> None:
+        """``gathered`` widened into ``out`` ([Note: streaming the widening] in zinf/native/widen.py); with a
+        ``check``, its checksum taken in the same pass and verified before this returns ([Note: one pass per byte]
+        in zinf/offload/in_place.py)."""
+        if check is None:
+            widen_into(out, gathered)
+        else:
+            check.verify(copy_checked(out, gathered))
 
 
 def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = None) -> list[tuple[str, nn.Linear]]:
@@ -202,9 +212,12 @@ class FourBitFormat:
         ``empty`` allocates it (``torch.empty``, or a run context's gather buffers)."""
         return empty(world * self.nbytes(shard_numel), dtype=torch.uint8, device=device)
 
-    def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor) -> None:
+    def widen(self, shards: torch.Tensor, world: int, shard_numel: int, out: torch.Tensor,
+              check: "ContentCheck | None" = None) -> None:
         """Decode ``world`` shards laid end to end (an all-gather's buffer) into ``out`` (``world * shard_numel``
-        elements of the compute dtype): ``code * scale`` in fp32, then cast, as bitsandbytes decodes."""
+        elements of the compute dtype): ``code * scale`` in fp32, then cast, as bitsandbytes decodes. Its store
+        checks the codes' checksum itself (``check`` is None)."""
+        assert check is None, "zinf: a 4-bit shard's checksum is taken at its read"
         nbytes, half = self.nbytes(shard_numel), shard_numel // 2
         rows = shards.view(world, nbytes)
         for r in range(world):

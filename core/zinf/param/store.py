@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -20,7 +20,22 @@ from zinf.param.keys import GroupKey
 from zinf.report import StepTimers
 
 
-__all__ = ["UpdateFence", "ShardStore", "DeviceShardStore"]
+__all__ = ["ContentCheck", "UpdateFence", "ShardStore", "DeviceShardStore"]
+
+
+class ContentCheck:
+    """A shard's checksum that its store leaves to the copy reading its bytes next ([Note: one pass per byte] in
+    zinf/offload/in_place.py): ``verify`` with the CRC32C that copy took raises where ``check`` refuses it, and runs
+    ``passed`` where it is the one expected (the store marks the bytes checked)."""
+
+    __slots__ = ("_check", "_passed")
+
+    def __init__(self, check: Callable[[int], None], passed: Callable[[], None]) -> None:
+        self._check, self._passed = check, passed
+
+    def verify(self, actual: int) -> None:
+        self._check(actual)
+        self._passed()
 
 
 class ShardStore(Protocol):
@@ -30,10 +45,16 @@ class ShardStore(Protocol):
         """Start bringing ``group``'s shard closer (an NVMe read); False when there is no room for it now."""
         ...
 
-    def fetch(self, group: GroupKey) -> torch.Tensor:
+    def fetch(self, group: GroupKey, defer_check: bool = False) -> torch.Tensor:
         """``group``'s shard on the compute device, the source of its all-gather. A store that copies it there (host
         or NVMe tiers, on CUDA) does so on the copy-in stream and makes the all-gather stream wait for that copy;
-        the host buffer it copied from is reused only after the copy's fence (see zinf/runtime/streams.py)."""
+        the host buffer it copied from is reused only after the copy's fence (see zinf/runtime/streams.py).
+        ``defer_check``: the caller copies the shard in one pass and can take its checksum there (``take_check``)."""
+        ...
+
+    def take_check(self, group: GroupKey) -> "ContentCheck | None":
+        """After ``fetch(group, defer_check=True)``: the checksum the caller's copy verifies before the values are
+        used, or None where the store checked them itself ([Note: one pass per byte] in zinf/offload/in_place.py)."""
         ...
 
     def done(self, group: GroupKey) -> None:
@@ -84,9 +105,12 @@ class DeviceShardStore:
     def prefetch(self, group: GroupKey, demand: bool = False) -> bool:
         return True
 
-    def fetch(self, group: GroupKey) -> torch.Tensor:
+    def fetch(self, group: GroupKey, defer_check: bool = False) -> torch.Tensor:
         assert group.shard is not None
         return group.shard
+
+    def take_check(self, group: GroupKey) -> "ContentCheck | None":
+        return None
 
     def done(self, group: GroupKey) -> None:
         return None

@@ -2,7 +2,11 @@
 torch's values bit for bit (infinities, signed zeros, fp16 subnormals; bf16 NaNs with their bits) at every SIMD level
 this CPU has, for outputs below and above the streaming size, at unaligned addresses and on several threads. An fp16
 NaN, quiet or signalling, comes out a NaN: torch's own bits for one differ between its vector loop and its tail
-(0x7fffffff there). What it does not take (overlapping ranges among them) falls back to torch."""
+(0x7fffffff there). What it does not take (overlapping ranges among them) falls back to torch.
+
+``copy_checked`` ([Note: one pass per byte] in zinf/offload/in_place.py): the same widening, or a copy of one dtype,
+returning the CRC32C of the source's bytes that ``zinf.native.crc32c`` gives, chained from a seed, on one thread and
+on several, and the same from torch's copy where the native loop does not apply."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 from zinf import native
-from zinf.native.widen import widen_into
+from zinf.native.widen import copy_checked, widen_into
 
 pytestmark = pytest.mark.skipif(not native.info().available, reason="needs the native extension")
 LEVELS = {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "scalar"]}.get(native.info().simd_level, ["scalar"])
@@ -97,3 +101,27 @@ def test_what_it_does_not_take_is_torchs_copy() -> None:
     same = torch.zeros(64)
     widen_into(same, src.float())
     assert torch.equal(same.view(torch.int32), src.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("n", [0, 1, 17, 24_577, (1 << 18) + 5, 3_000_001])  # 24,576 bf16: one checksum block
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_copy_takes_the_checksum_of_what_it_reads(level: str, dtype: torch.dtype, n: int, threads: int) -> None:
+    src = _values(n, torch.bfloat16).view(torch.uint8)[:n].view(dtype) if dtype == torch.uint8 \
+        else _values(n, dtype) if dtype != torch.float32 else torch.randn(n, generator=torch.Generator().manual_seed(n))
+    out = torch.full((n + 1,), 7.0)[1:] if dtype != torch.uint8 else torch.zeros(n + 1, dtype=torch.uint8)[1:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        crc = copy_checked(out, src, 0x1234)
+    finally:
+        torch.set_num_threads(before)
+    assert crc == native.crc32c(src.reshape(-1).view(torch.uint8), 0x1234)
+    assert _same(out, src) if dtype in (torch.bfloat16, torch.float16) else torch.equal(out, src)
+
+
+def test_a_copy_it_does_not_take_still_checksums() -> None:
+    src = _values(64, torch.bfloat16)
+    strided = torch.zeros(128)[::2]
+    assert copy_checked(strided, src) == native.crc32c(src.view(torch.uint8))
+    assert torch.equal(strided.view(torch.int32), src.float().view(torch.int32))
