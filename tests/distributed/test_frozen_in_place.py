@@ -12,8 +12,9 @@ loaded under ``zinf.Init`` with parameters on NVMe in bf16 storage, most of it f
   issued for a frozen group read whole (each collective counted by the group it gathers), the ranks' transport moves
   the trained groups' gathers alone, and an evaluation forward reads one more shard of each frozen group than the
   gathered path and nothing else (the engine's NVMe bytes);
-- [Note: one pass per byte] in zinf/offload/in_place.py: read whole, or by one rank, a frozen shard's checksum is
-  taken in the gather's widening copy and never in a pass of its own; all-gathered, at the read.
+- [Note: one pass per byte] in zinf/offload/in_place.py: read whole, all-gathered through shared memory or by one
+  rank, a frozen shard's checksum is taken in the gather's first copy of it, never in a pass of its own; a changed
+  byte is refused by every rank (see [Note: a checked gather] in zinf/runtime/same_host.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import zinf
 from dist_utils import run_distributed
 from models import llama_config, token_batches
 from training import lm_step_global
+from zinf.errors import ZinfError
 from zinf.offload.in_place import CheckpointChangedError
 
 pytestmark = pytest.mark.distributed
@@ -156,6 +158,27 @@ def test_a_checkpoint_changed_under_ranks_reading_it_whole_is_refused(checkpoint
         assert _first_file(copy).name in message and "CRC32C" in message, message
 
 
+def _changed_or_stopped(rank: int, world: int, path: str, nvme: str) -> str:
+    try:
+        return _changed(rank, world, path, nvme, "same_mtime")
+    except ZinfError as exc:  # the other rank's transport closed under this one's gather
+        return f"stopped: {exc}"
+
+
+def test_a_checkpoint_changed_under_gathering_ranks_is_refused_by_all(checkpoint: Path, tmp_path: Path) -> None:
+    """All-gathered through shared memory, the rank whose shard holds the changed byte refuses it by its checksum,
+    taken as the shard is copied into shared memory; it closes its transport before posting the last chunk, so the
+    other rank's gather fails too and neither trains on it ([Note: a checked gather] in zinf/runtime/same_host.py)."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    refused, stopped = sorted(run_distributed(_changed_or_stopped, 2, str(copy), str(tmp_path / "nvme")),
+                              key=lambda m: m.startswith("stopped"))
+    assert _first_file(copy).name in refused and "CRC32C" in refused, refused
+    assert stopped.startswith("stopped") and "closed its shared-memory transport" in stopped, stopped
+
+
 def _load_into(rank: int, world: int, path: str, nvme: str) -> dict:
     model, engine = _build(path, nvme, True)
     state = engine.full_state_dict()
@@ -191,26 +214,26 @@ class _Counted:
         self.gathered_bytes = 0  # the outputs of the named gathers
         gather, into, coalesced = collectives.all_gather, Comm.all_gather_into, Comm.all_gather_coalesced
 
-        def counted_gather(ctx, out, shard, name, batch=None):
+        def counted_gather(ctx, out, shard, name, batch=None, check=None):
             if out is not shard:  # ``out is shard`` orders the streams as a gather does and moves nothing
                 self.groups.append(id(sys._getframe(1).f_locals["self"]))
                 self.gathered_bytes += out.numel() * out.element_size()
-            return gather(ctx, out, shard, name, batch)
+            return gather(ctx, out, shard, name, batch, check)
 
-        def counted_into(comm, out, shard, async_op):
+        def counted_into(comm, out, shard, async_op, check=None):
             self.bytes += out.numel() * out.element_size()
-            return into(comm, out, shard, async_op)
+            return into(comm, out, shard, async_op, check)
 
-        def counted_coalesced(comm, outs, shards):
+        def counted_coalesced(comm, outs, shards, checks=None):
             self.bytes += sum(o.numel() * o.element_size() for o in outs)
-            return coalesced(comm, outs, shards)
+            return coalesced(comm, outs, shards, checks)
 
         collectives.all_gather = counted_gather
         Comm.all_gather_into, Comm.all_gather_coalesced = counted_into, counted_coalesced
 
         # [Note: one pass per byte]: where a frozen shard's checksum is taken, at the read or in the gather's copy
         from zinf.offload.in_place import InPlaceRecord
-        from zinf.param.store import ContentCheck
+        from zinf.native.checksum import ContentCheck
 
         self.checked_at_read = self.checked_in_copy = 0
         check, verify = InPlaceRecord.check, ContentCheck.verify
@@ -273,10 +296,10 @@ def test_frozen_groups_read_whole_train_exactly_without_collectives(checkpoint: 
         # each frozen group's other shard is read too, and nothing else
         assert whole["eval_read"] - gathered["eval_read"] == whole["frozen_shard_bytes"], \
             (whole["eval_read"], gathered["eval_read"], whole["frozen_shard_bytes"])
-        # read whole, each frozen shard's checksum is taken in the widening copy, never in a pass of its own; gathered
-        # through the ranks' transport, at the read
-        assert whole["checks"]["at_read"] == 0 and whole["checks"]["in_copy"] >= len(whole["frozen"]), whole["checks"]
-        assert gathered["checks"]["in_copy"] == 0 and gathered["checks"]["at_read"] > 0, gathered["checks"]
+        # read whole or gathered through the ranks' shared memory, each frozen shard's checksum is taken in the
+        # gather's first copy of it (the widening, the copy into shared memory), never in a pass of its own
+        for way in (whole, gathered):
+            assert way["checks"]["at_read"] == 0 and way["checks"]["in_copy"] >= len(way["frozen"]), way["checks"]
     assert results[0]["whole"]["losses"] == results[1]["whole"]["losses"]
 
 

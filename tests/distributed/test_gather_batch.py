@@ -80,9 +80,9 @@ def _engine(rank: int, world: int, coalesce: str) -> dict:
     gather.ParamFetcher.gather_union = counted_union
     single = Comm.all_gather_into
 
-    def counted_single(self: Comm, out, shard, async_op):
+    def counted_single(self: Comm, out, shard, async_op, check=None):
         counts["collectives"] += 1
-        return single(self, out, shard, async_op)
+        return single(self, out, shard, async_op, check)
 
     Comm.all_gather_into = counted_single  # a round's message goes by Comm.host_all_gather_into: not counted
     torch.manual_seed(0)

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .loader import _native
 
-__all__ = ["checksum_backend", "crc32c", "crc32c_combine", "crc32c_py"]
+__all__ = ["ContentCheck", "checksum_backend", "crc32c", "crc32c_combine", "crc32c_py"]
 
 
 def _address(data: torch.Tensor | bytes | bytearray | memoryview) -> tuple[int, int, Any]:
@@ -80,3 +80,18 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 def checksum_backend() -> str:
     """What :func:`crc32c` runs on: "sse4.2", "portable" (C++ tables) or "python"."""
     return "python" if _native is None else str(_native.checksum.backend())
+
+
+class ContentCheck:
+    """A shard's checksum that its store leaves to the copy reading its bytes next ([Note: one pass per byte] in
+    zinf/offload/in_place.py): ``verify`` with the CRC32C that copy took raises where ``check`` refuses it, and runs
+    ``passed`` where it is the one expected (the store marks the bytes checked)."""
+
+    __slots__ = ("_check", "_passed")
+
+    def __init__(self, check: Callable[[int], None], passed: Callable[[], None]) -> None:
+        self._check, self._passed = check, passed
+
+    def verify(self, actual: int) -> None:
+        self._check(actual)
+        self._passed()

@@ -22,7 +22,7 @@ copy (bf16 to fp32) into the full buffer. Where the gather itself makes that cop
 or one rank's shard widened where it was read), the store leaves the checksum to it (``fetch(...,
 defer_check=True)``, then ``take_check``): the copy takes the CRC32C of each block it reads while the block is in
 the core's cache (``zinf.native.widen.copy_checked``), and the gather compares it with the record's (a
-:class:`~zinf.param.store.ContentCheck`) before the parameters point at the values. The files' identities are
+:class:`~zinf.native.checksum.ContentCheck`) before the parameters point at the values. The files' identities are
 still checked when the read is waited for. Until a check passes its slot stays unchecked: a slot handed to a gather
 again after one that failed is checked before its bytes are used. The all-gathered path keeps the check at the
 read: the copy into the ranks' transport would be the pass to fuse with, and a bad chunk would reach the other

@@ -19,7 +19,7 @@ from zinf.offload.nvme_slots import Slot, SlotState
 from zinf.device_memory import device_is_apart
 from zinf.offload.param_store import copy_in
 from zinf.offload.swap import Record, SwapSpace
-from zinf.param.store import ContentCheck
+from zinf.native.checksum import ContentCheck
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup

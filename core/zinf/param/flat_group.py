@@ -20,7 +20,8 @@ from zinf.param.layout import FlatLayout, ParamSlot
 from zinf.param.master import MasterHome, MasterShard
 from zinf.param.residence import ShardResidence, ShardSpill
 from zinf.param.state import GroupState
-from zinf.param.store import ContentCheck, ShardStore, UpdateFence
+from zinf.native.checksum import ContentCheck
+from zinf.param.store import ShardStore, UpdateFence
 from zinf.runtime import collectives
 from zinf.runtime.collectives import GatherBatch
 from zinf.runtime.context import RunContext
@@ -217,11 +218,10 @@ class FlatParamGroup:
         self.residence.fence.wait(self)
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
-        # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather, which
-        # reading the store's own buffer takes its checksum too ([Note: one pass per byte] in offload/in_place.py)
-        into_full = self.storage_dtype == self.compute_dtype or (
-            self.four_bit is None and ctx.comm.gathers_widening(self.full))
-        defer = self.four_bit is None and (self.residence.whole or (self.world == 1 and not into_full))
+        # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather. The
+        # gather's first copy of a frozen shard takes its checksum ([Note: one pass per byte] in offload/in_place.py)
+        into_full = self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full))
+        defer = self.four_bit is None and (self.residence.whole or ctx.comm.takes_checks(self.full))
         source, self._check = self.store.fetch(self, defer_check=defer), self.store.take_check(self) if defer else None
         if self.residence.whole:  # every rank's shard, read here: no collective ([Note: frozen groups read whole])
             self._work = collectives.all_gather(ctx, source, source, self.name)  # ordered: waits for its copy-in
@@ -229,8 +229,9 @@ class FlatParamGroup:
             return
         gathered = self.full if into_full else source if self.world == 1 else self.format.empty_shards(  # [Note: a widening gather]
             self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
+        check, self._check = (self._check, None) if gathered is self.full else (None, self._check)  # whose copy
         # one rank, the shard in device memory: nothing moves, nothing to order
-        self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
+        self._work = collectives.all_gather(ctx, gathered, source, self.name, batch, check) if self.owns_full else None
         self._widen_from = None if gathered is self.full else gathered
         self.state = GroupState.GATHERING
 

@@ -35,7 +35,7 @@ from zinf.native import four_bit as native_four_bit
 from zinf.native.widen import copy_checked, widen_into
 
 if TYPE_CHECKING:
-    from zinf.param.store import ContentCheck
+    from zinf.native.checksum import ContentCheck
 
 __all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears"]
 

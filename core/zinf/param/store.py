@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import threading
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
+from zinf.native.checksum import ContentCheck
 from zinf.param.keys import GroupKey
 from zinf.report import StepTimers
 
 
-__all__ = ["ContentCheck", "UpdateFence", "ShardStore", "DeviceShardStore"]
+__all__ = ["UpdateFence", "ShardStore", "DeviceShardStore"]
 
-
-class ContentCheck:
-    """A shard's checksum that its store leaves to the copy reading its bytes next ([Note: one pass per byte] in
-    zinf/offload/in_place.py): ``verify`` with the CRC32C that copy took raises where ``check`` refuses it, and runs
-    ``passed`` where it is the one expected (the store marks the bytes checked)."""
-
-    __slots__ = ("_check", "_passed")
-
-    def __init__(self, check: Callable[[int], None], passed: Callable[[], None]) -> None:
-        self._check, self._passed = check, passed
-
-    def verify(self, actual: int) -> None:
-        self._check(actual)
-        self._passed()
 
 
 class ShardStore(Protocol):
@@ -52,7 +39,7 @@ class ShardStore(Protocol):
         ``defer_check``: the caller copies the shard in one pass and can take its checksum there (``take_check``)."""
         ...
 
-    def take_check(self, group: GroupKey) -> "ContentCheck | None":
+    def take_check(self, group: GroupKey) -> ContentCheck | None:
         """After ``fetch(group, defer_check=True)``: the checksum the caller's copy verifies before the values are
         used, or None where the store checked them itself ([Note: one pass per byte] in zinf/offload/in_place.py)."""
         ...
@@ -109,7 +96,7 @@ class DeviceShardStore:
         assert group.shard is not None
         return group.shard
 
-    def take_check(self, group: GroupKey) -> "ContentCheck | None":
+    def take_check(self, group: GroupKey) -> ContentCheck | None:
         return None
 
     def done(self, group: GroupKey) -> None:
