@@ -4,7 +4,6 @@
 #include "widen.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
@@ -117,9 +116,10 @@ uint32_t crc_slices(size_t n, size_t elem_bytes, size_t min_per_thread, size_t a
   const size_t chunk = (n / nt + align - 1) / align * align;
   std::vector<uint32_t> crcs(nt, 0);
   std::vector<size_t> lens(nt, 0);
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num();
+  // a loop over the slices, not one slice per thread: OpenMP may give the region fewer threads than asked for (a
+  // thread limit, or a call from inside another parallel region), and every slice must still be done
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int t = 0; t < nt; ++t) {
     const size_t begin = std::min(n, chunk * static_cast<size_t>(t));
     const size_t end = t == nt - 1 ? n : std::min(n, begin + chunk);
     lens[t] = end - begin;
@@ -154,10 +154,10 @@ void widen(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads) 
     return;
   }
   const size_t chunk = (n / nt + 15) / 16 * 16;  // slices start 64 bytes apart in dst's alignment
-#pragma omp parallel num_threads(nt)
-  {
-    const size_t begin = std::min(n, chunk * static_cast<size_t>(omp_get_thread_num()));
-    const size_t end = omp_get_thread_num() == nt - 1 ? n : std::min(n, begin + chunk);
+#pragma omp parallel for num_threads(nt) schedule(static, 1)  // every slice done, however many threads come
+  for (int t = 0; t < nt; ++t) {
+    const size_t begin = std::min(n, chunk * static_cast<size_t>(t));
+    const size_t end = t == nt - 1 ? n : std::min(n, begin + chunk);
     widen_range(src + begin, dst + begin, end - begin, kind, stream);  // each slice fences its own stores
   }
 }

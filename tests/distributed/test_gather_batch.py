@@ -80,9 +80,9 @@ def _engine(rank: int, world: int, coalesce: str) -> dict:
     gather.ParamFetcher.gather_union = counted_union
     single = Comm.all_gather_into
 
-    def counted_single(self: Comm, out, shard, async_op, check=None):
+    def counted_single(self: Comm, out, shard, async_op):
         counts["collectives"] += 1
-        return single(self, out, shard, async_op, check)
+        return single(self, out, shard, async_op)
 
     Comm.all_gather_into = counted_single  # a round's message goes by Comm.host_all_gather_into: not counted
     torch.manual_seed(0)

@@ -84,14 +84,19 @@ def checksum_backend() -> str:
 
 class ContentCheck:
     """A shard's checksum that its store leaves to the copy reading its bytes next ([Note: one pass per byte] in
-    zinf/offload/in_place.py): ``verify`` with the CRC32C that copy took raises where ``check`` refuses it, and runs
-    ``passed`` where it is the one expected (the store marks the bytes checked)."""
+    zinf/offload/in_place.py): ``verify`` with the CRC32C that copy took runs ``passed`` where ``check`` takes it,
+    and ``failed`` before re-raising where ``check`` refuses it (the store then drops the bytes, so a file put back
+    is read again)."""
 
-    __slots__ = ("_check", "_passed")
+    __slots__ = ("_check", "_passed", "_failed")
 
-    def __init__(self, check: Callable[[int], None], passed: Callable[[], None]) -> None:
-        self._check, self._passed = check, passed
+    def __init__(self, check: Callable[[int], None], passed: Callable[[], None], failed: Callable[[], None]) -> None:
+        self._check, self._passed, self._failed = check, passed, failed
 
     def verify(self, actual: int) -> None:
-        self._check(actual)
+        try:
+            self._check(actual)
+        except BaseException:
+            self._failed()
+            raise
         self._passed()

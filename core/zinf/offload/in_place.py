@@ -18,15 +18,15 @@ changed, replaced or truncated under a run is an error naming the file, never va
 
 [Note: one pass per byte]
 A frozen shard read from the files was passed over twice before the compute saw it: its checksum, then the widening
-copy (bf16 to fp32) into the full buffer. Where the gather itself makes that copy (a group every rank reads whole,
-or one rank's shard widened where it was read), the store leaves the checksum to it (``fetch(...,
+copy (bf16 to fp32) into the full buffer. Where the gather makes that copy from the store's own buffer (a group every
+rank reads whole, or one rank's shard widened where it was read), the store leaves the checksum to it (``fetch(...,
 defer_check=True)``, then ``take_check``): the copy takes the CRC32C of each block it reads while the block is in
-the core's cache (``zinf.native.widen.copy_checked``), and the gather compares it with the record's (a
-:class:`~zinf.native.checksum.ContentCheck`) before the parameters point at the values. The files' identities are
-still checked when the read is waited for. Until a check passes its slot stays unchecked: a slot handed to a gather
-again after one that failed is checked before its bytes are used. The all-gathered path keeps the check at the
-read: the copy into the ranks' transport would be the pass to fuse with, and a bad chunk would reach the other
-ranks before the last one was checksummed.
+the core's cache (``zinf.native.widen.copy_checked``) and verifies it (a
+:class:`~zinf.native.checksum.ContentCheck`) in ``start_gather``, before the group leaves SHARDED, so a refused shard
+unwinds the pass as a failed read does; its slot is dropped, and a file put back is read again. The files'
+identities are still checked when the read is waited for. An all-gathered shard keeps the check at the read: its
+first copy is into the ranks' transport, inside a collective the other ranks are already in, where a refusal could
+not leave every rank's groups as they were.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class NvmeShardStore:
         if slot.read is not None:
             self._finish_read(key, slot, defer)
         if slot.unchecked and defer:
-            self._checks[key] = ContentCheck(rec.check_crc, slot.checked)
+            self._checks[key] = ContentCheck(rec.check_crc, slot.checked, lambda: self._refused(group))
         elif slot.unchecked:
             self._check_content(key, slot)
         # the buffer goes back to the pool (or is staged again) only once this copy has read it
@@ -283,6 +283,17 @@ class NvmeShardStore:
             self.swap.wait(slot.read, rec)
         slot.read_done(unchecked=defer)
         self.swap.verify(rec, slot.buf, content=not defer)
+
+    def _refused(self, group: "FlatParamGroup") -> None:
+        """A deferred check refused the bytes its gather was handed: the slot goes back and is dropped (the group
+        stays SHARDED; a file put back is read again at its next gather)."""
+        with self._lock:
+            key = id(group)
+            slot = self._slots[key]
+            slot.give_back(self._clock, keep=False)
+            if slot.write is None:
+                self._drop(key)
+        self.room.room_given_back()
 
     def _check_content(self, key: int, slot: Slot) -> None:
         """The checksum of a slot whose deferred check never ran (its gather failed before it) taken now."""

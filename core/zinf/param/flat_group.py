@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zinf.device_memory import mark_device
+from zinf.native.checksum import ContentCheck
 from zinf.param.four_bit import FourBitFormat, WidenedShard, refuse_change
 from zinf.param.grad_flat import FlatGrad
 from zinf.param.grad_shard import GradShard
@@ -20,7 +21,6 @@ from zinf.param.layout import FlatLayout, ParamSlot
 from zinf.param.master import MasterHome, MasterShard
 from zinf.param.residence import ShardResidence, ShardSpill
 from zinf.param.state import GroupState
-from zinf.native.checksum import ContentCheck
 from zinf.param.store import ShardStore, UpdateFence
 from zinf.runtime import collectives
 from zinf.runtime.collectives import GatherBatch
@@ -79,7 +79,6 @@ class FlatParamGroup:
             self.full.untyped_storage().resize_(0)
         mark_device(master, self.shard, self.full)  # [Note: staged device] in zinf/device_memory.py
         self._widen_from: torch.Tensor | None = None  # the gathered narrow vector finish_gather widens
-        self._check: ContentCheck | None = None  # its checksum, where the store left it to that copy
         self.grad = GradShard(self, [self.layout.local_range(i) for i in range(len(self.slots))], device)
         self.grad_in = FlatGrad(self.layout, device, params)  # the flat gradient a backward assembles
         self._to_placeholders()
@@ -218,21 +217,22 @@ class FlatParamGroup:
         self.residence.fence.wait(self)
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
-        # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather. The
-        # gather's first copy of a frozen shard takes its checksum ([Note: one pass per byte] in offload/in_place.py)
+        # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather; one
+        # widened from the store's buffer with its checksum (read whole, one rank) is widened here (_widen_checked)
         into_full = self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full))
-        defer = self.four_bit is None and (self.residence.whole or ctx.comm.takes_checks(self.full))
-        source, self._check = self.store.fetch(self, defer_check=defer), self.store.take_check(self) if defer else None
+        widen_here = self.four_bit is None and (self.residence.whole or (self.world == 1 and not into_full))
+        source, check = self.store.fetch(self, defer_check=widen_here), self.store.take_check(self) if widen_here else None
+        if check is not None:
+            _widen_checked(self, source, check)
         if self.residence.whole:  # every rank's shard, read here: no collective ([Note: frozen groups read whole])
             self._work = collectives.all_gather(ctx, source, source, self.name)  # ordered: waits for its copy-in
-            self._widen_from, self.state = source, GroupState.GATHERING
+            self._widen_from, self.state = None if check is not None else source, GroupState.GATHERING
             return
         gathered = self.full if into_full else source if self.world == 1 else self.format.empty_shards(  # [Note: a widening gather]
             self.world, self.shard_numel, self.device, ctx.empty_for(self.trainable))
-        check, self._check = (self._check, None) if gathered is self.full else (None, self._check)  # whose copy
         # one rank, the shard in device memory: nothing moves, nothing to order
-        self._work = collectives.all_gather(ctx, gathered, source, self.name, batch, check) if self.owns_full else None
-        self._widen_from = None if gathered is self.full else gathered
+        self._work = collectives.all_gather(ctx, gathered, source, self.name, batch) if self.owns_full else None
+        self._widen_from = None if gathered is self.full or check is not None else gathered
         self.state = GroupState.GATHERING
 
     def finish_gather(self) -> None:
@@ -243,8 +243,8 @@ class FlatParamGroup:
         if work is not None and (work.shared is None or work.shared.joined is None):
             work.join()
         if self._widen_from is not None:  # before done(): with one rank it is the store's buffer itself
-            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full, self._check)
-            self._widen_from = self._check = None
+            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full)
+            self._widen_from = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
             if p is not None:
@@ -330,3 +330,14 @@ class FlatParamGroup:
 
     def __repr__(self) -> str:
         return f"FlatParamGroup({self.name}, numel={self.numel}, shard={self.shard_numel}, {self.state.name})"
+
+
+def _widen_checked(group: FlatParamGroup, source: torch.Tensor, check: ContentCheck) -> None:
+    """A frozen shard's values widened from the store's own buffer (``source``) into ``group.full``, its checksum
+    taken in that copy and verified ([Note: one pass per byte] in zinf/offload/in_place.py), before the group leaves
+    SHARDED: a refused shard frees the full buffer again and unwinds as a failed read does."""
+    try:
+        group.format.widen(source, group.world, group.shard_numel, group.full, check)
+    except BaseException:
+        group.full.untyped_storage().resize_(0)
+        raise

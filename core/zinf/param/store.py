@@ -24,7 +24,6 @@ from zinf.report import StepTimers
 __all__ = ["UpdateFence", "ShardStore", "DeviceShardStore"]
 
 
-
 class ShardStore(Protocol):
     tier: str
 

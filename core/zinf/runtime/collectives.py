@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from zinf.native.checksum import ContentCheck
 from zinf.runtime.comm import Comm
 from zinf.runtime.context import RunContext
 from zinf.runtime.streams import InFlight, SharedWork, Streams
@@ -43,20 +42,18 @@ __all__ = ["BatchWork", "GatherBatch", "all_gather", "all_gather_now", "reduce_s
 
 
 def all_gather(ctx: RunContext, out: torch.Tensor, shard: torch.Tensor, name: str,
-               batch: "GatherBatch | None" = None, check: ContentCheck | None = None) -> InFlight:
+               batch: "GatherBatch | None" = None) -> InFlight:
     """Gather every rank's ``shard`` into ``out`` (rank-major), issued on the all_gather stream once it has waited for
     compute (``out`` was allocated there; rule 1 of [Note: streams]); with a ``batch``, as a part of the round's one
     collective. Returns the work to join before ``out`` is read, holding both tensors until then. ``out is shard``
-    (one rank reading a narrow shard as it is) moves nothing but orders the same. ``check``: the shard's checksum,
-    taken by the gather's copy ([Note: one pass per byte] in zinf/offload/in_place.py)."""
+    (one rank reading a narrow shard as it is) moves nothing but orders the same."""
     if batch is not None and out is not shard:
-        return batch.start(out, shard, (shard, out), check)
+        return batch.start(out, shard, (shard, out))
     streams = ctx.streams
     with region("all_gather", name):
-        return streams.issue(
-            streams.all_gather,
-            lambda: None if out is shard else ctx.comm.all_gather_into(out, shard, async_op=True, check=check),
-            (shard, out))
+        return streams.issue(streams.all_gather,
+                             lambda: None if out is shard else ctx.comm.all_gather_into(out, shard, async_op=True),
+                             (shard, out))
 
 
 def serve_all_gather(ctx: RunContext, scratch: torch.Tensor, mine: torch.Tensor, name: str,
@@ -128,25 +125,21 @@ class GatherBatch:
         self.work = BatchWork()
         self._outs: list[torch.Tensor] = []
         self._shards: list[torch.Tensor] = []
-        self._checks: list[ContentCheck | None] = []
         self._served: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self._outs)
 
-    def start(self, out: torch.Tensor, shard: torch.Tensor, alive: tuple[torch.Tensor, ...],
-              check: ContentCheck | None = None) -> InFlight:
+    def start(self, out: torch.Tensor, shard: torch.Tensor, alive: tuple[torch.Tensor, ...]) -> InFlight:
         """Gather ``shard`` from every rank into ``out`` with the batch; the InFlight to join before reading it."""
         self._outs.append(out)
         self._shards.append(shard)
-        self._checks.append(check)
         return InFlight(self.streams, self.streams.all_gather, self.work, alive)
 
     def serve(self, scratch: torch.Tensor, mine: torch.Tensor) -> None:
         """Take part in another rank's gather with this rank's slice; ``scratch`` receives what is not needed."""
         self._outs.append(scratch)
         self._shards.append(mine)
-        self._checks.append(None)
         self._served += [scratch, mine]
 
     def issue(self) -> InFlight | None:
@@ -154,11 +147,11 @@ class GatherBatch:
         if not self._outs:
             self.work.issued(None)
             return None
-        outs, shards, checks, served = self._outs, self._shards, self._checks, tuple(self._served)
-        self._outs, self._shards, self._checks, self._served = [], [], [], []
+        outs, shards, served = self._outs, self._shards, tuple(self._served)
+        self._outs, self._shards, self._served = [], [], []
 
         def launch() -> BatchWork:  # every buffer was allocated on compute, which the stream waits for first
-            self.work.issued(self.comm.all_gather_coalesced(outs, shards, checks))
+            self.work.issued(self.comm.all_gather_coalesced(outs, shards))
             return self.work
 
         held = self.streams.issue(self.streams.all_gather, launch, served)

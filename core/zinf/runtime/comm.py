@@ -9,16 +9,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-
-from zinf.native.checksum import crc32c
-from zinf.native.widen import copy_checked
-
-if TYPE_CHECKING:
-    from zinf.native.checksum import ContentCheck
 
 __all__ = ["Comm", "Transport", "default_device", "compute_device"]
 
@@ -37,8 +31,7 @@ class Transport(Protocol):
     @property
     def is_open(self) -> bool: ...
 
-    def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
-                   checks: Sequence["ContentCheck | None"] | None = None) -> None: ...
+    def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None: ...
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
 
@@ -122,11 +115,6 @@ class Comm:
         t = self.same_host
         return t if t is not None and t.is_open and tensor.device.type == "cpu" else None
 
-    def takes_checks(self, out: torch.Tensor) -> bool:
-        """Whether an all-gather into ``out`` copies each rank's shard in one pass that can take its checksum (the
-        copy into shared memory, or one rank's copy: [Note: one pass per byte] in zinf/offload/in_place.py)."""
-        return self.world == 1 or self._shared(out) is not None
-
     def gathers_widening(self, out: torch.Tensor) -> bool:
         """Whether an all-gather into ``out`` may take shards of a narrower dtype and widen them as it copies (through
         shared memory: [Note: a widening gather] in zinf/runtime/same_host.py); the same on every rank."""
@@ -151,26 +139,19 @@ class Comm:
             dist.all_reduce(tensor, op=red, group=self.host_group or self.group)
         return tensor
 
-    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool,
-                        check: "ContentCheck | None" = None) -> Any:
-        """``out`` (world * shard.numel()) receives every rank's shard, rank-major. ``check``: this rank's shard's
-        checksum, verified before any rank can use the values (taken in the copy where ``takes_checks``)."""
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Any:
+        """``out`` (world * shard.numel()) receives every rank's shard, rank-major."""
         if self.world == 1:
-            if check is not None:
-                check.verify(copy_checked(out, shard))
-            elif out.data_ptr() != shard.data_ptr():
+            if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
             return None
         shared = self._shared(out)
         if shared is not None:
-            shared.all_gather([out], [shard], [check])
+            shared.all_gather([out], [shard])
             return None
-        if check is not None:
-            check.verify(crc32c(shard.reshape(-1).view(torch.uint8)))
         return _all_gather_single(out, shard, group=self.group, async_op=async_op)
 
-    def all_gather_coalesced(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
-                             checks: Sequence["ContentCheck | None"] | None = None) -> Any:
+    def all_gather_coalesced(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> Any:
         """Every ``outs[i]`` receives every rank's ``shards[i]``, rank-major, as one collective per dtype (every
         rank passes the same sizes and dtypes in the same order); returns the handle to wait on (asynchronous).
         One per dtype: gloo's coalesced all-gather reads every tensor as the first one's dtype (measured with
@@ -178,18 +159,14 @@ class Comm:
         coalesced all-gather of CUDA tensors kills the process (SIGSEGV, measured with torch 2.11 on an H200),
         where its single all-gather of them works. See [Note: one collective per round] in
         zinf/runtime/collectives.py."""
-        checks = list(checks) if checks is not None else [None] * len(outs)
         if (self.world == 1 or len(outs) <= 1 or _coalescing_manager is None
                 or ("gloo" in self.backend and outs[0].device.type != "cpu")):
-            works = [self.all_gather_into(o, s, async_op=True, check=c) for o, s, c in zip(outs, shards, checks)]
+            works = [self.all_gather_into(o, s, async_op=True) for o, s in zip(outs, shards)]
             return _Works([w for w in works if w is not None])
         shared = self._shared(outs[0])
         if shared is not None:  # every dtype in one pass: the bytes are copied as they are
-            shared.all_gather(outs, shards, checks)
+            shared.all_gather(outs, shards)
             return _Works([])
-        for shard, check in zip(shards, checks):
-            if check is not None:
-                check.verify(crc32c(shard.reshape(-1).view(torch.uint8)))
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for out, shard in zip(outs, shards):
             by_dtype.setdefault(shard.dtype, []).append((out, shard))

@@ -40,15 +40,14 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zinf.errors import SharedMemoryTimeout, ZinfError
 from zinf.native import shm as native_shm
-from zinf.native.checksum import ContentCheck
-from zinf.native.widen import copy_checked, widen_into
+from zinf.native.widen import widen_into
 from zinf.report import tier_of
 
 if TYPE_CHECKING:
@@ -211,22 +210,17 @@ class SameHostTransport:
 
     # -- the collectives --------------------------------------------------------------------------------------
 
-    def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
-                   checks: Sequence[ContentCheck | None] | None = None) -> None:
+    def all_gather(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
         """Every ``outs[i]`` (world * shards[i].numel() elements, contiguous) receives every rank's ``shards[i]``,
         rank-major; every rank passes the same sizes in the same order. An ``outs[i]`` of a wider dtype than its
         shard (fp32 from bf16) receives the values widened, in the one copy out of the shared buffers (see [Note: a
-        widening gather]). ``checks[i]``: the checksum of this rank's ``shards[i]``, taken as it is copied into
-        this rank's buffer (see [Note: a checked gather])."""
+        widening gather])."""
         self._check_open()
-        pending: list[_Piece] = []
+        # (out rows, shard, start, bytes, at)
+        pending: list[tuple[torch.Tensor | _Widened, torch.Tensor, int, int, int]] = []
         used = 0
-        for i, (out, shard) in enumerate(zip(outs, shards)):
+        for out, shard in zip(outs, shards):
             src = _bytes(shard)
-            check = checks[i] if checks is not None else None
-            checking = None if check is None else _Checking(check, src.numel())
-            if checking is not None and not src.numel():
-                check.verify(0)
             rows: torch.Tensor | _Widened
             if out.dtype != shard.dtype:  # rows of elements: the chunks' byte ranges are read as the shard's dtype
                 rows = _Widened(out.reshape(self.world, shard.numel()), shard.dtype)
@@ -238,7 +232,7 @@ class SameHostTransport:
                     self._gather_chunk(pending)
                     pending, used = [], 0
                 n = min(src.numel() - start, CHUNK_BYTES - used)
-                pending.append(_Piece(rows, src, start, n, used, checking))
+                pending.append((rows, src, start, n, used))
                 used += -(-n // _ALIGN) * _ALIGN
                 start += n
         if pending:
@@ -281,20 +275,14 @@ class SameHostTransport:
         """Rank r's buffer as a reduce-scatter chunk: one row of ``width`` elements for each rank."""
         return self._buffer(r).view(dtype)[: self.world * width].view(self.world, width)
 
-    def _gather_chunk(self, pending: list[_Piece]) -> None:
+    def _gather_chunk(self, pending: list[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> None:
         mine = self._buffer(self.rank)
-        for piece in pending:
-            piece.copy_in(mine)
-        try:
-            for piece in pending:  # [Note: a checked gather]
-                piece.verify_if_last()
-        except BaseException:
-            self.close()
-            raise
+        for _, src, start, n, at in pending:
+            mine[at : at + n].copy_(src[start : start + n])
         self._exchange()
         for r in range(self.world):
             buf = self._buffer(r)
-            for rows, src, start, n, at, _ in pending:
+            for rows, src, start, n, at in pending:
                 if isinstance(rows, _Widened):
                     rows.write(r, start, buf[at : at + n] if r != self.rank else src[start : start + n])
                     continue
@@ -331,47 +319,6 @@ class SameHostTransport:
 
     def _advance(self) -> None:
         self._seq += 1
-
-
-class _Checking:
-    """[Note: a checked gather]
-    A frozen shard read from a checkpoint's files has its CRC32C verified before any rank uses it. Gathered through
-    shared memory, it is taken in the copy of the shard into this rank's buffer, not in a pass of its own ([Note: one
-    pass per byte] in zinf/offload/in_place.py). A gather completes on no rank before its last chunk is posted, and
-    the checksum is verified before the chunk holding the shard's last bytes is posted: a shard that fails it closes
-    this rank's transport first, so every other rank's gather fails at once (the closed mark), none using a value."""
-
-    __slots__ = ("check", "nbytes", "crc")
-
-    def __init__(self, check: ContentCheck, nbytes: int) -> None:
-        self.check, self.nbytes, self.crc = check, nbytes, 0
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The shard's next bytes ``src`` into ``dst``, their checksum taken on the way."""
-        self.crc = copy_checked(dst, src, self.crc)
-
-
-class _Piece(NamedTuple):
-    """``n`` bytes of a shard (``src``, uint8) from ``start``, at ``at`` in a chunk, for ``rows``."""
-
-    rows: "torch.Tensor | _Widened"
-    src: torch.Tensor
-    start: int
-    n: int
-    at: int
-    checking: _Checking | None
-
-    def copy_in(self, buf: torch.Tensor) -> None:
-        """Into this rank's buffer, taking the checksum on the way where the shard has one."""
-        dst, src = buf[self.at : self.at + self.n], self.src[self.start : self.start + self.n]
-        if self.checking is None:
-            dst.copy_(src)
-        else:
-            self.checking.copy(dst, src)
-
-    def verify_if_last(self) -> None:
-        if self.checking is not None and self.start + self.n == self.checking.nbytes:
-            self.checking.check.verify(self.checking.crc)
 
 
 class _Widened:

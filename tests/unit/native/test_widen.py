@@ -125,3 +125,29 @@ def test_a_copy_it_does_not_take_still_checksums() -> None:
     strided = torch.zeros(128)[::2]
     assert copy_checked(strided, src) == native.crc32c(src.view(torch.uint8))
     assert torch.equal(strided.view(torch.int32), src.float().view(torch.int32))
+
+
+_FEWER_THREADS = """
+import torch
+from zinf import native
+from zinf.native.widen import copy_checked, widen_into
+torch.set_num_threads(4)
+src = (torch.arange(4 << 20) % 1000).to(torch.bfloat16)
+out, wide = torch.zeros(src.numel()), torch.zeros(src.numel())
+crc = copy_checked(out, src)
+widen_into(wide, src)
+assert crc == native.crc32c(src.view(torch.uint8)), "checksum"
+assert torch.equal(out, src.float()) and torch.equal(wide, src.float()), "values"
+"""
+
+
+def test_fewer_threads_than_asked_for_still_do_every_slice() -> None:
+    """OpenMP may run a region on fewer threads than it was asked for (here ``OMP_THREAD_LIMIT=1`` against four):
+    every slice is still widened and checksummed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", _FEWER_THREADS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
