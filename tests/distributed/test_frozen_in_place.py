@@ -351,3 +351,45 @@ def test_one_rank_takes_the_checksum_in_the_widening_copy(checkpoint: Path, tmp_
     assert r["at_read"] == 0 and r["in_copy"] > 0, r
     (copied,) = run_distributed(_train, 1, str(checkpoint), str(tmp_path / "copied"), False)
     assert r["losses"] == copied["losses"][:2], (r["losses"], copied["losses"])
+
+
+def _refused_at_the_read(rank: int, world: int, path: str, nvme: str) -> dict:
+    """After step 1, one frozen group's checksum made wrong: its shard read ahead and read back twice, then read ahead
+    again and thrown away (the cache flushed); then the checksum put back and read once more."""
+    from zinf.offload.in_place import InPlaceRecord
+
+    model, engine = _build(path, nvme, True)
+    model.train()
+    lm_step_global(engine, token_batches(1, 4)[0], rank, world)
+    engine.synchronize()
+    store = engine.placement.store
+    store.flush()
+    in_pool = store.pool.bytes_in_use
+    group = next(g for g in engine.groups if isinstance(store.records[id(g)], InPlaceRecord))
+    record = store.records[id(group)]
+    good = record.crc
+    record.crc = good ^ 1
+    outcomes = []
+    store.prefetch(group)
+    for _ in range(2):
+        try:
+            store.read(group)
+            outcomes.append("returned")
+        except CheckpointChangedError:
+            outcomes.append("refused")
+    store.prefetch(group)
+    store.flush()  # a read thrown away is not checked: nothing it read is used
+    leaked = store.pool.bytes_in_use - in_pool
+    record.crc = good
+    again = store.read(group)
+    engine.close()
+    return {"outcomes": outcomes, "leaked": leaked, "again": again.numel()}
+
+
+def test_a_shard_refused_at_the_read_is_never_handed_out_later(checkpoint: Path, tmp_path: Path) -> None:
+    """A frozen shard whose checksum fails at the read leaves the store's cache and the pool: read again it is
+    refused again (not handed out from the cache), a read dropped unused is not refused, and once its checksum is
+    as at loading the shard is read from the files again."""
+    (r,) = run_distributed(_refused_at_the_read, 1, str(checkpoint), str(tmp_path / "nvme"))
+    assert r["outcomes"] == ["refused", "refused"], r
+    assert r["leaked"] == 0 and r["again"] > 0, r

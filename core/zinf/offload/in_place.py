@@ -249,4 +249,3 @@ class InPlaceRecord:
             f"zinf: {self.name}'s frozen values are read from the checkpoint file {path}, and {why}. Refusing to "
             "train on them. Leave checkpoint files untouched while a run reads them, or set "
             "offload.frozen_in_place: false to copy frozen shards to the swap files at the start.")
-

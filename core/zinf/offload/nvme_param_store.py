@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -274,15 +274,27 @@ class NvmeShardStore:
     def end_update(self) -> None:
         return None
 
-    def _finish_read(self, key: int, slot: Slot, defer: bool = False) -> None:
+    def _finish_read(self, key: int, slot: Slot, defer: bool = False, check: bool = True) -> None:
         """Wait for ``slot``'s read and check what it read (``defer``: a frozen shard's checksum left unchecked, for
-        the gather's copy to take)."""
+        the gather's copy to take; without ``check``, a slot being dropped: nothing it read is used). What fails
+        its check is thrown away, so it is never handed out, and a file put back is read again."""
         rec = self.records[key]
         assert slot.read is not None
         with region("nvme_read", self._names[key]):
             self.swap.wait(slot.read, rec)
         slot.read_done(unchecked=defer)
-        self.swap.verify(rec, slot.buf, content=not defer)
+        if check:
+            self._verified(key, slot, lambda: self.swap.verify(rec, slot.buf, content=not defer))
+
+    def _verified(self, key: int, slot: Slot, verify: Callable[[], None]) -> None:
+        """Run ``verify`` on ``slot``'s bytes; where it raises, the slot leaves the cache and its buffer the pool."""
+        try:
+            verify()
+        except BaseException:
+            if self._slots.get(key) is slot:
+                del self._slots[key]
+            self.pool.release(slot.release())
+            raise
 
     def _refused(self, group: "FlatParamGroup") -> None:
         """A deferred check refused the bytes its gather was handed: the slot goes back and is dropped (the group
@@ -300,13 +312,13 @@ class NvmeShardStore:
         rec = self.records[key]
         assert isinstance(rec, InPlaceRecord)
         with self.swap.timers.time("checksum"):
-            rec.check(slot.buf)
+            self._verified(key, slot, lambda: rec.check(slot.buf))
         slot.checked()
 
-    def _finish_io(self, key: int, slot: Slot) -> None:
-        """Finish the I/O in flight on ``slot``."""
+    def _finish_io(self, key: int, slot: Slot, check: bool = True) -> None:
+        """Finish the I/O in flight on ``slot`` (without ``check``: it is being dropped)."""
         if slot.read is not None:
-            self._finish_read(key, slot)
+            self._finish_read(key, slot, check=check)
         if slot.write is not None:
             with region("nvme_write", self._names[key]):
                 self.swap.wait(slot.write, self.records[key])
@@ -315,7 +327,7 @@ class NvmeShardStore:
     def _drop(self, key: int) -> None:
         slot = self._slots.pop(key)
         assert slot.idle
-        self._finish_io(key, slot)
+        self._finish_io(key, slot, check=False)
         self.pool.release(slot.release())  # after its last copy to the device has read it
 
     def _reap(self) -> None:
