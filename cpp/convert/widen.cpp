@@ -105,26 +105,38 @@ uint32_t copy_crc_range(const uint8_t* src, uint8_t* dst, size_t n, uint32_t crc
   return crc;
 }
 
-// Slices of [0, n) elements for up to ``threads`` threads, each at least ``min_per_thread`` elements and starting
-// at a multiple of ``align`` elements; ``range(begin, end)`` returns its slice's CRC32C from 0, and the slices' CRCs
-// are joined in order onto ``crc``.
-template <typename Range>
-uint32_t crc_slices(size_t n, size_t elem_bytes, size_t min_per_thread, size_t align, int threads, uint32_t crc,
-                    Range range) {
+// Calls ``slice(t, begin, end)`` for the slices of [0, n) elements on up to ``threads`` threads, each slice at least
+// ``min_per_thread`` elements and starting at a multiple of ``align`` elements; returns how many slices there were.
+// A loop over the slices, not one slice per thread: OpenMP may give the region fewer threads than asked for (a
+// thread limit, or a call from inside another parallel region), and every slice must still be done.
+template <typename Slice>
+int for_slices(size_t n, size_t min_per_thread, size_t align, int threads, Slice slice) {
   const int nt = static_cast<int>(std::min<size_t>(std::max(threads, 1), std::max<size_t>(n / min_per_thread, 1)));
-  if (nt <= 1) return zinf::checksum::crc32c_combine(crc, range(size_t{0}, n), n * elem_bytes);
+  if (nt <= 1) {
+    slice(0, size_t{0}, n);
+    return 1;
+  }
   const size_t chunk = (n / nt + align - 1) / align * align;
-  std::vector<uint32_t> crcs(nt, 0);
-  std::vector<size_t> lens(nt, 0);
-  // a loop over the slices, not one slice per thread: OpenMP may give the region fewer threads than asked for (a
-  // thread limit, or a call from inside another parallel region), and every slice must still be done
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int t = 0; t < nt; ++t) {
     const size_t begin = std::min(n, chunk * static_cast<size_t>(t));
     const size_t end = t == nt - 1 ? n : std::min(n, begin + chunk);
+    slice(t, begin, end);
+  }
+  return nt;
+}
+
+// for_slices where ``range(begin, end)`` returns its slice's CRC32C from 0: the slices' CRCs joined in order onto
+// ``crc``.
+template <typename Range>
+uint32_t crc_slices(size_t n, size_t elem_bytes, size_t min_per_thread, size_t align, int threads, uint32_t crc,
+                    Range range) {
+  std::vector<uint32_t> crcs(static_cast<size_t>(std::max(threads, 1)), 0);
+  std::vector<size_t> lens(crcs.size(), 0);
+  const int nt = for_slices(n, min_per_thread, align, threads, [&](int t, size_t begin, size_t end) {
     lens[t] = end - begin;
     crcs[t] = range(begin, end);
-  }
+  });
   for (int t = 0; t < nt; ++t) crc = zinf::checksum::crc32c_combine(crc, crcs[t], lens[t] * elem_bytes);
   return crc;
 }
@@ -147,19 +159,9 @@ uint32_t copy_crc(const void* src, void* dst, size_t n, int threads, uint32_t cr
 
 void widen(const uint16_t* src, float* dst, size_t n, Narrow kind, int threads) {
   const bool stream = n * sizeof(float) >= kStreamBytes;
-  const size_t per_thread = kStreamBytes / sizeof(float);  // no slice under 1 MiB of output
-  const int nt = static_cast<int>(std::min<size_t>(std::max(threads, 1), std::max<size_t>(n / per_thread, 1)));
-  if (nt <= 1) {
-    widen_range(src, dst, n, kind, stream);
-    return;
-  }
-  const size_t chunk = (n / nt + 15) / 16 * 16;  // slices start 64 bytes apart in dst's alignment
-#pragma omp parallel for num_threads(nt) schedule(static, 1)  // every slice done, however many threads come
-  for (int t = 0; t < nt; ++t) {
-    const size_t begin = std::min(n, chunk * static_cast<size_t>(t));
-    const size_t end = t == nt - 1 ? n : std::min(n, begin + chunk);
-    widen_range(src + begin, dst + begin, end - begin, kind, stream);  // each slice fences its own stores
-  }
+  // no slice under 1 MiB of output; slices start 64 bytes apart in dst's alignment; each fences its own stores
+  for_slices(n, kStreamBytes / sizeof(float), 16, threads,
+             [&](int, size_t b, size_t e) { widen_range(src + b, dst + b, e - b, kind, stream); });
 }
 
 }  // namespace zinf::convert

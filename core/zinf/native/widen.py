@@ -33,9 +33,7 @@ def widen_into(out: torch.Tensor, src: torch.Tensor) -> None:
     widening]; anything else (other dtypes or devices, strided or overlapping views, no native build) by torch's
     copy, which also refuses what it refuses."""
     kind = _KINDS.get(src.dtype)
-    if (kind is None or out.dtype != torch.float32 or out.device.type != "cpu" or src.device.type != "cpu"
-            or out.numel() != src.numel() or not out.is_contiguous() or not src.is_contiguous()
-            or _overlap(out, src)):
+    if kind is None or out.dtype != torch.float32 or not _native_takes(out, src):
         out.copy_(src)
         return
     _convert.widen(src.data_ptr(), out.data_ptr(), src.numel(), kind, torch.get_num_threads())
@@ -48,10 +46,7 @@ def copy_checked(out: torch.Tensor, src: torch.Tensor, crc: int = 0) -> int:
     zinf/offload/in_place.py). Where the native loop does not apply (as :func:`widen_into` says), torch's copy and
     a checksum of its own."""
     kind = _KINDS.get(src.dtype) if out.dtype == torch.float32 else None
-    same = out.dtype == src.dtype
-    if (_convert is None or (kind is None and not same) or out.device.type != "cpu" or src.device.type != "cpu"
-            or out.numel() != src.numel() or not out.is_contiguous() or not src.is_contiguous()
-            or _overlap(out, src)):
+    if (kind is None and out.dtype != src.dtype) or not _native_takes(out, src):
         out.copy_(src)
         return crc32c(src.reshape(-1).view(torch.uint8), crc, threads=torch.get_num_threads())
     threads = torch.get_num_threads()
@@ -61,6 +56,13 @@ def copy_checked(out: torch.Tensor, src: torch.Tensor, crc: int = 0) -> int:
         crc = _convert.copy_crc(src.data_ptr(), out.data_ptr(), src.numel() * src.element_size(), threads, crc)
     torch.autograd.graph.increment_version(out)
     return crc
+
+
+def _native_takes(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the native loops can copy ``src`` into ``out`` (whatever the dtypes): the extension is built, and
+    both are contiguous host tensors of as many elements that do not overlap."""
+    return (_convert is not None and out.device.type == "cpu" and src.device.type == "cpu"
+            and out.numel() == src.numel() and out.is_contiguous() and src.is_contiguous() and not _overlap(out, src))
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

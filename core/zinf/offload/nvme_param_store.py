@@ -64,7 +64,6 @@ class NvmeShardStore:
             id(g): in_place.get(id(g)) or swap.allocate(g.shard_nbytes) for g in groups}
         self._names = {id(g): g.name for g in groups}  # for the nvme_read / nvme_write regions
         self._slots: dict[int, Slot] = {}  # insertion order: the most recently filled last
-        self._checks: dict[int, ContentCheck] = {}  # checksums handed to the gathers' copies, until taken
         # the background optimizer step (writer/commit) and the training thread (prefetch/fetch/done)
         # share the slots; see [Note: background step] in zinf/optim/offloaded.py
         self._lock = threading.RLock()
@@ -173,9 +172,14 @@ class NvmeShardStore:
 
     def take_check(self, group: "FlatParamGroup") -> ContentCheck | None:
         """After ``fetch(group, defer_check=True)``: the checksum the caller's copy must verify, or None (nothing
-        left unchecked: a shard from the swap, already checked, or copied to a device apart)."""
+        left unchecked: a shard from the swap, already checked, or copied to a device apart). A slot is still
+        unchecked after ``fetch`` only where the check was left to the caller."""
+        key = id(group)
         with self._lock:
-            return self._checks.pop(id(group), None)
+            slot = self._slots.get(key)
+            if slot is None or not slot.unchecked:
+                return None
+            return ContentCheck(self.records[key].check_crc, slot.checked, lambda: self._refused(group))
 
     def _hand_to_gather(self, group: "FlatParamGroup", defer_check: bool = False) -> torch.Tensor:
         """The slot that ``prefetch`` has just made or found, handed to the gather (the caller holds the lock)."""
@@ -187,9 +191,7 @@ class NvmeShardStore:
             and not device_is_apart(group.device)
         if slot.read is not None:
             self._finish_read(key, slot, defer)
-        if slot.unchecked and defer:
-            self._checks[key] = ContentCheck(rec.check_crc, slot.checked, lambda: self._refused(group))
-        elif slot.unchecked:
+        if slot.unchecked and not defer:  # left to a gather that did not take it: taken now
             self._check_content(key, slot)
         # the buffer goes back to the pool (or is staged again) only once this copy has read it
         source, copied = copy_in(self._streams, group, self._data(group, slot.buf))
