@@ -119,7 +119,7 @@ class ZeroInfinityEngine:
         self.reducer = GradReducer(self.ctx, bucket, on_complete=stepper[0].on_grad_complete if stepper else None)
         self.rounds = Rounds(self.ctx, self.groups, self.reducer, self.config.grad_reduce_dtype,
                              strict=self.config.divergence == "error")
-        self.fetcher = ParamFetcher(self.config.overlap, self.ctx, self.rounds)
+        self.fetcher = ParamFetcher(self.config.overlap, self.ctx, self.rounds, self.placement.read_ahead_bytes)
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
             model, self.config, self.ctx, self.fetcher, self.reducer, self.rounds,

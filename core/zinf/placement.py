@@ -317,6 +317,13 @@ class Placement:
         read, written = self.swap.take_counts()
         return {"nvme_read_bytes": read, "nvme_written_bytes": written}
 
+    @property
+    def read_ahead_bytes(self) -> int:
+        """The parameter shards' bytes read ahead of the running module at most: a quarter of the pool, with the
+        parameters on NVMe (see [Note: reading ahead within the pool] in zinf/schedule/fetcher.py); 0 where
+        nothing is read."""
+        return self.pool.capacity_bytes // 4 if self.pool is not None and isinstance(self.store, NvmeShardStore) else 0
+
     def bytes_by_tier(self) -> dict[str, dict[str, int]]:
         """Bytes the stores and the staging pool keep, per tier and kind (the optimizer reports its own)."""
         out: dict[str, dict[str, int]] = {}

@@ -2,11 +2,32 @@
 
 With several ranks no gather is started on this rank's say alone: each batch of gathers is posted in a
 round and every rank starts what any rank asked for (see [Note: rounds] in zinf/schedule/rounds.py).
+
+[Note: reading ahead within the pool]
+A gather ahead holds a full buffer, so it is bounded by ``prefetch_bytes`` and ``prefetch_modules``; a read ahead
+holds only a pool buffer of the shard. Reads used to run a fixed number of modules ahead (twice
+``prefetch_modules``): half a decoder block of a 1.1B Llama, about 40 ms of the disk, while the modules in between
+took about as long to compute, so the disk's queue ran dry at every block. With every rank of a host reading the
+frozen shards whole (``offload.frozen_reads: whole``) the step waited 2.2 s on reads (7.9 s steps, 2 ranks, LoRA).
+
+So reads run ahead by bytes: the shards of the modules after the running one, in the recorded order, up to
+``read_ahead_bytes`` (a quarter of the pool: ``Placement.read_ahead_bytes``; the next module's whatever its size),
+and only while the store has room beyond its reserve (``ShardStore.prefetch``). Not as far as the pool allows: a
+read ahead that finds no room takes the room of shards kept for the backward ([Note: NVMe parameter slots] in
+zinf/offload/nvme_param_store.py), so the backward read them again: 4.26 GB a rank a step instead of 3.70, and
+slower steps. With a quarter of the pool the same step waited 0.5 s on reads, for the same 3.70 GB.
+
+A cursor remembers the first module whose reads are not all started, so each module's call looks only at modules
+not looked at yet in this pass: one look per module and pass. A read the store refuses for room is asked for again
+from there at the next module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+from itertools import accumulate
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Sequence
+
+from torch import nn
 
 from zinf.config_sections import OverlapConfig
 from zinf.param.state import GroupState
@@ -21,7 +42,7 @@ if TYPE_CHECKING:
     from zinf.schedule.keep import BackwardKeep
     from zinf.schedule.rounds import Rounds
 
-__all__ = ["ParamFetcher", "FetchCounts"]
+__all__ = ["ParamFetcher", "FetchCounts", "ReadAhead"]
 
 
 class FetchCounts(NamedTuple):
@@ -33,13 +54,15 @@ class FetchCounts(NamedTuple):
 class ParamFetcher:
     """Holds on groups for the modules running now, and gathers-ahead within a byte budget."""
 
-    def __init__(self, config: OverlapConfig, ctx: RunContext, rounds: "Rounds | None" = None) -> None:
+    def __init__(self, config: OverlapConfig, ctx: RunContext, rounds: "Rounds | None" = None,
+                 read_ahead_bytes: int = 0) -> None:
         self.config = config
         self.ctx = ctx  # the gathers' process group and streams
         self.timers = ctx.timers
         self.host = ctx.host  # told of every full buffer allocated and freed
         self.rounds = rounds if rounds is not None and rounds.active else None
         self._ahead: list[FlatParamGroup] = []
+        self.reads = ReadAhead(read_ahead_bytes)  # shard reads ahead of the running module, within the pool
         self._served: list[InFlight] = []  # batches that served other ranks' gathers, until joined
         self.keep: BackwardKeep | None = None  # the groups kept for a backward: see use_keep
         self.gathered_bytes = 0
@@ -78,12 +101,16 @@ class ParamFetcher:
         under ``max_gathered_bytes``."""
         self.keep = keep
 
-    def prefetch(self, upcoming: Iterable[Sequence[FlatParamGroup]]) -> None:
-        """Start gathers for the next modules' groups, at most ``prefetch_modules`` ahead and within the byte budget.
-        With several ranks the round that asks for them is not waited for here: it is applied by the next
-        call that gathers (``apply_pending_round``), so a prefetch does not hold this rank until the others post
-        theirs."""
+    def prefetch(self, order: Sequence[nn.Module], position: int,
+                 needed: Callable[[nn.Module], Sequence[FlatParamGroup]]) -> None:
+        """The module at ``position`` of the recorded ``order`` runs: start the shard reads ahead of it that the pool
+        has room for ([Note: reading ahead within the pool]), and gathers for the next
+        modules' groups, at most ``prefetch_modules`` ahead and within the byte budget. With several ranks the round
+        that asks for the gathers is not waited for here: it is applied by the next call that gathers
+        (``apply_pending_round``), so a prefetch does not hold this rank until the others post theirs."""
         self.apply_pending_round()
+        self.reads.advance(order, position, needed)
+        upcoming = (needed(m) for m in order[position + 1 : position + 1 + self.config.prefetch_modules])
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
         if self.keep is not None:
@@ -93,20 +120,11 @@ class ParamFetcher:
         # else is: the byte cap bounds how many groups run ahead, never whether one does (a 13B model's groups are
         # all larger than the default window, which made every gather wait). prefetch_bytes 0 turns it off.
         floor = self.config.prefetch_bytes > 0 and not self._ahead
-        reading = True
         chosen: list[FlatParamGroup] = []
         covered = 0  # the next modules whose groups are all gathered or on their way, counted from the next one
         for n, groups in enumerate(upcoming):
-            if n >= 2 * self.config.prefetch_modules:
-                break
             if covered == n and all(g.state is not GroupState.SHARDED for g in groups):
                 covered += 1
-            # shard reads (NVMe -> pinned pool) run twice as far ahead as gathers, bounded by the pool
-            for g in groups:
-                if reading and g.state is GroupState.SHARDED:
-                    reading = g.store.prefetch(g)
-            if n >= self.config.prefetch_modules:
-                continue
             for g in groups:
                 if g.state is not GroupState.SHARDED or g in chosen:
                     continue
@@ -261,3 +279,39 @@ class ParamFetcher:
         self.num_prefetched = self.num_demand = 0
         self.peak_gathered_bytes = self.gathered_bytes
         return counts
+
+
+class ReadAhead:
+    """Starts the shard reads of the modules after the running one, in the recorded ``order``, while the pool has
+    room; see [Note: reading ahead within the pool]."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._upto: list[int] = [0]  # the bytes read for the modules of ``_order`` before each
+        self._order: Sequence[nn.Module] | None = None
+        self._position = -1  # the last module of ``_order`` that ran
+        self._next = 0  # the first module of ``_order`` whose reads are not all started
+
+    def advance(self, order: Sequence[nn.Module], position: int,
+                needed: Callable[[nn.Module], Sequence["FlatParamGroup"]]) -> None:
+        """The module at ``position`` of ``order`` runs: start the reads after it that the pool has room for."""
+        if order is not self._order:
+            self._order, self._next = order, 0
+            self._upto = list(accumulate((sum(_read_bytes(g) for g in needed(m)) for m in order), initial=0))
+        elif position <= self._position:  # a new pass of the same order
+            self._next = 0
+        self._position = position
+        i = max(self._next, position + 1)
+        limit = self._upto[position + 1] + self.limit_bytes
+        while i < len(order) and (i == position + 1 or self._upto[i + 1] <= limit):  # the next module's at least
+            for g in needed(order[i]):
+                if g.state is GroupState.SHARDED and not g.store.prefetch(g):
+                    self._next = i  # no room: asked for again from here at the next module
+                    return
+            i += 1
+        self._next = i
+
+
+def _read_bytes(g: "FlatParamGroup") -> int:
+    """The bytes a read of ``g``'s shard brings in: every rank's where the rank reads the group whole."""
+    return g.shard_nbytes * (g.world if g.residence.whole else 1)

@@ -106,8 +106,8 @@ class ModuleHooks:
         self.traces = {"forward": ModuleTrace("forward"), "backward": ModuleTrace("backward"),
                        "eval": ModuleTrace("eval forward")}
         self.pass_state = PassState()  # see [Note: pass phases] in zinf/schedule/pass_state.py
-        self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
-                                 lambda m: self.states[m].needed(), fetcher.release)
+        self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"], self._needed,
+                                 fetcher.release)
         fetcher.use_keep(self.keep)
         self._forward_order: tuple[list[nn.Module], list[FlatParamGroup]] | None = None
         self.adoption = UnitAdoption(model, self.states, self.comm)  # see [Note: units] in zinf/schedule/units.py
@@ -135,6 +135,9 @@ class ModuleHooks:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _needed(self, module: nn.Module) -> list[FlatParamGroup]:
+        return self.states[module].needed()
 
     @property
     def busy(self) -> int:
@@ -190,7 +193,7 @@ class ModuleHooks:
         self.fetcher.acquire(needed, state.name)
         call.acquired = list(needed)
         if position is not None:
-            self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
+            self.fetcher.prefetch(trace.order, position, self._needed)
         if not recomputing and torch.is_grad_enabled() and any(not g.trainable for g in needed):
             return after_module_backward(self._after_module_backward, module, args)
         return None
@@ -308,7 +311,7 @@ class ModuleHooks:
         for g in todo:
             g.hold_for_backward()
         if position is not None:
-            self.fetcher.prefetch(self.states[m].needed() for m in trace.order[position + 1 :])
+            self.fetcher.prefetch(trace.order, position, self._needed)
 
     @engine_code
     def _after_module_backward(self, module: nn.Module) -> None:
