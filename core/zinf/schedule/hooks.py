@@ -106,8 +106,8 @@ class ModuleHooks:
         self.traces = {"forward": ModuleTrace("forward"), "backward": ModuleTrace("backward"),
                        "eval": ModuleTrace("eval forward")}
         self.pass_state = PassState()  # see [Note: pass phases] in zinf/schedule/pass_state.py
-        self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"], self._needed,
-                                 fetcher.release)
+        self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
+                                 lambda m: self.states[m].needed(), fetcher.release)
         fetcher.use_keep(self.keep)
         self._forward_order: tuple[list[nn.Module], list[FlatParamGroup]] | None = None
         self.adoption = UnitAdoption(model, self.states, self.comm)  # see [Note: units] in zinf/schedule/units.py
@@ -135,9 +135,6 @@ class ModuleHooks:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-    def _needed(self, module: nn.Module) -> list[FlatParamGroup]:
-        return self.states[module].needed()
 
     @property
     def busy(self) -> int:
@@ -180,7 +177,7 @@ class ModuleHooks:
         recomputing = autograd_running()
         if module is self.model and not recomputing:
             self._begin_pass()
-        call = Call(module, [])
+        call = Call(module, [], recomputed=recomputing)
         self.stack.append(call)  # first: the post-hook pops it even if gathering raises
         # a recomputation (checkpoint) runs inside backward: its gathers are part of the backward order
         trace = None if state.inside_unit else self.traces["backward"] if recomputing else self.pass_state.trace
@@ -193,21 +190,22 @@ class ModuleHooks:
         self.fetcher.acquire(needed, state.name)
         call.acquired = list(needed)
         if position is not None:
-            self.fetcher.prefetch(trace.order, position, self._needed)
-        if not recomputing and torch.is_grad_enabled() and any(not g.trainable for g in needed):
-            return after_module_backward(self._after_module_backward, module, args)
-        return None
+            self.fetcher.prefetch(trace.order, position, self.keep.needed)
+        if not torch.is_grad_enabled() or all(g.trainable for g in needed):
+            return None
+        # in a recomputation too: a reentrant checkpoint's backward runs the recomputed graph, not the forward's
+        args = after_module_backward(self._after_module_backward, module, args)
+        call.tracked = args is not None
+        return args
 
     @engine_code
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         """Runs however the forward ended (see [Note: balanced hooks]); ``output`` is None if it raised."""
         while self.stack:
             call = self.stack.pop()
-            if call.module is module and call.position is not None and output is not None:
-                kept = self.keep.at(call.position, call.acquired)  # see [Note: kept for backward]
-                if kept:
-                    self.keep.hold_for_backward(kept)
-                    call.acquired = [g for g in call.acquired if all(g is not k for k in kept)]
+            if call.module is module and output is not None:  # see [Note: kept for backward]
+                kept = self.keep.after_call(call, output, self.fetcher.gathered_bytes)
+                call.acquired = [g for g in call.acquired if all(g is not k for k in kept)]
             self.fetcher.release(call.acquired)
             if call.module is module:
                 break
@@ -311,7 +309,7 @@ class ModuleHooks:
         for g in todo:
             g.hold_for_backward()
         if position is not None:
-            self.fetcher.prefetch(trace.order, position, self._needed)
+            self.fetcher.prefetch(trace.order, position, self.keep.needed)
 
     @engine_code
     def _after_module_backward(self, module: nn.Module) -> None:

@@ -25,6 +25,20 @@ That is ``overlap.reshard_after_forward="auto"``. "never" keeps every group the 
 all-gather per parameter a step, for the memory of all of them gathered at the end of the forward (FSDP2's
 ``reshard_after_forward=False``). "always" keeps none (DeepSpeed's ZeRO-3).
 
+[Note: kept from a recomputation]
+A block under activation checkpointing runs its forward again inside the backward, just before its own backward, so
+gathered module by module each of its modules was gathered three times a step: for the forward, for the
+recomputation, and again for its backward a few modules later (a 6-layer Llama under LoRA: 234 gathers a step against
+157 without checkpointing). DeepSpeed keeps such parameters by ``stage3_max_reuse_distance``. Here the recomputation's
+hold becomes the backward's (``after_call``): the groups stay gathered until the module's gradients (trained groups)
+or the gradients of its inputs (frozen groups: [Note: frozen groups in backward] in zinf/schedule/hooks.py) are done,
+so a recomputed block is gathered once, as a block gathered as a unit is, and at most one block's parameters stay
+gathered at once besides the window ahead. Not with "always" (every group gathered again), not for an output that
+needs no gradient (no backward would end the hold), nor while more than half of ``max_gathered_bytes`` is gathered.
+A frozen module's end of backward is announced in the recomputation too: a reentrant checkpoint's backward runs the
+recomputed graph, and without it a frozen base stayed gathered to the end of the backward (the whole model at its
+peak, on the same Llama).
+
 The decision is made from the traces, which are the same on every rank; a rank whose pass leaves its trace keeps
 nothing more from there on. Where the ranks differ anyway, nothing pairs wrongly: a rank that holds a group
 gathered takes part in another rank's gather of it with its own slice ([Note: rounds] in
@@ -36,13 +50,14 @@ engine (``BackwardKeep.drop``); and first of all when a gather needs the room un
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from zinf.config_sections import OverlapConfig
 from zinf.param.flat_group import FlatParamGroup
-from zinf.schedule.pass_state import ModuleTrace, TraceState
+from zinf.schedule.pass_state import Call, ModuleTrace, TraceState
+from zinf.schedule.tensors import tensors_in
 
 __all__ = ["BackwardKeep"]
 
@@ -102,6 +117,24 @@ class BackwardKeep:
             return 0  # everything is kept by request: counting it would turn the forward's prefetch off
         self._kept_taken = [g for g in self._kept_taken if g.backward_held]
         return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
+
+    def after_call(self, call: Call, output: Any, gathered_bytes: int) -> list[FlatParamGroup]:
+        """Of the groups a forward ``call`` that returned ``output`` held, the ones that stay gathered for the
+        backward (held for it now): kept at their last use in a training forward, or held from a recomputation to
+        the module's backward ([Note: kept from a recomputation]); ``gathered_bytes``: gathered now."""
+        if call.position is not None:
+            kept = self.at(call.position, call.acquired)
+            self.hold_for_backward(kept)
+            return kept
+        if not call.recomputed or self.config.reshard_after_forward == "always":
+            return []
+        cap = self.config.max_gathered_bytes
+        if (cap and gathered_bytes > cap // 2) or not any(t.requires_grad for t in tensors_in(output)):
+            return []
+        kept = [g for g in call.acquired if not (g.backward_held or g.persistent) and (g.trainable or call.tracked)]
+        for g in kept:
+            g.hold_for_backward()
+        return kept
 
     def at(self, position: int, groups: Sequence[FlatParamGroup]) -> list[FlatParamGroup]:
         """Of ``groups`` (held by the forward call at trace ``position``), the ones to keep gathered now."""

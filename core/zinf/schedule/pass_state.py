@@ -256,3 +256,5 @@ class Call:
     module: nn.Module
     acquired: list[FlatParamGroup]
     position: int | None = None  # in the forward trace, when replaying a training forward in step
+    recomputed: bool = False  # a recomputation inside the backward (activation checkpointing)
+    tracked: bool = False  # its backward's end is announced ([Note: frozen groups in backward])
