@@ -11,9 +11,9 @@ samples taken every 0.2 s), the time to build and load the model against the byt
 /proc/self/io) and the disk's read bandwidth, each step's time against the NVMe bytes it moved (the engine's
 report), each step against two bounds: the disk (every rank's NVMe bytes at the speed ``zinf info --nvme`` measured,
 the engine's ``nvme_floor``, summed: the ranks share one disk) and the compute (4 x parameters x tokens per rank for
-LoRA, forward and input gradients; 6 x for a full fine-tune; at the matmul FLOP/s each rank measures while the others
-do, before and after the steps), the engine's own bytes per tier, and with ``--qlora`` the bytes per parameter of the
-4-bit base (QLoRA: docs/qlora.md).
+LoRA, forward and input gradients; 6 x for a full fine-tune; 2 x more with ``--checkpointing``, the recomputation;
+at the matmul FLOP/s each rank measures while the others do, before and after the steps), the engine's own bytes
+per tier, and with ``--qlora`` the bytes per parameter of the 4-bit base (QLoRA: docs/qlora.md).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def main() -> None:
                    "for the backward")
     p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "always", "never"],
                    help="overlap.reshard_after_forward")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer (transformers' gradient_checkpointing_enable, "
+                        "non-reentrant): the compute bound counts the recomputed forward")
     p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
                    help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
@@ -121,6 +124,7 @@ def main() -> None:
     load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
     four_bit = four_bit_bytes(model)  # (this rank's 4-bit shard bytes, the elements they hold)
     rss_after_load = _proc("VmHWM:")
+    _checkpointing(args, model)
     if not args.full:
         from peft import LoraConfig, get_peft_model
 
@@ -133,7 +137,7 @@ def main() -> None:
     compute_dtype = torch.float32 if args.precision == "fp32" else torch.bfloat16
     peak_before = _rank_peak(compute_dtype)
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))  # a tied weight once
-    step_flops = (6 if args.full else 4) * n_params * args.batch * args.seq
+    step_flops = ((6 if args.full else 4) + 2 * args.checkpointing) * n_params * args.batch * args.seq
     compute_bound = step_flops / peak_before  # the same for every step: the rate is measured once, before them
     steps = []
     for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
@@ -191,6 +195,12 @@ def _finish(args: argparse.Namespace, rank: int, world: int, mine: dict, system:
     os._exit(0)
 
 
+def _checkpointing(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """``--checkpointing``: every decoder layer recomputed in the backward, as transformers does it."""
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -> dict:
     """The same model, adapters, data and steps under DistributedDataParallel, the whole model in memory on every
     rank (``--ddp``)."""
@@ -205,6 +215,7 @@ def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
+    _checkpointing(args, model)
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -214,7 +225,7 @@ def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -
     model.train()
     peak_before = _rank_peak(dtype)
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))
-    step_flops = 4 * n_params * args.batch * args.seq
+    step_flops = (4 + 2 * args.checkpointing) * n_params * args.batch * args.seq
     steps = []
     for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
         t = time.perf_counter()
