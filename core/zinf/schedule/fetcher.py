@@ -17,9 +17,11 @@ read ahead that finds no room takes the room of shards kept for the backward ([N
 zinf/offload/nvme_param_store.py), so the backward read them again: 4.26 GB a rank a step instead of 3.70, and
 slower steps. With a quarter of the pool the same step waited 0.5 s on reads, for the same 3.70 GB.
 
-A cursor remembers the first module whose reads are not all started, so each module's call looks only at modules
-not looked at yet in this pass: one look per module and pass. A read the store refuses for room is asked for again
-from there at the next module.
+A cursor remembers the first module whose reads are not all started, so past the next ``2 * prefetch_modules``
+modules (looked at again at every call, as before: a group used twice in a pass, recomputed and then in its
+backward, or a layer called twice, gives its slot back after its first use, when the cursor has passed it) each
+module's call looks only at modules not looked at yet in this pass. A read the store refuses for room is asked for
+again from there at the next module.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class ParamFetcher:
         that asks for the gathers is not waited for here: it is applied by the next call that gathers
         (``apply_pending_round``), so a prefetch does not hold this rank until the others post theirs."""
         self.apply_pending_round()
-        self.reads.advance(order, position, needed)
+        self.reads.advance(order, position, needed, 2 * self.config.prefetch_modules)
         upcoming = (needed(m) for m in order[position + 1 : position + 1 + self.config.prefetch_modules])
         self._ahead = [g for g in self._ahead if g.holds == 0 and g.state is not GroupState.SHARDED]
         budget = self.config.prefetch_bytes - sum(g.nbytes_full for g in self._ahead)
@@ -293,8 +295,14 @@ class ReadAhead:
         self._next = 0  # the first module of ``_order`` whose reads are not all started
 
     def advance(self, order: Sequence[nn.Module], position: int,
-                needed: Callable[[nn.Module], Sequence["FlatParamGroup"]]) -> None:
-        """The module at ``position`` of ``order`` runs: start the reads after it that the pool has room for."""
+                needed: Callable[[nn.Module], Sequence["FlatParamGroup"]], window: int) -> None:
+        """The module at ``position`` of ``order`` runs: start the reads after it that the pool has room for. The
+        next ``window`` modules are looked at again at every call: a group used twice in a pass (recomputed, then
+        its backward; a layer called twice) gives its slot back after its first use, after the cursor passed it."""
+        for m in order[position + 1 : position + 1 + window]:
+            for g in needed(m):
+                if g.state is GroupState.SHARDED and not g.store.prefetch(g):
+                    return
         if order is not self._order:
             self._order, self._next = order, 0
             self._upto = list(accumulate((sum(_read_bytes(g) for g in needed(m)) for m in order), initial=0))

@@ -177,7 +177,7 @@ class ModuleHooks:
         recomputing = autograd_running()
         if module is self.model and not recomputing:
             self._begin_pass()
-        call = Call(module, [], recomputed=recomputing)
+        call = Call(module, [])
         self.stack.append(call)  # first: the post-hook pops it even if gathering raises
         # a recomputation (checkpoint) runs inside backward: its gathers are part of the backward order
         trace = None if state.inside_unit else self.traces["backward"] if recomputing else self.pass_state.trace
@@ -186,6 +186,8 @@ class ModuleHooks:
         position = trace.visit(module) if trace is not None else None
         if trace is self.traces["forward"]:
             call.position = position
+        elif recomputing:
+            call.recomputed_at = position
         needed = state.needed()
         self.fetcher.acquire(needed, state.name)
         call.acquired = list(needed)
@@ -204,7 +206,7 @@ class ModuleHooks:
         while self.stack:
             call = self.stack.pop()
             if call.module is module and output is not None:  # see [Note: kept for backward]
-                kept = self.keep.after_call(call, output, self.fetcher.gathered_bytes)
+                kept = self.keep.after_call(call)
                 call.acquired = [g for g in call.acquired if all(g is not k for k in kept)]
             self.fetcher.release(call.acquired)
             if call.module is module:

@@ -33,8 +33,11 @@ recomputation, and again for its backward a few modules later (a 6-layer Llama u
 hold becomes the backward's (``after_call``): the groups stay gathered until the module's gradients (trained groups)
 or the gradients of its inputs (frozen groups: [Note: frozen groups in backward] in zinf/schedule/hooks.py) are done,
 so a recomputed block is gathered once, as a block gathered as a unit is, and at most one block's parameters stay
-gathered at once besides the window ahead. Not with "always" (every group gathered again), not for an output that
-needs no gradient (no backward would end the hold), nor while more than half of ``max_gathered_bytes`` is gathered.
+gathered at once besides the window ahead. Only where the recorded backward comes to the module again after its
+recomputation (its own backward; so not in the first step's backward, which records the order): a module whose
+output never gets a gradient, or whose backward ended before its block was recomputed, would otherwise stay gathered
+to the end of the backward. Not with "always" (every group gathered again), nor under ``max_gathered_bytes``,
+whose check can give back only what a forward kept.
 A frozen module's end of backward is announced in the recomputation too: a reentrant checkpoint's backward runs the
 recomputed graph, and without it a frozen base stayed gathered to the end of the backward (the whole model at its
 peak, on the same Llama).
@@ -50,14 +53,13 @@ engine (``BackwardKeep.drop``); and first of all when a gather needs the room un
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from torch import nn
 
 from zinf.config_sections import OverlapConfig
 from zinf.param.flat_group import FlatParamGroup
 from zinf.schedule.pass_state import Call, ModuleTrace, TraceState
-from zinf.schedule.tensors import tensors_in
 
 __all__ = ["BackwardKeep"]
 
@@ -80,6 +82,7 @@ class BackwardKeep:
         self._last: dict[int, int] = {}
         self._kept: list[FlatParamGroup] = []  # kept gathered by a forward for its backward, not taken by one yet
         self._kept_taken: list[FlatParamGroup] = []  # what the running backward took over, until a module uses it
+        self._again: tuple[list[nn.Module] | None, set[int]] = (None, set())  # positions used again, in that order
 
     @property
     def kept(self) -> list[FlatParamGroup]:
@@ -118,23 +121,37 @@ class BackwardKeep:
         self._kept_taken = [g for g in self._kept_taken if g.backward_held]
         return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
 
-    def after_call(self, call: Call, output: Any, gathered_bytes: int) -> list[FlatParamGroup]:
-        """Of the groups a forward ``call`` that returned ``output`` held, the ones that stay gathered for the
-        backward (held for it now): kept at their last use in a training forward, or held from a recomputation to
-        the module's backward ([Note: kept from a recomputation]); ``gathered_bytes``: gathered now."""
+    def after_call(self, call: Call) -> list[FlatParamGroup]:
+        """Of the groups a forward ``call`` that returned held, the ones that stay gathered for the backward (held
+        for it now): kept at their last use in a training forward, or held from a recomputation to the module's
+        backward ([Note: kept from a recomputation])."""
         if call.position is not None:
             kept = self.at(call.position, call.acquired)
             self.hold_for_backward(kept)
             return kept
-        if not call.recomputed or self.config.reshard_after_forward == "always":
+        at = call.recomputed_at
+        if at is None or self.config.reshard_after_forward == "always" or self.config.max_gathered_bytes:
             return []
-        cap = self.config.max_gathered_bytes
-        if (cap and gathered_bytes > cap // 2) or not any(t.requires_grad for t in tensors_in(output)):
-            return []
+        if not self._used_again(at):
+            return []  # its backward is not where the recorded backward goes next: nothing would end the hold
         kept = [g for g in call.acquired if not (g.backward_held or g.persistent) and (g.trainable or call.tracked)]
         for g in kept:
             g.hold_for_backward()
         return kept
+
+    def _used_again(self, position: int) -> bool:
+        """Whether the module at ``position`` of the recorded backward comes again later in it (its own backward,
+        after its recomputation)."""
+        order = self.backward.order
+        if self._again[0] is not order:
+            seen: set[int] = set()
+            again = set()
+            for p in range(len(order) - 1, -1, -1):
+                if id(order[p]) in seen:
+                    again.add(p)
+                seen.add(id(order[p]))
+            self._again = (order, again)
+        return position in self._again[1]
 
     def at(self, position: int, groups: Sequence[FlatParamGroup]) -> list[FlatParamGroup]:
         """Of ``groups`` (held by the forward call at trace ``position``), the ones to keep gathered now."""

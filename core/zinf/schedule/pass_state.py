@@ -256,5 +256,5 @@ class Call:
     module: nn.Module
     acquired: list[FlatParamGroup]
     position: int | None = None  # in the forward trace, when replaying a training forward in step
-    recomputed: bool = False  # a recomputation inside the backward (activation checkpointing)
+    recomputed_at: int | None = None  # a recomputation inside a replayed backward: its position in the backward trace
     tracked: bool = False  # its backward's end is announced ([Note: frozen groups in backward])
