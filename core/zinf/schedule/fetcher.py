@@ -299,10 +299,10 @@ class ReadAhead:
         """The module at ``position`` of ``order`` runs: start the reads after it that the pool has room for. The
         next ``window`` modules are looked at again at every call: a group used twice in a pass (recomputed, then
         its backward; a layer called twice) gives its slot back after its first use, after the cursor passed it."""
-        for m in order[position + 1 : position + 1 + window]:
-            for g in needed(m):
-                if g.state is GroupState.SHARDED and not g.store.prefetch(g):
-                    return
+        if not all(_start_reads(needed(m)) for m in order[position + 1 : position + 1 + window]):
+            return
+        if not self.limit_bytes:
+            return  # nothing is read from a drive: the window's look is all there is
         if order is not self._order:
             self._order, self._next = order, 0
             self._upto = list(accumulate((sum(_read_bytes(g) for g in needed(m)) for m in order), initial=0))
@@ -312,10 +312,9 @@ class ReadAhead:
         i = max(self._next, position + 1)
         limit = self._upto[position + 1] + self.limit_bytes
         while i < len(order) and (i == position + 1 or self._upto[i + 1] <= limit):  # the next module's at least
-            for g in needed(order[i]):
-                if g.state is GroupState.SHARDED and not g.store.prefetch(g):
-                    self._next = i  # no room: asked for again from here at the next module
-                    return
+            if not _start_reads(needed(order[i])):
+                self._next = i  # no room: asked for again from here at the next module
+                return
             i += 1
         self._next = i
 
@@ -323,3 +322,8 @@ class ReadAhead:
 def _read_bytes(g: "FlatParamGroup") -> int:
     """The bytes a read of ``g``'s shard brings in: every rank's where the rank reads the group whole."""
     return g.shard_nbytes * (g.world if g.residence.whole else 1)
+
+
+def _start_reads(groups: Sequence["FlatParamGroup"]) -> bool:
+    """Start the reads of ``groups``' shards that are not read or gathered yet; False when the pool has no room."""
+    return all(g.state is not GroupState.SHARDED or g.store.prefetch(g) for g in groups)
