@@ -85,8 +85,8 @@ class ZeroConfig(Checked):
         "nvme": host memory is what the run is short of), gathered parameters and gradients are freed to glibc's
         heap, which keeps what they free and fragments; zinf hands the heap's free pages back (``malloc_trim``)
         after every this many bytes of them freed, during the step, which costs step time in page faults
-        (both measured: docs/offload.md, "Host memory of a Trainer full fine-tune"). 0 turns it off. See
-        [Note: heap growth] in zinf/heap.py.
+        (both measured: docs/offload.md, "Host memory of a Trainer full fine-tune"), and fixes glibc's mmap threshold
+        at 1 MiB for the process. 0 turns both off. See [Note: heap growth] in zinf/heap.py.
     """
 
     precision: str = "fp32"

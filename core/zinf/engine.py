@@ -21,7 +21,7 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
-from zinf.heap import HeapTrimmer
+from zinf.heap import HeapTrimmer, map_large_blocks
 from zinf.host_memory import HostMemory
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
@@ -101,6 +101,8 @@ class ZeroInfinityEngine:
         # and [Note: host bytes accounted] in zinf/host_memory.py
         trims = trims_host_heap(self.config.offload, self.device)
         self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
+        if trims and self.config.trim_heap_bytes:
+            map_large_blocks()
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account
         self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host,

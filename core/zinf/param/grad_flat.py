@@ -54,16 +54,33 @@ class FlatGrad:
         if self.layout.world == 1 and not shard.off_device:
             shard.accumulating()[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(shard.device))
         else:
-            if self.full is None:
-                self.full = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype, device=self.device)
+            if self.full is None and self._adoptable(slot.numel, grad, reduce_dtype):
+                self.full = grad.reshape(-1)  # [Note: a lone gradient adopted]
                 mark_device(self.full)
-            self.full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+            else:
+                if self.full is None:
+                    self.full = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype, device=self.device)
+                    mark_device(self.full)
+                self.full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
         expected = self.num_trained
         complete_before = len(self.arrived) == expected
         self.arrived.add(index)
         # a parameter's gradient can arrive twice in one backward (a re-entrant checkpoint runs a backward of
         # its own): the group completes once, and what comes later is reduced again at the end of backward
         return not complete_before and len(self.arrived) == expected
+
+    def _adoptable(self, numel: int, grad: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
+        """[Note: a lone gradient adopted]
+        A group with one parameter that trains and no padding (an embedding, an output projection: the largest
+        single gradients of a language model) would copy its only gradient into a flat buffer of the same size, both
+        alive at once. Where autograd's gradient already is that buffer (the reduce dtype, contiguous, the whole of
+        a storage of its own, no graph), it becomes the flat gradient itself: the hook sets ``param.grad`` to None
+        right after, and autograd hands a parameter a gradient that nothing else references (it copies one that is
+        referenced elsewhere), so no other tensor sees the reduce's writes or a second gradient added into it."""
+        return (self.num_trained == 1 and numel == self.layout.padded_numel and grad.dtype == reduce_dtype
+                and grad.device == self.device and not grad.requires_grad and grad.is_contiguous()
+                and grad.storage_offset() == 0
+                and grad.untyped_storage().nbytes() == numel * grad.element_size())
 
     @property
     def nbytes(self) -> int:
