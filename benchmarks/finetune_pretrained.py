@@ -75,6 +75,9 @@ def main() -> None:
     p.add_argument("--prefetch-mib", type=int, default=64,
                    help="overlap.prefetch_bytes, in MiB: gathered ahead, and (reshard 'auto') kept from the forward "
                    "for the backward")
+    p.add_argument("--persistent-numel", type=int, default=0,
+                   help="overlap.persistent_numel: modules with fewer parameters stay gathered for the run (LoRA "
+                        "adapters, norms)")
     p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "always", "never"],
                    help="overlap.reshard_after_forward")
     p.add_argument("--checkpointing", action="store_true",
@@ -105,7 +108,8 @@ def main() -> None:
                     "grads": "nvme" if args.full else "auto", "nvme_paths": [args.nvme],
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
                     "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
-        "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward},
+        "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward,
+                    "persistent_numel": args.persistent_numel},
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 

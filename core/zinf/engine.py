@@ -49,6 +49,7 @@ from zinf.schedule.hooks import ModuleHooks
 from zinf.schedule.rounds import Rounds
 from zinf.schedule.tensors import map_tensors
 from zinf.tiling import remap_optimizer, tile_linears
+from zinf.update.accumulation import Accumulation
 from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update import torch_clip
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
@@ -97,6 +98,7 @@ class ZeroInfinityEngine:
                 refuse_change(g, "training")
             g.master_shard.fit(g.trainable)  # a frozen group keeps its shard alone ([Note: frozen groups] in zinf/param/master.py)
         self.timers = StepTimers()
+        self.grads = Accumulation()  # what the gradient shards hold between steps
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
         # and [Note: host bytes accounted] in zinf/host_memory.py
         trims = trims_host_heap(self.config.offload, self.device)
@@ -125,7 +127,8 @@ class ZeroInfinityEngine:
         # gradients land in shards a background optimizer step may still read: it is told when a backward starts/ends
         self.hooks = ModuleHooks(
             model, self.config, self.ctx, self.fetcher, self.reducer, self.rounds,
-            on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward, self._note_grads],
+            on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward,
+                                                                     self.grads.begin_backward],
             on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
             unit_stages=self.placement.stages_like_one_group)
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
@@ -172,19 +175,22 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
+        earlier = self.grads.has_grads
         with self._entry("backward"), self.timers.time("backward"):
             try:
                 loss.backward(**kwargs)
             except BaseException:
                 self.hooks.abandon_backward()
                 self.hooks.abort_pass()
+                if self.grads.backward_raised(earlier):  # [Note: a backward that raised] in zinf/update/accumulation.py
+                    self.zero_grad()
                 raise
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping.
         A step after an explicit clip does not clip again with ``config.gradient_clipping``."""
         self._unscale()
-        self._clipped = True
+        self.grads.mark_clipped()
         return clip_grad_norm_(self.params, self.groups, max_norm, self.comm)
 
     def grad_norm(self) -> torch.Tensor:
@@ -199,6 +205,7 @@ class ZeroInfinityEngine:
     def _step(self) -> bool:
         if self.optimizer is None:
             raise UnsupportedModelError("zinf: engine.step() needs an optimizer; pass one to ZeroInfinityEngine(...)")
+        self.grads.check_step()
         start = time.perf_counter()
         self.hooks.keep.drop()  # a forward whose backward never ran: its kept groups would go stale here
         step, skipped, grad_norm = self.global_step, False, None
@@ -206,7 +213,7 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None:
             skipped = found_nonfinite(self.groups, self.comm)
         if not skipped:
-            if self.config.gradient_clipping > 0 and not self._clipped:
+            if self.config.gradient_clipping > 0 and not self.grads.clipped:
                 grad_norm = float(self.clip_grad_norm_(self.config.gradient_clipping))
             self._unscale()  # with the scale the gradients were made with: the scaler adapts only after
         if self.loss_scaler is not None:
@@ -222,7 +229,7 @@ class ZeroInfinityEngine:
                 if g.persistent and g.owns_full and g.trainable and g.state is GroupState.GATHERED:
                     g.to_sharded()
                     g.to_gathered(self.ctx)
-        self._unscaled = self._clipped = self._has_grads = False
+        self.grads.clear()
         self.global_step += int(not skipped)
         self.timers.add("optimizer", time.perf_counter() - start)
         self._finish_report(step, skipped, grad_norm, loss_scale)
@@ -238,28 +245,21 @@ class ZeroInfinityEngine:
     def zero_grad(self) -> None:
         """Drop the gradients of the backwards since the last step; nothing to do (and no wait for a background
         step) where none ran: ``step()`` leaves the gradient shards empty, so a front end's zero_grad after it is free."""
-        if self._has_grads:
+        if self.grads.has_grads:
             if self.optimizer is not None:
                 self.optimizer.wait()
                 self.optimizer.drop_gradients()
             for g in self.groups:
                 g.zero_grad()
-        self._unscaled = self._clipped = self._has_grads = False
-
-    _unscaled = False
-    _clipped = False
-    _has_grads = False  # a backward began since the last step or zero_grad
-
-    def _note_grads(self) -> None:
-        self._has_grads = True
+        self.grads.clear()
 
     def _unscale(self) -> None:
-        if self.loss_scaler is not None and not self._unscaled:
+        if self.loss_scaler is not None and not self.grads.unscaled:
             inv = 1.0 / self.loss_scaler.scale
             for g in self.groups:
                 if g.trainable:
                     g.grad.scale(inv)
-        self._unscaled = True
+        self.grads.mark_unscaled()
 
     def _cast_input(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point():

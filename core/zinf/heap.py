@@ -19,15 +19,15 @@ between steps to the engine's own account ([Note: host bytes accounted] in zinf/
 Gathers whose memory the gather buffer cache keeps are not counted ([Note: gather buffer cache] in
 zinf/native/buffer_cache.py): it never goes back to the heap. What
 it saves on a Trainer full fine-tune with everything on NVMe: docs/offload.md, "Host memory of a Trainer full
-fine-tune". 
-Trimming alone leaves the blocks freed since the last trim in the heap, and with them the holes they fragment:
-glibc raises its mmap threshold to the size of every large block freed (up to 32 MiB), so after the first step
-every block below that grows the heap when no free chunk holds it. An engine that trims therefore also fixes glibc's
-threshold at 1 MiB (``map_large_blocks``, ``mallopt(M_MMAP_THRESHOLD)``, for the whole process and for good): a block
-of 1 MiB or more that no free chunk of the heap holds is a mapping of its own, unmapped when freed, at the cost of its
-page faults when it is touched, which the trims cost already. Measured on the 0.87 GB Llama of ``tests/distributed/test_front_end_host_memory.py`` (Trainer,
-everything on NVMe, 2 ranks): peak RSS growth 437-454 MiB with trimming alone, 374-406 MiB with the threshold fixed
-as well, and the step times within the machine's noise (docs/offload.md, "Host memory of a Trainer full fine-tune").
+fine-tune".
+
+Trimming alone leaves the blocks freed since the last trim in the heap, and the holes they leave: glibc raises its
+mmap threshold to the size of every large block freed (up to 32 MiB), so after the first step a block below that
+grows the heap whenever no free chunk holds it. An engine that trims therefore also fixes glibc's threshold at 1 MiB
+(``map_large_blocks``: ``mallopt(M_MMAP_THRESHOLD)``, for the whole process and for good): a block of 1 MiB or more
+that no free chunk holds is then a mapping of its own, unmapped when freed, at the cost of page faults when it is
+touched, which the trims cost already. What it saves, at what step time: docs/offload.md, "Host memory of a Trainer
+full fine-tune".
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def trim_heap() -> None:
 
 def map_large_blocks() -> bool:
     """Make a later allocation of ``MMAP_THRESHOLD`` bytes or more that the heap's free chunks cannot hold a mapping
-    of its own, unmapped when freed, instead of heap grown (glibc only; True where it took effect). For the whole process: [Note: heap growth]."""
+    of its own, unmapped when freed, instead of grown heap (glibc only; True where it took effect). For the whole
+    process: [Note: heap growth]."""
     return _mallopt is not None and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 

@@ -1,0 +1,69 @@
+"""What the gradient shards hold between optimizer steps: nothing, the micro-batches' gradients, or gradients a
+backward that raised left mixed into earlier micro-batches'.
+
+[Note: a backward that raised]
+A backward that raises has already added part of its gradients into the gradient shards: with one rank every
+gradient goes straight into its shard, with several every group completed before the error was reduce-scattered
+into its shard. Where no earlier micro-batch gave gradients since the last step, those partial gradients are all the
+shards hold, and the engine drops them (``zero_grad``, which also rolls back early steps): the next backward starts
+clean, as if the failed one never ran. Where earlier micro-batches did, the partial gradients cannot be told from
+theirs, and ``step()`` refuses until ``zero_grad()`` drops them all: training on them would train on part of a batch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from zinf.errors import ZinfError
+
+__all__ = ["Accumulation", "GradsHeld"]
+
+
+class GradsHeld(enum.Enum):
+    NONE = "none"  # no backward since the last step or zero_grad
+    ACCUMULATED = "accumulated"  # one or more backwards' gradients
+    MIXED = "mixed"  # a backward raised after earlier micro-batches' gradients: only zero_grad() leaves this
+
+
+class Accumulation:
+    """The engine's gradients between steps (one ``GradsHeld``; see [Note: a backward that raised]), and whether they
+    were unscaled and clipped."""
+
+    def __init__(self) -> None:
+        self.state = GradsHeld.NONE
+        self.unscaled = False  # the loss scale was taken off the gradients
+        self.clipped = False  # clipped by an explicit call: the step does not clip again
+
+    @property
+    def has_grads(self) -> bool:
+        return self.state is not GradsHeld.NONE
+
+    def begin_backward(self) -> None:
+        if self.state is GradsHeld.NONE:
+            self.state = GradsHeld.ACCUMULATED
+
+    def backward_raised(self, earlier: bool) -> bool:
+        """A backward raised; ``earlier``: gradients were held before it began. True: the shards hold its partial
+        gradients only, for the caller to drop."""
+        if earlier:
+            self.state = GradsHeld.MIXED
+        return not earlier
+
+    def mark_unscaled(self) -> None:
+        self.unscaled = True
+
+    def mark_clipped(self) -> None:
+        self.clipped = True
+
+    def check_step(self) -> None:
+        if self.state is GradsHeld.MIXED:
+            raise ZinfError("zinf: a backward raised after earlier micro-batches had accumulated gradients since the "
+                            "last step, and the part of its gradients already added is mixed into theirs; step() would "
+                            "train on part of a batch. Call zero_grad() (the engine's, or the optimizer's under a "
+                            "front end) to drop the accumulated gradients, then run the micro-batches again ([Note: a "
+                            "backward that raised] in zinf/update/accumulation.py).")
+
+    def clear(self) -> None:
+        """A step or a zero_grad left the gradient shards empty."""
+        self.state = GradsHeld.NONE
+        self.unscaled = self.clipped = False
