@@ -176,7 +176,7 @@ class ZeroInfinityEngine:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         earlier = self.grads.has_grads
-        with self._entry("backward"), self.timers.time("backward"):
+        with self._entry("backward"), self.timers.time("backward"), self.forward_pass.backward_stance():
             try:
                 loss.backward(**kwargs)
             except BaseException:

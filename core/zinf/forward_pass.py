@@ -32,6 +32,14 @@ class ForwardPass:
         # never traced, whoever calls the engine (set here: torch.compiler imports dynamo, `import zinf` does not)
         self._enter, self._leave, self._abort, self._call_eagerly = (
             not_traced(fn, _FULLGRAPH) for fn in (self._enter_pass, self._leave_pass, self._abort_pass, self._call))
+        self.recorded_eagerly = False  # the last forward with autograd on ran eagerly, recording the module order
+
+    def backward_stance(self) -> ContextManager[Any]:
+        """The backward of a forward that ran eagerly runs its recomputations eagerly too: a block under torch's
+        non-reentrant ``checkpoint`` must save the same tensors when it runs again as it saved in the forward, and a
+        compiled graph saves others than the eager modules (``CheckpointError``: "Recomputed values ... have
+        different metadata")."""
+        return eager_stance() if self.recorded_eagerly else contextlib.nullcontext()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scope, args, kwargs, replays = self._enter(args, kwargs)
@@ -47,6 +55,8 @@ class ForwardPass:
         args, kwargs = self.prepare(args, kwargs)
         grad = torch.is_grad_enabled()
         replays = self.hooks.replays(grad)
+        if grad:
+            self.recorded_eagerly = not replays
         # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
         stance = contextlib.nullcontext() if replays else eager_stance()
         watch = self._external_watch(replays)

@@ -209,6 +209,57 @@ def _held_in_host(rank: int, world: int) -> str:
     return "no error"
 
 
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.out(torch.nn.functional.gelu(self.fc(h)))
+
+
+def _checkpoint_wrapped(rank: int, world: int, use_zinf: bool) -> list[float]:
+    """Compiled blocks, each inside torch's ``CheckpointWrapper`` (non-reentrant ``checkpoint``, outside the graph),
+    as FSDP recipes apply it; plain PyTorch on the global batch, or zinf on this rank's slice."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with zinf.Init({}) if use_zinf else contextlib.nullcontext():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), _Residual(), _Residual(), torch.nn.Linear(32, 1))
+    for i in (1, 2):
+        model[i].compile()
+        model[i] = checkpoint_wrapper(model[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = zinf.initialize(model, opt, {}) if use_zinf else None
+    g, losses = torch.Generator().manual_seed(1), []
+    for _ in range(4):
+        x = torch.randn(8, 16, generator=g)
+        if engine is None:
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            loss = engine(x.chunk(world)[rank]).square().mean()
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item() if engine is None else float(engine.comm.all_reduce(loss.detach()).item()) / world)
+    if engine is not None:
+        engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_blocks_inside_torch_non_reentrant_checkpoint(world: int) -> None:
+    """The first step runs eagerly (it records the module order), and so do the recomputations of its backward: torch's
+    checkpoint checks that a block saves the same tensors when it runs again, and a compiled block saves others."""
+    plain = run_distributed(_checkpoint_wrapped, 1, False)[0]
+    got = run_distributed(_checkpoint_wrapped, world, True)[0]
+    for a, b in zip(plain, got, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (plain, got)
+
+
 def test_compiled_blocks_refuse_inputs_held_in_host_memory() -> None:
     message = run_distributed(_held_in_host, 1)[0]
     assert "activation_checkpointing.offload: false" in message and "torch.compile" in message, message
