@@ -175,14 +175,14 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        earlier = self.grads.has_grads
+        before = self.grads.snapshot()
         with self._entry("backward"), self.timers.time("backward"), self.forward_pass.backward_stance():
             try:
                 loss.backward(**kwargs)
             except BaseException:
                 self.hooks.abandon_backward()
                 self.hooks.abort_pass()
-                if self.grads.backward_raised(earlier):  # [Note: a backward that raised] in zinf/update/accumulation.py
+                if self.grads.backward_raised(before):  # [Note: a backward that raised] in zinf/update/accumulation.py
                     self.zero_grad()
                 raise
 

@@ -1,10 +1,12 @@
-"""A backward that raises part way (here inside a checkpointed block's recomputation, after the later blocks'
-gradients were produced) leaves nothing behind that the next steps would train on ([Note: a backward that raised] in
+"""A backward that raises part way (inside a checkpointed block's recomputation, or in the first layer's backward,
+after the later layers' gradients were produced, bucketed and reduce-scattered) leaves nothing behind that the next steps would train on ([Note: a backward that raised] in
 zinf/update/accumulation.py): with no earlier micro-batch its partial gradients are dropped, and the run goes on
 exactly as if it never ran; after earlier micro-batches ``step()`` refuses until ``zero_grad()``. 1 and 2 gloo ranks,
 fp32, against the same engine run without the failure."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 import zinf
 from dist_utils import run_distributed
 from models import GPT, GPTConfig, batches, make_optimizer
+from zinf.device_memory import STAGED_DEVICE_ENV
 from zinf.errors import ZinfError
 from zinf.param.state import GroupState
 
@@ -88,3 +91,66 @@ def test_a_backward_that_raised_leaves_nothing_to_train_on(world: int) -> None:
     assert runs["dropped"]["losses"] == runs["clean"]["losses"]  # bit for bit: the same operations on the same values
     assert len(runs["mixed"]["refused"]) == 1 and "zero_grad()" in runs["mixed"]["refused"][0]
     assert runs["mixed"]["losses"][1:] == runs["again"]["losses"]
+
+
+class _Boom(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed``: after every layer above it gave its gradients."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        if _Boom.armed:
+            raise Fail("in the first layer's backward")
+        return grad
+
+
+class _Three(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(_Boom.apply(self.a(x)))).square().mean()
+
+
+def _late_raise(rank: int, world: int, staged: bool) -> dict[str, list[float]]:
+    """The same steps with and without a backward raising in the first layer (on another batch, at the first step and
+    after two), parameters on the compute device; ``staged``: the CPU standing in for a device apart, gradients
+    landing in host memory for the CPU-Adam."""
+    if staged:
+        os.environ[STAGED_DEVICE_ENV] = "1"  # this rank's process only
+    config = {"offload": {"optimizer": "cpu"}} if staged else {}
+    out = {}
+    for fail in (False, True):
+        torch.manual_seed(0)
+        with zinf.Init(config):
+            model = _Three()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if staged else torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = zinf.initialize(model, opt, config)
+        g, losses = torch.Generator().manual_seed(2), []
+        for step in range(4):
+            x, other = (t.chunk(world)[rank] for t in torch.randn(2, 8, 16, generator=g))
+            if fail and step in (0, 2):
+                _Boom.armed = True
+                with pytest.raises(Fail):
+                    engine.backward(engine(other))
+                _Boom.armed = False
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.close()
+        out["failed" if fail else "clean"] = losses
+    return out
+
+
+@pytest.mark.parametrize("world, staged", [(2, False), (1, True)])
+def test_reductions_of_a_backward_that_raised_are_dropped(world: int, staged: bool) -> None:
+    """Gradients bucketed or reduce-scattered in flight when the backward raised reach no shard."""
+    for rank in run_distributed(_late_raise, world, staged):
+        assert rank["failed"] == rank["clean"]

@@ -349,9 +349,8 @@ class ModuleHooks:
         if not self.pass_state.in_backward:
             return
         self.rounds.forget_backward()
+        self.reducer.abandon(self.groups)
         for g in self.groups:
-            if g.grad_in.pending:
-                self.reducer.forget(g)
             self._drop_backward_hold(g)
         self.fetcher.sweep()
         self.pass_state.end_backward()

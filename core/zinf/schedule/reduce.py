@@ -17,7 +17,7 @@ only then are the device tensors it read let go. On CPU these are the plain call
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -58,6 +58,24 @@ class GradReducer:
         complete = group.grad_in.add(group.index_of(param), grad, reduce_dtype, group.grad)
         self._count(group, group.grad_in.nbytes)
         return complete
+
+    def abandon(self, groups: Sequence[FlatParamGroup]) -> None:
+        """A backward raised: its partial flat gradients, bucketed gradients and the results of its reduce-scatters in
+        flight (waited for: every rank issued them) are dropped, so that none of it reaches a gradient shard ([Note: a
+        backward that raised] in zinf/update/accumulation.py)."""
+        for group, _ in self._bucket:
+            self._uncount(group)
+        self._bucket, self._bucket_bytes = [], 0
+        while self._in_flight:
+            work, slices = self._in_flight.pop(0)
+            with self.timers.time("reduce_scatter"):
+                work.join()
+            for group, _ in slices:
+                self._uncount(group)
+        self._let_go()
+        for g in groups:
+            if g.grad_in.pending:
+                self.forget(g)
 
     def forget(self, group: FlatParamGroup) -> None:
         """``group``'s partial gradients are dropped (a backward that raised)."""

@@ -2,12 +2,13 @@
 backward that raised left mixed into earlier micro-batches'.
 
 [Note: a backward that raised]
-A backward that raises has already added part of its gradients into the gradient shards: with one rank every
-gradient goes straight into its shard, with several every group completed before the error was reduce-scattered
-into its shard. Where no earlier micro-batch gave gradients since the last step, those partial gradients are all the
-shards hold, and the engine drops them (``zero_grad``, which also rolls back early steps): the next backward starts
-clean, as if the failed one never ran. Where earlier micro-batches did, the partial gradients cannot be told from
-theirs, and ``step()`` refuses until ``zero_grad()`` drops them all: training on them would train on part of a batch.
+A backward that raises has already added part of its gradients into the gradient shards: with one rank every gradient
+goes straight into its shard, with several every group completed before the error was reduce-scattered into its shard
+(what was still bucketed or in flight is dropped: ``GradReducer.abandon``). Where no earlier micro-batch gave gradients
+since the last step, those partial gradients are all the shards hold, and the engine drops them (``zero_grad``, which
+also rolls back early steps): the next backward starts clean, as if the failed one never ran. Where earlier
+micro-batches did, the partial gradients cannot be told from theirs, and ``step()`` refuses until ``zero_grad()`` drops
+them all: training on them would train on part of a batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Accumulation:
 
     def __init__(self) -> None:
         self.state = GradsHeld.NONE
+        self.backwards = 0  # backwards begun (a module's backward ran), counted for ``backward_raised``
         self.unscaled = False  # the loss scale was taken off the gradients
         self.clipped = False  # clipped by an explicit call: the step does not clip again
 
@@ -39,12 +41,20 @@ class Accumulation:
         return self.state is not GradsHeld.NONE
 
     def begin_backward(self) -> None:
+        self.backwards += 1
         if self.state is GradsHeld.NONE:
             self.state = GradsHeld.ACCUMULATED
 
-    def backward_raised(self, earlier: bool) -> bool:
-        """A backward raised; ``earlier``: gradients were held before it began. True: the shards hold its partial
-        gradients only, for the caller to drop."""
+    def snapshot(self) -> tuple[bool, int]:
+        """Before a backward: whether gradients are held, and how many backwards began."""
+        return self.has_grads, self.backwards
+
+    def backward_raised(self, before: tuple[bool, int]) -> bool:
+        """A backward raised (``before``: ``snapshot()`` as it was called). True: the shards hold its partial
+        gradients only, for the caller to drop. One that raised before any module's backward began added nothing."""
+        earlier, began = before
+        if self.backwards == began:
+            return False
         if earlier:
             self.state = GradsHeld.MIXED
         return not earlier
