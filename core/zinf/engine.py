@@ -103,7 +103,7 @@ class ZeroInfinityEngine:
         # and [Note: host bytes accounted] in zinf/host_memory.py
         trims = trims_host_heap(self.config.offload, self.device)
         self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
-        if trims and self.config.trim_heap_bytes:
+        if self.heap.every_bytes:
             map_large_blocks()
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account

@@ -67,11 +67,7 @@ class GradReducer:
             self._uncount(group)
         self._bucket, self._bucket_bytes = [], 0
         while self._in_flight:
-            work, slices = self._in_flight.pop(0)
-            with self.timers.time("reduce_scatter"):
-                work.join()
-            for group, _ in slices:
-                self._uncount(group)
+            self._drain_one(land=False)
         self._let_go()
         for g in groups:
             if g.grad_in.pending:
@@ -138,12 +134,14 @@ class GradReducer:
         while len(self._in_flight) > _MAX_IN_FLIGHT:
             self._drain_one()
 
-    def _drain_one(self) -> None:
+    def _drain_one(self, land: bool = True) -> None:
+        """Wait for the oldest reduce-scatter in flight and land its slices in the gradient shards (``land`` False:
+        dropped, for a backward that raised)."""
         work, slices = self._in_flight.pop(0)
         with self.timers.time("reduce_scatter"):
             done = work.join()  # compute waits for the reduce-scatter; its input gradient may then be freed
         self._let_go()
-        for group, part in slices:
+        for group, part in slices if land else ():
             copy = group.grad.add_reduced(part, self.comm.world, done, self.ctx.streams)
             if copy is not None:
                 self._copies_out.append(copy)
