@@ -216,7 +216,10 @@ class Accelerator(accelerate.Accelerator):
         if any(e.loss_scaler is not None for e in engines):
             raise UnsupportedModelError("zinf: fp16 loss scaling with several prepared models is not supported; "
                                         "use bf16 or one model.")
-        loss.backward(**kwargs)
+        with contextlib.ExitStack() as scope:  # each engine's frame and clean-up, as its own backward has
+            for engine in engines:
+                scope.enter_context(engine.backward_scope())
+            loss.backward(**kwargs)
         return None
 
     def _engine_of(self, parameters: Iterable[torch.Tensor]) -> zinf.ZeroInfinityEngine | None:

@@ -110,7 +110,6 @@ class ZinfOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: zinf.ZeroInfinityEngine) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.engine = engine
-        self._zeroed_at = engine.num_backward  # the engine's gradient shards start empty
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -119,13 +118,11 @@ class ZinfOptimizer(AcceleratedOptimizer):
                 loss = closure()
         if self.gradient_state.sync_gradients:
             self._is_overflow = not self.engine.step()
-            self._zeroed_at = self.engine.num_backward  # step() empties the gradient shards it used
         return loss
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        if self.gradient_state.sync_gradients and self.engine.num_backward != self._zeroed_at:
+        if self.gradient_state.sync_gradients:  # free where the shards are empty (after step(), or no backward)
             self.engine.zero_grad()
-            self._zeroed_at = self.engine.num_backward
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (of its shards); ``Accelerator.save_state`` saves every rank's."""

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("offload", ("zinf.offload",)),
     ("optim", ("zinf.optim", "zinf.update")),
     ("model state", ("zinf.checkpoint", "zinf.placement", "zinf.recompute", "zinf.shutdown", "zinf.plan",
-                     "zinf.compiling", "zinf.forward_pass")),
+                     "zinf.compiling", "zinf.forward_pass", "zinf.backward_pass")),
     ("wiring", ("zinf.engine", "zinf.init")),
     ("face", ("zinf.integrations.after_import", "zinf.integrations.quantized", "zinf.integrations.trainer",
               "zinf.integrations.transformers", "zinf.inspect_cli", "zinf.hydra_configs", "zinf.utils", "zinf")),

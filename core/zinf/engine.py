@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from zinf.schedule.fetcher import ParamFetcher
 from zinf.runtime.logs import install_rank_filter
 from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.compiling import compile_model
+from zinf.backward_pass import BackwardPass
 from zinf.forward_pass import ForwardPass
 from zinf.placement import Placement, gather_buffers, trims_host_heap
 from zinf.optim.protocol import ShardOptimizer
@@ -135,6 +136,8 @@ class ZeroInfinityEngine:
         external = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.forward_pass = ForwardPass(model, self.hooks, self.timers, external, self._prepare_inputs,
                                         self.placement.before_forward, self._entry)
+        self.backward_pass = BackwardPass(self.hooks, self.grads, self.timers, self.forward_pass, self._entry,
+                                          self.zero_grad)
         self.checkpointing = (ActivationCheckpointing(model, self.config.activation_checkpointing, self.hooks)
                               if self.config.activation_checkpointing.modules else None)
         self.params: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # unique, model order
@@ -175,16 +178,13 @@ class ZeroInfinityEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        before = self.grads.snapshot()
-        with self._entry("backward"), self.timers.time("backward"), self.forward_pass.backward_stance():
-            try:
-                loss.backward(**kwargs)
-            except BaseException:
-                self.hooks.abandon_backward()
-                self.hooks.abort_pass()
-                if self.grads.backward_raised(before):  # [Note: a backward that raised] in zinf/update/accumulation.py
-                    self.zero_grad()
-                raise
+        with self.backward_pass.scope():
+            loss.backward(**kwargs)
+
+    def backward_scope(self) -> ContextManager[None]:
+        """``with engine.backward_scope(): torch.autograd.backward(...)``: the engine's frame around a backward the
+        caller runs itself (zinf/backward_pass.py), for a loss over several engines; fp16's loss scale is the caller's."""
+        return self.backward_pass.scope()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over all shards of all ranks); returns the norm before clipping.

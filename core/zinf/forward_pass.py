@@ -4,7 +4,7 @@ traces ([Note: compiled callers] in zinf/schedule/hooks.py)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from zinf.report import StepTimers
 from zinf.schedule.external import ExternalParamMode
 from zinf.schedule.hooks import ModuleHooks
 from zinf.schedule.not_traced import eager_stance, not_traced
+from zinf.schedule.tensors import tensors_in
 
 __all__ = ["ForwardPass"]
 
@@ -32,39 +33,48 @@ class ForwardPass:
         # never traced, whoever calls the engine (set here: torch.compiler imports dynamo, `import zinf` does not)
         self._enter, self._leave, self._abort, self._call_eagerly = (
             not_traced(fn, _FULLGRAPH) for fn in (self._enter_pass, self._leave_pass, self._abort_pass, self._call))
-        self.recorded_eagerly = False  # the last forward with autograd on ran eagerly, recording the module order
+        self.recorded_eagerly = False  # an eager forward's graph may still be differentiated: see backward_stance
+        self._differentiated = False  # a backward ran since: the next forward with autograd on clears recorded_eagerly
 
-    def backward_stance(self) -> ContextManager[Any]:
+    @contextlib.contextmanager
+    def backward_stance(self) -> Iterator[None]:
         """The backward of a forward that ran eagerly runs its recomputations eagerly too: a block under torch's
         non-reentrant ``checkpoint`` must save the same tensors when it runs again as it saved in the forward, and a
         compiled graph saves others than the eager modules (``CheckpointError``: "Recomputed values ... have
-        different metadata")."""
-        return eager_stance() if self.recorded_eagerly else contextlib.nullcontext()
+        different metadata"), and one that ran compiled saves the compiled graph's. So once a forward ran eagerly
+        and gave outputs with a graph, the forwards after it run eagerly too until one after a backward: one loss may
+        sum the outputs of the recording forward and of later ones, and its backward must recompute every one of them
+        alike; a graph kept (``retain_graph=True``) may be differentiated again before the next forward."""
+        with eager_stance() if self.recorded_eagerly else contextlib.nullcontext():
+            yield
+        self._differentiated = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        scope, args, kwargs, replays = self._enter(args, kwargs)
+        scope, args, kwargs, replays, eager = self._enter(args, kwargs)
         try:
             out = self.module(*args, **kwargs) if replays else self._call_eagerly(*args, **kwargs)
         except BaseException as exc:
             self._abort(scope, exc)
             raise
-        self._leave(scope)
+        self._leave(scope, out, eager)
         return out
 
-    def _enter_pass(self, args: tuple, kwargs: dict) -> tuple[contextlib.ExitStack, tuple, dict, bool]:
+    def _enter_pass(self, args: tuple, kwargs: dict) -> tuple[contextlib.ExitStack, tuple, dict, bool, bool]:
         args, kwargs = self.prepare(args, kwargs)
         grad = torch.is_grad_enabled()
         replays = self.hooks.replays(grad)
-        if grad:
-            self.recorded_eagerly = not replays
-        # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py
-        stance = contextlib.nullcontext() if replays else eager_stance()
+        if grad and self._differentiated:
+            self.recorded_eagerly = self._differentiated = False
+        # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py;
+        # so does one whose backward may be the recording pass's (``backward_stance``)
+        eager = not replays or (grad and self.recorded_eagerly)
+        stance = eager_stance() if eager else contextlib.nullcontext()
         watch = self._external_watch(replays)
         self.before(grad)
         with contextlib.ExitStack() as scope:
             for context in (self.entry("forward"), self.timers.time("forward"), watch, stance):
                 scope.enter_context(context)
-            return scope.pop_all(), args, kwargs, replays
+            return scope.pop_all(), args, kwargs, replays, eager
 
     def _external_watch(self, replays: bool) -> Any:
         """The external-parameter watch of the next forward: every operation while its module order is recorded,
@@ -76,9 +86,10 @@ class ForwardPass:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    @staticmethod
-    def _leave_pass(scope: contextlib.ExitStack) -> None:
+    def _leave_pass(self, scope: contextlib.ExitStack, out: Any, eager: bool) -> None:
         scope.close()
+        if eager and torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(out)):
+            self.recorded_eagerly = True
 
     def _abort_pass(self, scope: contextlib.ExitStack, exc: BaseException) -> None:
         try:

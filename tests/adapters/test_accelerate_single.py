@@ -27,6 +27,7 @@ EXAMPLES = ROOT / "examples" / "accelerate"
 TRAIN = str(EXAMPLES / "train.py")  # zinf launch checks that the script is a file
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from failing import Fail, FailingBackward, armed  # noqa: E402
 
 
 # -- zinf launch: what is refused, and what is built ----------------------------------------------------
@@ -234,3 +235,46 @@ def test_checkpointing_and_tiling_from_zinf_config_train_like_pytorch(fresh_stat
     assert set(state) == set(ref.state_dict())  # the untiled names
     for name, p in ref.state_dict().items():  # relative norm: the key bias's gradient is ~0 (Adam scales noise)
         assert state[name].shape == p.shape and float((state[name] - p).norm() / p.norm().clamp_min(1e-12)) < 1e-3, name
+
+
+def _two_models(fail: bool) -> list[float]:
+    """Two models, each with its optimizer, trained on one summed loss; ``fail``: before steps 1 and 3, a backward on
+    another batch raises inside the second model's first block (after its later blocks gave their gradients)."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    first, second = _gpt(), _gpt()
+    second.blocks[0].register_forward_hook(lambda module, args, out: FailingBackward.apply(out))
+    prepared = accelerator.prepare(first, torch.optim.AdamW(first.parameters(), lr=1e-2),
+                                   second, torch.optim.AdamW(second.parameters(), lr=1e-2))
+    first, opt_first, second, opt_second = prepared
+    losses = []
+    for step, ((x, y), (ox, oy)) in enumerate(zip(_batches(4), _batches(5)[1:])):
+        if fail and step in (1, 3):
+            with armed(), pytest.raises(Fail):
+                accelerator.backward(first(ox, oy) + second(ox, oy))
+        loss = first(x, y) + second(x, y)
+        accelerator.backward(loss)
+        for opt in (opt_first, opt_second):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_several_models_on_one_loss_train_like_pytorch_and_drop_a_backward_that_raised(fresh_state) -> None:
+    """Each engine frames the one backward as its own (``engine.backward_scope``): a backward that raised leaves no
+    partial gradient in either model for the next step to train on."""
+    clean = _two_models(fail=False)
+    assert _two_models(fail=True) == clean  # bit for bit
+    first, second = _gpt(), _gpt()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (first, second)]
+    want = []
+    for x, y in _batches(4):
+        loss = first(x, y) + second(x, y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(clean), torch.tensor(want), rtol=1e-5, atol=0)

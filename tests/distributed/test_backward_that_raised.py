@@ -13,16 +13,13 @@ import torch
 
 import zinf
 from dist_utils import run_distributed
+from failing import Fail, ThreeLinear, armed
 from models import GPT, GPTConfig, batches, make_optimizer
 from zinf.device_memory import STAGED_DEVICE_ENV
 from zinf.errors import ZinfError
 from zinf.param.state import GroupState
 
 pytestmark = pytest.mark.distributed
-
-
-class Fail(RuntimeError):
-    pass
 
 
 def _engine() -> tuple[zinf.ZeroInfinityEngine, GPT]:
@@ -93,31 +90,6 @@ def test_a_backward_that_raised_leaves_nothing_to_train_on(world: int) -> None:
     assert runs["mixed"]["losses"][1:] == runs["again"]["losses"]
 
 
-class _Boom(torch.autograd.Function):
-    """The identity, whose backward raises while ``armed``: after every layer above it gave its gradients."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        if _Boom.armed:
-            raise Fail("in the first layer's backward")
-        return grad
-
-
-class _Three(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(self.b(_Boom.apply(self.a(x)))).square().mean()
-
-
 def _late_raise(rank: int, world: int, staged: bool) -> dict[str, list[float]]:
     """The same steps with and without a backward raising in the first layer (on another batch, at the first step and
     after two), parameters on the compute device; ``staged``: the CPU standing in for a device apart, gradients
@@ -129,17 +101,15 @@ def _late_raise(rank: int, world: int, staged: bool) -> dict[str, list[float]]:
     for fail in (False, True):
         torch.manual_seed(0)
         with zinf.Init(config):
-            model = _Three()
+            model = ThreeLinear()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if staged else torch.optim.SGD(model.parameters(), lr=0.1)
         engine = zinf.initialize(model, opt, config)
         g, losses = torch.Generator().manual_seed(2), []
         for step in range(4):
             x, other = (t.chunk(world)[rank] for t in torch.randn(2, 8, 16, generator=g))
             if fail and step in (0, 2):
-                _Boom.armed = True
-                with pytest.raises(Fail):
+                with armed(), pytest.raises(Fail):
                     engine.backward(engine(other))
-                _Boom.armed = False
             loss = engine(x)
             engine.backward(loss)
             engine.step()

@@ -218,9 +218,11 @@ class _Residual(torch.nn.Module):
         return h + self.out(torch.nn.functional.gelu(self.fc(h)))
 
 
-def _checkpoint_wrapped(rank: int, world: int, use_zinf: bool) -> list[float]:
+def _checkpoint_wrapped(rank: int, world: int, use_zinf: bool, micro: int, halves: bool = False) -> list[float]:
     """Compiled blocks, each inside torch's ``CheckpointWrapper`` (non-reentrant ``checkpoint``, outside the graph),
-    as FSDP recipes apply it; plain PyTorch on the global batch, or zinf on this rank's slice."""
+    as FSDP recipes apply it; plain PyTorch on the global batch, or zinf on this rank's slice. ``micro``: forwards
+    summed into each step's one loss (the first step's first forward records the module order, eagerly; the second
+    replays it, compiled); ``halves``: each loss differentiated in two halves, the graph kept for the second."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     torch._dynamo.reset()
@@ -234,15 +236,19 @@ def _checkpoint_wrapped(rank: int, world: int, use_zinf: bool) -> list[float]:
     engine = zinf.initialize(model, opt, {}) if use_zinf else None
     g, losses = torch.Generator().manual_seed(1), []
     for _ in range(4):
-        x = torch.randn(8, 16, generator=g)
+        xs = torch.randn(micro, 8, 16, generator=g)
         if engine is None:
-            loss = model(x).square().mean()
+            loss = sum(model(x).square().mean() for x in xs) / micro
             loss.backward()
             opt.step()
             opt.zero_grad()
         else:
-            loss = engine(x.chunk(world)[rank]).square().mean()
-            engine.backward(loss)
+            loss = sum(engine(x.chunk(world)[rank]).square().mean() for x in xs) / micro
+            if halves:
+                engine.backward(loss / 2, retain_graph=True)
+                engine.backward(loss / 2)
+            else:
+                engine.backward(loss)
             engine.step()
         losses.append(loss.item() if engine is None else float(engine.comm.all_reduce(loss.detach()).item()) / world)
     if engine is not None:
@@ -250,12 +256,13 @@ def _checkpoint_wrapped(rank: int, world: int, use_zinf: bool) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_compiled_blocks_inside_torch_non_reentrant_checkpoint(world: int) -> None:
+@pytest.mark.parametrize("world, micro, halves", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)])
+def test_compiled_blocks_inside_torch_non_reentrant_checkpoint(world: int, micro: int, halves: bool) -> None:
     """The first step runs eagerly (it records the module order), and so do the recomputations of its backward: torch's
-    checkpoint checks that a block saves the same tensors when it runs again, and a compiled block saves others."""
-    plain = run_distributed(_checkpoint_wrapped, 1, False)[0]
-    got = run_distributed(_checkpoint_wrapped, world, True)[0]
+    checkpoint checks that a block saves the same tensors when it runs again, and a compiled block saves others. With
+    two forwards in one loss, the backward of both runs eagerly; so does a second backward of the first step's graph."""
+    plain = run_distributed(_checkpoint_wrapped, 1, False, micro)[0]
+    got = run_distributed(_checkpoint_wrapped, world, True, micro, halves)[0]
     for a, b in zip(plain, got, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (plain, got)
 

@@ -24,6 +24,7 @@ class GradsHeld(enum.Enum):
     NONE = "none"  # no backward since the last step or zero_grad
     ACCUMULATED = "accumulated"  # one or more backwards' gradients
     MIXED = "mixed"  # a backward raised after earlier micro-batches' gradients: only zero_grad() leaves this
+    UNKNOWN = "unknown"  # dropping a raised backward's gradients raised too: only zero_grad() leaves this
 
 
 class Accumulation:
@@ -59,6 +60,10 @@ class Accumulation:
             self.state = GradsHeld.MIXED
         return not earlier
 
+    def mark_unknown(self) -> None:
+        """Dropping a raised backward's partial gradients raised as well: what the shards hold is unknown."""
+        self.state = GradsHeld.UNKNOWN
+
     def mark_unscaled(self) -> None:
         self.unscaled = True
 
@@ -72,6 +77,11 @@ class Accumulation:
                             "train on part of a batch. Call zero_grad() (the engine's, or the optimizer's under a "
                             "front end) to drop the accumulated gradients, then run the micro-batches again ([Note: a "
                             "backward that raised] in zinf/update/accumulation.py).")
+        if self.state is GradsHeld.UNKNOWN:
+            raise ZinfError("zinf: a backward raised, and dropping the part of its gradients already added raised too "
+                            "(logged with the backward's error), so what the gradient shards hold is unknown; step() "
+                            "would train on it. Call zero_grad() (the engine's, or the optimizer's under a front end), "
+                            "then run the micro-batches again.")
 
     def clear(self) -> None:
         """A step or a zero_grad left the gradient shards empty."""
