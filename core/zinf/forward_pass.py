@@ -4,6 +4,7 @@ traces ([Note: compiled callers] in zinf/schedule/hooks.py)."""
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -21,6 +22,14 @@ _FULLGRAPH = ("the engine's own work runs outside any graph; with fullgraph=True
               "(engine.compile(regional=True, fullgraph=True)), not a module that calls the engine")
 
 
+class EagerGraph(enum.Enum):
+    """Whether a graph recorded by an eager forward may still be differentiated (see ``ForwardPass.backward_stance``)."""
+
+    NONE = "none"  # no eager forward's graph since the last forward after a backward
+    PENDING = "pending"  # an eager forward gave outputs with a graph: later forwards and the backward run eagerly
+    DIFFERENTIATED = "differentiated"  # a backward ran since: eager until the next forward with autograd on
+
+
 class ForwardPass:
     """One forward of the engine's model. ``prepare`` checks and casts the inputs; ``entry`` is the engine's frame for
     an entry point (signals held, the phase named, collectives watched); ``before`` readies the placement."""
@@ -33,8 +42,7 @@ class ForwardPass:
         # never traced, whoever calls the engine (set here: torch.compiler imports dynamo, `import zinf` does not)
         self._enter, self._leave, self._abort, self._call_eagerly = (
             not_traced(fn, _FULLGRAPH) for fn in (self._enter_pass, self._leave_pass, self._abort_pass, self._call))
-        self.recorded_eagerly = False  # an eager forward's graph may still be differentiated: see backward_stance
-        self._differentiated = False  # a backward ran since: the next forward with autograd on clears recorded_eagerly
+        self.eager_graph = EagerGraph.NONE
 
     @contextlib.contextmanager
     def backward_stance(self) -> Iterator[None]:
@@ -45,9 +53,10 @@ class ForwardPass:
         and gave outputs with a graph, the forwards after it run eagerly too until one after a backward: one loss may
         sum the outputs of the recording forward and of later ones, and its backward must recompute every one of them
         alike; a graph kept (``retain_graph=True``) may be differentiated again before the next forward."""
-        with eager_stance() if self.recorded_eagerly else contextlib.nullcontext():
+        with eager_stance() if self.eager_graph is not EagerGraph.NONE else contextlib.nullcontext():
             yield
-        self._differentiated = True
+        if self.eager_graph is EagerGraph.PENDING:
+            self.eager_graph = EagerGraph.DIFFERENTIATED
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scope, args, kwargs, replays, eager = self._enter(args, kwargs)
@@ -63,11 +72,11 @@ class ForwardPass:
         args, kwargs = self.prepare(args, kwargs)
         grad = torch.is_grad_enabled()
         replays = self.hooks.replays(grad)
-        if grad and self._differentiated:
-            self.recorded_eagerly = self._differentiated = False
+        if grad and self.eager_graph is EagerGraph.DIFFERENTIATED:
+            self.eager_graph = EagerGraph.NONE
         # a pass that records the module order runs eagerly: see [Note: compiled modules] in zinf/schedule/hooks.py;
         # so does one whose backward may be the recording pass's (``backward_stance``)
-        eager = not replays or (grad and self.recorded_eagerly)
+        eager = not replays or (grad and self.eager_graph is EagerGraph.PENDING)
         stance = eager_stance() if eager else contextlib.nullcontext()
         watch = self._external_watch(replays)
         self.before(grad)
@@ -89,7 +98,7 @@ class ForwardPass:
     def _leave_pass(self, scope: contextlib.ExitStack, out: Any, eager: bool) -> None:
         scope.close()
         if eager and torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(out)):
-            self.recorded_eagerly = True
+            self.eager_graph = EagerGraph.PENDING
 
     def _abort_pass(self, scope: contextlib.ExitStack, exc: BaseException) -> None:
         try:

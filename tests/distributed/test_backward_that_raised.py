@@ -1,8 +1,9 @@
 """A backward that raises part way (inside a checkpointed block's recomputation, or in the first layer's backward,
-after the later layers' gradients were produced, bucketed and reduce-scattered) leaves nothing behind that the next steps would train on ([Note: a backward that raised] in
-zinf/update/accumulation.py): with no earlier micro-batch its partial gradients are dropped, and the run goes on
-exactly as if it never ran; after earlier micro-batches ``step()`` refuses until ``zero_grad()``. 1 and 2 gloo ranks,
-fp32, against the same engine run without the failure."""
+after the later layers' gradients were produced, bucketed and reduce-scattered) leaves nothing behind that the next
+steps would train on ([Note: a backward that raised] in zinf/update/accumulation.py): with no earlier micro-batch
+its partial gradients are dropped, and the run goes on exactly as if it never ran; after earlier micro-batches
+``step()`` refuses until ``zero_grad()``. 1 and 2 gloo ranks, fp32, against the same engine run without the
+failure."""
 
 from __future__ import annotations
 
