@@ -1,7 +1,7 @@
 """Is NVMe offload hidden behind compute? One rank, a GPT, four ways back to back in one process.
 
     python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 12 --nvme /tmp/zinf-nvme]
-                                       [--grads cpu] [--trim-heap-bytes 0]
+                                       [--grads cpu] [--max-cpu-bytes 8589934592]
 
 Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
 states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (``zinf info --nvme``'s
@@ -86,8 +86,9 @@ def main() -> None:
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
     p.add_argument("--grads", default="nvme", choices=["auto", "cpu", "nvme"],
                    help="offload.grads (auto: in host memory where they fit, else on NVMe)")
-    p.add_argument("--trim-heap-bytes", type=int, default=None,
-                   help="trim_heap_bytes of the zinf rows (default: the engine's; 0: the heap is never trimmed)")
+    p.add_argument("--max-cpu-bytes", type=int, default=0,
+                   help="offload.max_cpu_bytes of the NVMe row: a host budget, which has the engine trim its heap "
+                        "during the step (default 0: none; at this size the heap is then left to glibc)")
     p.add_argument("--adam-threads", type=int, default=0, help="threads of the C++ CPU-Adam (0: all cores)")
     p.add_argument("--checksums", default="on", choices=["on", "both"],
                    help="both: also run the NVMe row with the CRC32C of offloaded records off, to measure its cost")
@@ -103,10 +104,10 @@ def main() -> None:
     if args.adam_threads:
         native.set_num_threads(args.adam_threads)
     plain = run(cfg, args, None)
-    heap = {} if args.trim_heap_bytes is None else {"trim_heap_bytes": args.trim_heap_bytes}
-    mem = run(cfg, args, dict(heap))
+    mem = run(cfg, args, {})
     nvme_cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
-                            "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20, "grads": args.grads}, **heap}
+                            "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20, "grads": args.grads,
+                            "max_cpu_bytes": args.max_cpu_bytes}}
     nvme = run(cfg, args, nvme_cfg)
     nocrc = run(cfg, args, nvme_cfg, checksums=False) if args.checksums == "both" else None
     io_alone = disk.floor_s(nvme["read_bytes"], nvme["write_bytes"])  # as the step report's nvme_floor

@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
                    help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
+    p.add_argument("--trim-heap-bytes", type=int, default=None,
+                   help="trim_heap_bytes (default: the engine's; 0: the heap is never trimmed during the step)")
     p.add_argument("--ddp", action="store_true",
                    help="the same steps under plain PyTorch DDP instead, every rank holding the whole model in memory "
                         "in the compute dtype (no zinf): the baseline a step on NVMe is compared with")
@@ -110,6 +112,7 @@ def main() -> None:
                     "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
         "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward,
                     "persistent_numel": args.persistent_numel},
+        **({} if args.trim_heap_bytes is None else {"trim_heap_bytes": args.trim_heap_bytes}),
     })
     from transformers import AutoConfig, AutoModelForCausalLM
 

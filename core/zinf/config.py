@@ -81,12 +81,13 @@ class ZeroConfig(Checked):
     collective_timeout_s: how long a collective may wait for the other ranks, in seconds, before the run
         stops with an error naming the rank that stopped answering, where torch allows it (0 = the process group's
         own timeout).
-    trim_heap_bytes: with the compute device the CPU and the parameters offloaded (``offload.params`` "cpu" or
-        "nvme": host memory is what the run is short of), gathered parameters and gradients are freed to glibc's
-        heap, which keeps what they free and fragments; zinf hands the heap's free pages back (``malloc_trim``)
-        after every this many bytes of them freed, during the step, which costs step time in page faults
-        (both measured: docs/offload.md, "Host memory of a Trainer full fine-tune"), and fixes glibc's mmap threshold
-        at 1 MiB for the process. 0 turns both off. See [Note: heap growth] in zinf/heap.py.
+    trim_heap_bytes: where host memory is short during training on the CPU with the parameters offloaded
+        (``offload.params`` "cpu" or "nvme", and ``offload.max_cpu_bytes`` set or this host's ranks gathering models
+        larger than a quarter of its available memory), gathered parameters and gradients freed to glibc's heap,
+        which keeps what they free and fragments, are handed back (``malloc_trim``) after every this many bytes of
+        them, and glibc's mmap threshold is fixed at 1 MiB for the process; both cost step time in page faults
+        (measured: docs/offload.md, "Overlap: NVMe step against the in-memory step" and "Host memory of a Trainer
+        full fine-tune"). 0 turns both off. See [Note: heap growth] in zinf/heap.py.
     """
 
     precision: str = "fp32"

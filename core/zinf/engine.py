@@ -21,7 +21,6 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
-from zinf.heap import HeapTrimmer, map_large_blocks
 from zinf.host_memory import HostMemory
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
@@ -36,7 +35,7 @@ from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.compiling import compile_model
 from zinf.backward_pass import BackwardPass
 from zinf.forward_pass import ForwardPass
-from zinf.placement import Placement, gather_buffers, trims_host_heap
+from zinf.placement import Placement, gather_buffers, host_heap
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.four_bit import refuse_change
@@ -102,10 +101,7 @@ class ZeroInfinityEngine:
         self.grads = Accumulation()  # what the gradient shards hold between steps
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
         # and [Note: host bytes accounted] in zinf/host_memory.py
-        trims = trims_host_heap(self.config.offload, self.device)
-        self.heap = HeapTrimmer(self.config.trim_heap_bytes if trims else 0, self.timers)
-        if self.heap.every_bytes:
-            map_large_blocks()
+        self.heap = host_heap(self.config, self.device, self.groups, self.comm, self.timers)
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account
         self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host,

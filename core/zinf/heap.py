@@ -11,9 +11,12 @@ nothing.
 
 Training on the CPU frees the same way, every step: each unit's gathered parameters after its forward and its
 backward, its gradients after their reduce-scatter. The engine counts those into one ``HeapTrimmer``
-(``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, when the compute device
-is the CPU (on a GPU they are device memory) and the parameters are offloaded: handing pages back costs page faults
-when they are touched again, a price paid where host memory is what the run is short of. It trims once more at
+(``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, where host memory is
+what the run is short of (``trims_host_heap`` in zinf/placement.py): the compute device is the CPU (on a GPU they
+are device memory), the parameters are offloaded, and ``offload.max_cpu_bytes`` states a budget or the ranks of
+this host gather models larger than a quarter of its available memory. Elsewhere nothing is trimmed: handing
+pages back costs page faults when they are touched again (measured: docs/offload.md, "Overlap: NVMe step against
+the in-memory step"). It trims once more at
 the end of every backward (``after_backward``: the activations and the last gradients were freed), which lowers RSS
 between steps to the engine's own account ([Note: host bytes accounted] in zinf/host_memory.py), not the peak.
 Gathers whose memory the gather buffer cache keeps are not counted ([Note: gather buffer cache] in

@@ -28,8 +28,10 @@ from typing import Sequence
 import torch
 
 from zinf import native
+from zinf.config import ZeroConfig
 from zinf.config_sections import OffloadConfig, OverlapConfig
 from zinf.device_memory import device_is_apart
+from zinf.heap import HeapTrimmer, map_large_blocks
 from zinf.native.buffer_cache import BufferCache, buffer_cache
 from zinf.offload.device_states import DeviceStateStore, device_share
 from zinf.offload.disk_speed import load_speed
@@ -52,6 +54,8 @@ from zinf.param.store import UpdateFence
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, DeviceShardStore, ShardStore
+from zinf.report import StepTimers
+from zinf.runtime.comm import Comm
 from zinf.runtime.context import RunContext
 from zinf.units import format_bytes
 
@@ -60,7 +64,7 @@ __all__ = ["Placement"]
 log = logging.getLogger(__name__)
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -68,11 +72,34 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
 
 
-def trims_host_heap(cfg: OffloadConfig, device: torch.device) -> bool:
+# the share of the host's available memory the ranks' gathered models may take before the heap is trimmed
+HEAP_PRESSURE_SHARE = 0.25
+
+
+def trims_host_heap(cfg: OffloadConfig, device: torch.device, model_bytes: int, ranks_on_host: int,
+                    available: int) -> bool:
     """Whether freed gathers and gradients should go back to the system during the step (``trim_heap_bytes``,
-    [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute) and the parameters are offloaded,
-    host memory being what the run is short of."""
-    return device.type == "cpu" and cfg.params != "device"
+    [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute), the parameters are offloaded, and host
+    memory is what the run is short of: ``offload.max_cpu_bytes`` states a budget, or the ranks on this host
+    together gather models (``model_bytes`` each, at the compute width) larger than ``HEAP_PRESSURE_SHARE`` of the
+    ``available`` memory, which what glibc keeps could exhaust. Elsewhere the heap keeps its pages and glibc its
+    own threshold: trimming costs step time in page faults."""
+    if device.type != "cpu" or cfg.params == "device":
+        return False
+    return cfg.max_cpu_bytes > 0 or ranks_on_host * model_bytes > HEAP_PRESSURE_SHARE * available
+
+
+def host_heap(config: ZeroConfig, device: torch.device, groups: Sequence[FlatParamGroup], comm: Comm,
+              timers: StepTimers) -> HeapTrimmer:
+    """The engine's heap trimmer: trimming every ``trim_heap_bytes`` where ``trims_host_heap`` says so, with glibc's
+    mmap threshold fixed (``map_large_blocks``), else never."""
+    trims = trims_host_heap(config.offload, device, sum(g.nbytes_full for g in groups), comm.ranks_on_host(),
+                            available_ram())
+    heap = HeapTrimmer(config.trim_heap_bytes if trims else 0, timers)
+    log.debug("zinf: the host heap is %s during the step", "trimmed" if heap.every_bytes else "left to glibc")
+    if heap.every_bytes:
+        map_large_blocks()
+    return heap
 
 
 def gather_buffers(cfg: OverlapConfig, device: torch.device) -> BufferCache | None:
@@ -261,7 +288,7 @@ class Placement:
             for t, moves in ((g.shard, cfg.params == "nvme"), (g.master, cfg.optimizer == "nvme")):
                 if moves and t is not None and t.device.type == "cpu":
                     leaving[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return cfg.max_cpu_bytes or _available_ram() + sum(leaving.values())
+        return cfg.max_cpu_bytes or available_ram() + sum(leaving.values())
 
     def _choose_grads_tier(self) -> str:
         """[Note: gradients on the host] ``offload.grads: auto`` with the optimizer on NVMe keeps the gradient shards in

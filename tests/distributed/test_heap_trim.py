@@ -1,5 +1,6 @@
-"""Training on the CPU with the parameters offloaded, the memory of freed gathers and gradients goes back to the
-system during the step ([Note: heap growth] in zinf/heap.py): on 2 fresh ranks, each rank's anonymous resident
+"""Training on the CPU with the parameters offloaded and a host memory budget stated (``offload.max_cpu_bytes``),
+the memory of freed gathers and gradients goes back to the system during the step ([Note: heap growth] in
+zinf/heap.py): on 2 fresh ranks, each rank's anonymous resident
 memory after later steps stays near what it was after the first (which made the Adam states), where with
 ``trim_heap_bytes: 0`` glibc keeps what the steps freed. Same losses either way; the step report times the
 trimming (``heap_trim``)."""
@@ -33,7 +34,8 @@ def _train(rank: int, world: int, trim: int) -> dict:
     with zinf.Init():
         model = GPT(MODEL)
     config = zinf.ZeroConfig.from_dict({"trim_heap_bytes": trim, "overlap": {"prefetch_bytes": 8 * MIB},
-                                        "offload": {"params": "cpu", "optimizer": "cpu"}})
+                                        "offload": {"params": "cpu", "optimizer": "cpu",
+                                                    "max_cpu_bytes": 8 << 30}})
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     idx = torch.randint(0, MODEL.vocab, (4, MODEL.block + 1), generator=torch.Generator().manual_seed(rank))
     losses, grew = [], []

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zinf.offload.pool_room import block_bytes
+from zinf.offload.swap import record_span
+
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
@@ -62,8 +65,9 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
             a, b = g.layout.local_range(i)
             if b > a and p is not None and p.requires_grad and id(p) in hyper:
                 runs.append((a, b, hyper[id(p)], i))
-        for lo in range(0, g.shard_numel, size):
-            hi = min(g.shard_numel, lo + size)
+        lo = 0
+        while lo < g.shard_numel:
+            hi = lo + _without_doubling(min(size, g.shard_numel - lo))
             segs = [(max(a, lo), min(b, hi), k, i) for a, b, k, i in runs if a < hi and b > lo]
             gaps, cursor = [], lo
             for a, b, _, _ in segs:
@@ -73,4 +77,20 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
             if cursor < hi:
                 gaps.append((cursor, hi))
             out.append(SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
+            lo = hi
     return out
+
+
+def _without_doubling(numel: int) -> int:
+    """The first ``numel`` elements of a sub-group, or fewer where its fp32 record's trailer would take it past a power
+    of two: a group of 2**k elements (an embedding, an output projection) would otherwise stage each state in a
+    pool block of twice its size. The elements left over make a small sub-group of their own, where the two blocks
+    take less than the one."""
+    cut = (numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL
+    if cut > 0 and _block(cut) + _block(numel - cut) < _block(numel):
+        return cut
+    return numel
+
+
+def _block(numel: int) -> int:
+    return block_bytes(record_span(numel * 4))

@@ -170,9 +170,9 @@ def _field_problem(value: object, kind: str) -> str | None:
 
 
 def available_ram() -> int:
-    from zinf.placement import _available_ram
+    from zinf.placement import available_ram
 
-    return _available_ram()
+    return available_ram()
 
 
 def _device_key(path: str) -> str:

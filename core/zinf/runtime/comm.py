@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -90,6 +91,13 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), group=group, device=device)
         return cls(rank=0, world=1, group=None, device=device)
+
+    def ranks_on_host(self) -> int:
+        """How many of this group's ranks share this host's memory: all of them where they share memory
+        (``same_host``), else as many as the launcher started here (``LOCAL_WORLD_SIZE``), else this one."""
+        if self.same_host is not None:
+            return self.world
+        return max(1, min(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
     def with_host_group(self) -> "Comm":
         """[Note: host-side agreement] What the ranks tell each other inside a pass (the rounds of
