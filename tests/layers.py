@@ -8,7 +8,8 @@ from __future__ import annotations
 # wins (``zinf.integrations``, the registry the wiring calls, sits low; the glue modules in it sit high).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("zinf.errors", "zinf.units", "zinf.config_types", "zinf.config_sections", "zinf.config_build",
-              "zinf.config", "zinf.device_memory", "zinf.report", "zinf.heap", "zinf.host_memory", "zinf.file_io",
+              "zinf.config", "zinf.device_memory", "zinf.report", "zinf.heap", "zinf.host_memory", "zinf.host_room",
+              "zinf.file_io",
               "zinf._native", "zinf.integrations")),
     ("native", ("zinf.native",)),
     ("runtime", ("zinf.runtime",)),

@@ -83,11 +83,11 @@ class ZeroConfig(Checked):
         own timeout).
     trim_heap_bytes: where host memory is short during training on the CPU with the parameters offloaded
         (``offload.params`` "cpu" or "nvme", and ``offload.max_cpu_bytes`` set or this host's ranks gathering models
-        larger than a quarter of its available memory), gathered parameters and gradients freed to glibc's heap,
-        which keeps what they free and fragments, are handed back (``malloc_trim``) after every this many bytes of
-        them, and glibc's mmap threshold is fixed at 1 MiB for the process; both cost step time in page faults
-        (measured: docs/offload.md, "Overlap: NVMe step against the in-memory step" and "Host memory of a Trainer
-        full fine-tune"). 0 turns both off. See [Note: heap growth] in zinf/heap.py.
+        larger than a quarter of the memory their placements leave free), gathered parameters and gradients freed to
+        glibc's heap, which keeps what they free and fragments, are handed back (``malloc_trim``) after every this
+        many bytes of them, and glibc's mmap threshold is fixed at 1 MiB for the process; both cost step time in
+        page faults (measured: docs/offload.md, "Overlap: NVMe step against the in-memory step" and "Host memory of
+        a Trainer full fine-tune"). 0 turns both off. See [Note: heap growth] in zinf/heap.py.
     """
 
     precision: str = "fp32"

@@ -21,7 +21,9 @@ from torch import nn
 from zinf.config import ZeroConfig
 from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
+from zinf.heap import HeapTrimmer
 from zinf.host_memory import HostMemory
+from zinf.host_room import start_heap_trims
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
@@ -35,7 +37,7 @@ from zinf.runtime.watchdog import CollectiveWatchdog
 from zinf.compiling import compile_model
 from zinf.backward_pass import BackwardPass
 from zinf.forward_pass import ForwardPass
-from zinf.placement import Placement, gather_buffers, host_heap
+from zinf.placement import Placement, gather_buffers
 from zinf.optim.protocol import ShardOptimizer
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.four_bit import refuse_change
@@ -101,7 +103,7 @@ class ZeroInfinityEngine:
         self.grads = Accumulation()  # what the gradient shards hold between steps
         # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
         # and [Note: host bytes accounted] in zinf/host_memory.py
-        self.heap = host_heap(self.config, self.device, self.groups, self.comm, self.timers)
+        self.heap = HeapTrimmer(0, self.timers)  # started once the placement says what host memory is left
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account
         self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host,
@@ -111,6 +113,8 @@ class ZeroInfinityEngine:
         self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
                                    check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0,
                                    moment_dtype=self.config.moment_dtype)
+        start_heap_trims(self.heap, self.config, self.device, sum(g.nbytes_full for g in self.groups),
+                         self.comm.ranks_on_host(), self.placement.free_host_bytes)
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:

@@ -12,9 +12,10 @@ nothing.
 Training on the CPU frees the same way, every step: each unit's gathered parameters after its forward and its
 backward, its gradients after their reduce-scatter. The engine counts those into one ``HeapTrimmer``
 (``trim_heap_bytes``, 64 MiB by default), which also trims at the end of the engine's build, where host memory is
-what the run is short of (``trims_host_heap`` in zinf/placement.py): the compute device is the CPU (on a GPU they
+what the run is short of (``trims_host_heap`` in zinf/host_room.py): the compute device is the CPU (on a GPU they
 are device memory), the parameters are offloaded, and ``offload.max_cpu_bytes`` states a budget or the ranks of
-this host gather models larger than a quarter of its available memory. Elsewhere nothing is trimmed: handing
+this host gather models larger than a quarter of the memory their placements leave free (a cgroup's limit
+counted). Elsewhere nothing is trimmed: handing
 pages back costs page faults when they are touched again (measured: docs/offload.md, "Overlap: NVMe step against
 the in-memory step"). It trims once more at
 the end of every backward (``after_backward``: the activations and the last gradients were freed), which lowers RSS
@@ -80,6 +81,13 @@ class HeapTrimmer:
         self.timers = timers
         self.trims = 0
         self._since = 0
+
+    def start(self, every_bytes: int) -> None:
+        """Trim every ``every_bytes`` from now on (0: never), with glibc's mmap threshold fixed
+        (``map_large_blocks``) where it trims."""
+        self.every_bytes = every_bytes
+        if every_bytes:
+            map_large_blocks()
 
     def count_block(self, nbytes: int) -> None:
         """One block of ``nbytes`` was freed: counted unless it was large enough to go back by itself."""

@@ -28,10 +28,9 @@ from typing import Sequence
 import torch
 
 from zinf import native
-from zinf.config import ZeroConfig
 from zinf.config_sections import OffloadConfig, OverlapConfig
 from zinf.device_memory import device_is_apart
-from zinf.heap import HeapTrimmer, map_large_blocks
+from zinf.host_room import available_ram
 from zinf.native.buffer_cache import BufferCache, buffer_cache
 from zinf.offload.device_states import DeviceStateStore, device_share
 from zinf.offload.disk_speed import load_speed
@@ -54,52 +53,12 @@ from zinf.param.store import UpdateFence
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, DeviceShardStore, ShardStore
-from zinf.report import StepTimers
-from zinf.runtime.comm import Comm
 from zinf.runtime.context import RunContext
 from zinf.units import format_bytes
 
 __all__ = ["Placement"]
 
 log = logging.getLogger(__name__)
-
-
-def available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
-
-
-# the share of the host's available memory the ranks' gathered models may take before the heap is trimmed
-HEAP_PRESSURE_SHARE = 0.25
-
-
-def trims_host_heap(cfg: OffloadConfig, device: torch.device, model_bytes: int, ranks_on_host: int,
-                    available: int) -> bool:
-    """Whether freed gathers and gradients should go back to the system during the step (``trim_heap_bytes``,
-    [Note: heap growth] in zinf/heap.py): they are host memory (CPU compute), the parameters are offloaded, and host
-    memory is what the run is short of: ``offload.max_cpu_bytes`` states a budget, or the ranks on this host
-    together gather models (``model_bytes`` each, at the compute width) larger than ``HEAP_PRESSURE_SHARE`` of the
-    ``available`` memory, which what glibc keeps could exhaust. Elsewhere the heap keeps its pages and glibc its
-    own threshold: trimming costs step time in page faults."""
-    if device.type != "cpu" or cfg.params == "device":
-        return False
-    return cfg.max_cpu_bytes > 0 or ranks_on_host * model_bytes > HEAP_PRESSURE_SHARE * available
-
-
-def host_heap(config: ZeroConfig, device: torch.device, groups: Sequence[FlatParamGroup], comm: Comm,
-              timers: StepTimers) -> HeapTrimmer:
-    """The engine's heap trimmer: trimming every ``trim_heap_bytes`` where ``trims_host_heap`` says so, with glibc's
-    mmap threshold fixed (``map_large_blocks``), else never."""
-    trims = trims_host_heap(config.offload, device, sum(g.nbytes_full for g in groups), comm.ranks_on_host(),
-                            available_ram())
-    heap = HeapTrimmer(config.trim_heap_bytes if trims else 0, timers)
-    log.debug("zinf: the host heap is %s during the step", "trimmed" if heap.every_bytes else "left to glibc")
-    if heap.every_bytes:
-        map_large_blocks()
-    return heap
 
 
 def gather_buffers(cfg: OverlapConfig, device: torch.device) -> BufferCache | None:
@@ -140,6 +99,7 @@ class Placement:
         self.grads_tier = self._choose_grads_tier()
         grads_on_nvme = self.grads_tier == "nvme"
         self._check_host_memory()
+        self.free_host_bytes = self._free_host_bytes(comm.ranks_on_host())  # see trims_host_heap
         self.aio: native.AsyncIO | None = None
         self.swap: SwapSpace | None = None
         self.pool: native.PinnedBufferPool | None = None
@@ -282,13 +242,22 @@ class Placement:
     def _host_budget(self) -> int:
         """``offload.max_cpu_bytes``, else what is free once the shards and masters that move to NVMe have left (they
         are resident now, built by ``zinf.Init``)."""
+        return self.cfg.max_cpu_bytes or available_ram() + self._leaving_bytes()
+
+    def _leaving_bytes(self) -> int:
+        """Host bytes of the shards and masters that move to NVMe and are freed there (resident until then)."""
         cfg = self.cfg
-        leaving: dict[int, int] = {}  # host storages that move to NVMe and are freed there
+        leaving: dict[int, int] = {}  # by storage: a shard that is its own master counts once
         for g in self.groups:
             for t, moves in ((g.shard, cfg.params == "nvme"), (g.master, cfg.optimizer == "nvme")):
                 if moves and t is not None and t.device.type == "cpu":
                     leaving[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return cfg.max_cpu_bytes or available_ram() + sum(leaving.values())
+        return sum(leaving.values())
+
+    def _free_host_bytes(self, ranks: int) -> int:
+        """Host memory this host has left for activations, gathers and what glibc keeps, once ``ranks`` placements
+        like this one keep their host bytes and their shards bound for NVMe have left (read before either)."""
+        return available_ram() + ranks * (self._leaving_bytes() - self._host_bytes(self.grads_tier))
 
     def _choose_grads_tier(self) -> str:
         """[Note: gradients on the host] ``offload.grads: auto`` with the optimizer on NVMe keeps the gradient shards in

@@ -4,8 +4,8 @@ through three front ends as users run them: a transformers ``Trainer`` and an Ac
 a Lightning module with ``ZeroInfinityStrategy`` (benchmarks/bench_host_memory.py runs the same scripts). Each
 rank's resident memory, sampled and the kernel's high-water mark, grows by at most 0.5x the model's fp32 bytes over
 loading and training; between steps its growth since just before the engine was built is the engine's own host bytes
-within 10% ([Note: host bytes accounted] in zinf/host_memory.py); the engine's high-water mark of its host bytes
-during a step lies between what it keeps and what was sampled."""
+within 10% or 16 MiB ([Note: host bytes accounted] in zinf/host_memory.py); the engine's high-water mark of its host
+bytes during a step lies between what it keeps and what was sampled."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def test_everything_on_nvme_stays_at_the_working_set(front_end: str, checkpoint:
         assert len(steps) == 2, figures
         assert peak <= 0.5 * model_bytes and r["hwm"] <= 0.5 * model_bytes, figures
         last = steps[-1]
-        assert abs(last["rss"] - built["rss"] - last["engine_host"]) <= 0.1 * last["engine_host"], figures
+        # what the engine does not account (Python objects, the allocator's slack) is a few MiB whatever the pool
+        assert abs(last["rss"] - built["rss"] - last["engine_host"]) <= max(0.1 * last["engine_host"], 16 * MIB), figures
         for m in steps[1:]:
             assert last["engine_host"] <= m["engine_peak_host"] <= peak, figures

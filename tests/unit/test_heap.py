@@ -1,6 +1,5 @@
 """zinf/heap.py: what a ``HeapTrimmer`` counts (not a block of ``HEAP_BLOCK_MAX`` or more, which glibc unmaps when it is
-freed) and when it trims; ``map_large_blocks`` fixing glibc's mmap threshold; when an engine trims at all
-(``trims_host_heap`` in zinf/placement.py)."""
+freed) and when it trims; ``map_large_blocks`` fixing glibc's mmap threshold."""
 
 from __future__ import annotations
 
@@ -10,17 +9,8 @@ import sys
 
 import pytest
 
-import torch
-from torch import nn
-
-import zinf
-from zinf.config_sections import OffloadConfig
 from zinf.heap import HEAP_BLOCK_MAX, HeapTrimmer
-from zinf.placement import trims_host_heap
 from zinf.report import StepTimers
-
-GIB = 1 << 30
-CPU = torch.device("cpu")
 
 
 def test_counts_small_blocks_and_trims_every_so_many_bytes() -> None:
@@ -54,30 +44,6 @@ def test_after_backward_trims_once_timed_when_it_trims_at_all() -> None:
     off = HeapTrimmer(0, timers)
     off.after_backward()
     assert off.trims == 0 and "heap_trim" not in timers.take()[1]
-
-
-@pytest.mark.parametrize("params, budget, model, ranks, device, trims", [
-    ("nvme", 0, 1 * GIB, 2, CPU, False),  # 2 GiB of models against 16 GiB free: host memory is not short
-    ("nvme", 0, 3 * GIB, 2, CPU, True),  # 6 GiB: more than a quarter
-    ("cpu", 0, 5 * GIB, 1, CPU, True),
-    ("nvme", 32 * GIB, 1 << 20, 1, CPU, True),  # a budget stated: host memory is what the run is short of
-    ("device", 8 * GIB, 8 * GIB, 2, CPU, False),  # the parameters in memory: nothing gathered is freed
-    ("nvme", 8 * GIB, 8 * GIB, 2, torch.device("cuda"), False),  # gathers on the GPU are device memory
-])
-def test_the_heap_is_trimmed_where_host_memory_is_short(params, budget, model, ranks, device, trims) -> None:
-    cfg = OffloadConfig(params=params, optimizer="cpu", max_cpu_bytes=budget, nvme_paths=["/tmp"])
-    assert trims_host_heap(cfg, device, model, ranks, available=16 * GIB) is trims
-
-
-@pytest.mark.parametrize("budget, every", [(0, 0), (4 * GIB, 64 << 20)])
-def test_an_engine_trims_a_small_model_only_under_a_stated_budget(budget, every) -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    config = zinf.ZeroConfig.from_dict({"offload": {"params": "cpu", "optimizer": "cpu", "max_cpu_bytes": budget}})
-    engine = zinf.initialize(model, torch.optim.AdamW(model.parameters()), config)
-    try:
-        assert engine.heap.every_bytes == every
-    finally:
-        engine.close()
 
 
 _MAPPED_PROBE = r"""

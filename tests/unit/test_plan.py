@@ -112,22 +112,24 @@ def tiny_frozen() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen_first_layer"])
+def power_of_two() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 1024, bias=False), nn.Linear(1024, 2))  # a group of 2**12: cut in two sub-groups
+
+
+@pytest.mark.parametrize("build", [tiny, tiny_frozen, power_of_two], ids=["trainable", "frozen_first_layer",
+                                                                          "power_of_two_group"])
 @pytest.mark.parametrize("placement", ["device/device", "device/cpu", "nvme/nvme", "cpu/cpu", "nvme/device"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bytes_match_the_engine(tmp_path: Path, placement: str, precision: str, frozen: bool) -> None:
+def test_bytes_match_the_engine(tmp_path: Path, placement: str, precision: str, build) -> None:
     """The planner's bytes per tier equal what a real engine reports (peak over a backward and a step)."""
     nv = str(tmp_path)
-    build = tiny_frozen if frozen else tiny
     p = plan(build(), nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement], batch_tokens=8,
              precision=[precision])
     est = p.estimates[0]
     cfg = zinf.ZeroConfig.from_dict(p.config())
     torch.manual_seed(0)
     with zinf.Init(cfg):
-        model = tiny()
-    if frozen:
-        model[0].requires_grad_(False)
+        model = build()
     engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
     peak: dict[str, int] = {}
     for _ in range(2):

@@ -21,7 +21,7 @@ from zinf.offload.swap import record_span
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["SubGroup", "plan_subgroups", "hyper_index", "STATES", "ALIGN_NUMEL"]
+__all__ = ["SubGroup", "plan_subgroups", "subgroup_numels", "hyper_index", "STATES", "ALIGN_NUMEL"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 ALIGN_NUMEL = 1024  # sub-group boundaries stay 4096-byte aligned in fp32
@@ -53,9 +53,6 @@ def hyper_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Optimizer,
                    sub_group_numel: int) -> list[SubGroup]:
     hyper = hyper_index(optimizer)
-    # a record's trailer lives inside its span: one block less keeps a power-of-two sub-group's states
-    # (and the pool's buddy blocks that stage them) at the power of two instead of rounding up to twice it
-    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)
     out: list[SubGroup] = []
     for g in groups:
         if not g.trainable:
@@ -66,8 +63,8 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
             if b > a and p is not None and p.requires_grad and id(p) in hyper:
                 runs.append((a, b, hyper[id(p)], i))
         lo = 0
-        while lo < g.shard_numel:
-            hi = lo + _without_doubling(min(size, g.shard_numel - lo))
+        for numel in subgroup_numels(g.shard_numel, sub_group_numel):
+            hi = lo + numel
             segs = [(max(a, lo), min(b, hi), k, i) for a, b, k, i in runs if a < hi and b > lo]
             gaps, cursor = [], lo
             for a, b, _, _ in segs:
@@ -78,6 +75,18 @@ def plan_subgroups(groups: Sequence["FlatParamGroup"], optimizer: torch.optim.Op
                 gaps.append((cursor, hi))
             out.append(SubGroup(g, lo, hi, segs, gaps, last_of_group=hi == g.shard_numel))
             lo = hi
+    return out
+
+
+def subgroup_numels(shard_numel: int, sub_group_numel: int) -> list[int]:
+    """The sizes a trained group's shard of ``shard_numel`` is cut into, in order (the planner counts the same)."""
+    # a record's trailer lives inside its span: one block less keeps a power-of-two sub-group's states
+    # (and the pool's buddy blocks that stage them) at the power of two instead of rounding up to twice it
+    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)
+    out, lo = [], 0
+    while lo < shard_numel:
+        out.append(_without_doubling(min(size, shard_numel - lo)))
+        lo += out[-1]
     return out
 
 

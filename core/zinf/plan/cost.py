@@ -21,6 +21,7 @@ from zinf.config import PRECISIONS
 from zinf.offload.device_states import groups_in_share
 from zinf.offload.pool_room import block_bytes
 from zinf.offload.nvme_state_store import READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS
+from zinf.offload.subgroups import subgroup_numels
 from zinf.plan.machine import Machine
 from zinf.plan.memory import (choose_pool, disk_bytes, param_reserve, pool_need, record_span, state_bytes,
                               trained_shards)
@@ -196,7 +197,8 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         # the pool less the parameter store's reserve (the largest shard, the largest trained one twice) and the
         # optimizer's reads in flight
         cache = max(0, pool - param_reserve(spec, world, storage, pl)
-                    - (state_reads_in_flight(min(wl.sub_group_numel, max(shards))) if pl.optimizer == "nvme" else 0))
+                    - (state_reads_in_flight(max(subgroup_numels(max(shards), wl.sub_group_numel)))
+                       if pl.optimizer == "nvme" else 0))
         io["nvme_read"] += 2 * max(0, param_spans - cache)
         io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":

@@ -170,7 +170,7 @@ def _field_problem(value: object, kind: str) -> str | None:
 
 
 def available_ram() -> int:
-    from zinf.placement import available_ram
+    from zinf.host_room import available_ram
 
     return available_ram()
 

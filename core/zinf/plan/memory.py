@@ -14,7 +14,7 @@ from typing import Sequence
 from zinf.config import PRECISIONS
 from zinf.config_sections import TIERS
 from zinf.offload.pool_room import block_bytes
-from zinf.offload.subgroups import ALIGN_NUMEL
+from zinf.offload.subgroups import subgroup_numels
 from zinf.offload.swap import align_up, record_span
 from zinf.plan.model import ModelSpec
 from zinf.plan.placements import PlanPlacement
@@ -23,11 +23,7 @@ __all__ = ["record_span", "trained_shards", "pool_need", "choose_pool", "state_b
 
 
 def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
-    size = max(ALIGN_NUMEL, (sub_group_numel - 1) // ALIGN_NUMEL * ALIGN_NUMEL)  # as plan_subgroups
-    out = []
-    for n in shards:
-        out += [min(size, n - lo) for lo in range(0, n, size)]
-    return out
+    return [n for shard in shards for n in subgroup_numels(shard, sub_group_numel)]  # as plan_subgroups
 
 
 def trained_shards(spec: ModelSpec, shards: Sequence[int]) -> list[int]:
