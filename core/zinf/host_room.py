@@ -21,17 +21,19 @@ log = logging.getLogger(__name__)
 def available_ram(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The host memory this process can still take: the kernel's MemAvailable, or less where a cgroup's memory limit
     (a container's) leaves less."""
-    room = cgroup_room(cgroup_root)
+    host, room = _mem_available(), cgroup_room(cgroup_root)
+    return host if room is None else min(host, room)
+
+
+def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    host = int(line.split()[1]) * 1024
-                    return host if room is None else min(host, room)
+                    return int(line.split()[1]) * 1024
     except OSError:  # pragma: no cover - non-Linux
         pass
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
-    return host if room is None else min(host, room)  # pragma: no cover
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # pragma: no cover - non-Linux
 
 
 def cgroup_room(root: str = "/sys/fs/cgroup", own: str | None = None) -> int | None:
@@ -45,8 +47,8 @@ def cgroup_room(root: str = "/sys/fs/cgroup", own: str | None = None) -> int | N
                 own = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
         except OSError:
             pass
-    for limit_file, usage_file in ((os.path.join(root, own.lstrip("/"), "memory.max"),
-                                    os.path.join(root, own.lstrip("/"), "memory.current")),
+    v2 = os.path.join(root, own.lstrip("/"))
+    for limit_file, usage_file in ((os.path.join(v2, "memory.max"), os.path.join(v2, "memory.current")),
                                    (os.path.join(root, "memory", "memory.limit_in_bytes"),
                                     os.path.join(root, "memory", "memory.usage_in_bytes"))):
         try:

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from zinf.host_room import available_ram
+
 __all__ = ["Machine", "measure_machine", "available_ram", "nvme_free_bytes", "GLOO_FRACTION_OF_HOST_BW"]
 
 # gloo on one machine moves a gathered byte through the loopback/shared-memory transport: copies into and out of
@@ -167,12 +169,6 @@ def _field_problem(value: object, kind: str) -> str | None:
         return _EXPECTED[kind]
     low_ok = value > 0 if kind == "speed" else value >= (1 if kind == "count" else 0)
     return None if low_ok else _EXPECTED[kind]
-
-
-def available_ram() -> int:
-    from zinf.host_room import available_ram
-
-    return available_ram()
 
 
 def _device_key(path: str) -> str:
