@@ -1,14 +1,15 @@
-"""Is NVMe offload hidden behind compute? One rank, a GPT, four ways back to back in one process.
+"""Is NVMe offload hidden behind compute? One rank, a GPT, three ways back to back in one process, in rounds.
 
     python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 12 --nvme /tmp/zinf-nvme]
-                                       [--grads cpu] [--max-cpu-bytes 8589934592]
+                                       [--rounds 3] [--grads cpu] [--max-cpu-bytes 8589934592]
 
 Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
 states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (``zinf info --nvme``'s
 sequential O_DIRECT write, read, and both at once; the I/O takes the longest of its reads, its writes and all of it
 at the mixed speed). The target: NVMe step <= 1.15 x max(in-memory step,
-I/O alone). "hidden" is the share of the I/O time that did not add to the step. Step times are medians
-over the steps after two of warm-up. Columns: "gather" is the training thread's time in gathers (with
+I/O alone), one ratio per round: each round runs every configuration once, so a ratio compares runs seconds
+apart on a machine whose speed drifts. "hidden" is the share of the I/O time that did not add to the step. Step
+times are medians over the steps after two of warm-up; the first table's, medians over the rounds. Columns: "gather" is the training thread's time in gathers (with
 NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
 "nvme rd/wr" the training thread's own I/O waits, "bg rd/wr" the background optimizer step's (hidden
 unless a gather waits for it). ``--checksums both`` adds the NVMe row with the CRC32C of offloaded records
@@ -84,6 +85,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of all the runs, back to back; each round gives one ratio (default 3)")
     p.add_argument("--nvme", default="/tmp/zinf-nvme")
     p.add_argument("--grads", default="nvme", choices=["auto", "cpu", "nvme"],
                    help="offload.grads (auto: in host memory where they fit, else on NVMe)")
@@ -104,37 +107,47 @@ def main() -> None:
     print(f"disk ({args.nvme}): write {wbw:.2f} GB/s, read {rbw:.2f} GB/s, both at once {mbw:.2f} GB/s")
     if args.adam_threads:
         native.set_num_threads(args.adam_threads)
-    plain = run(cfg, args, None)
-    mem = run(cfg, args, {})
     nvme_cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [args.nvme],
                             "pinned_pool_bytes": 512 << 20, "sub_group_numel": 8 << 20, "grads": args.grads,
                             "max_cpu_bytes": args.max_cpu_bytes}}
-    nvme = run(cfg, args, nvme_cfg)
-    nocrc = run(cfg, args, nvme_cfg, checksums=False) if args.checksums == "both" else None
-    io_alone = disk.floor_s(nvme["read_bytes"], nvme["write_bytes"])  # as the step report's nvme_floor
-    bound = max(mem["step"], io_alone)
-    hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
+    runs = [("plain PyTorch", None, True), ("zinf in memory", {}, True), (f"zinf NVMe (grads {args.grads})", nvme_cfg, True)]
+    if args.checksums == "both":
+        runs.append(("zinf NVMe, no checksums", nvme_cfg, False))
+    # every round runs each configuration once, back to back: the ratios pair runs seconds apart, so a machine whose
+    # speed drifts between rounds (a shared host) moves both sides of a ratio alike
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.rounds):
+        rounds.append({name: run(cfg, args, zcfg, checksums=crc) for name, zcfg, crc in runs})
     print()
     print(f"{'run':<28}{'step s':>9}{'compute':>9}{'gather':>9}{'optim':>9}{'nvme rd':>9}{'nvme wr':>9}{'bg rd':>9}{'bg wr':>9}"
           f"{'I/O GB':>8}")
-    rows = [("plain PyTorch", plain), ("zinf in memory", mem), (f"zinf NVMe (grads {args.grads})", nvme)]
-    if nocrc is not None:
-        rows.append(("zinf NVMe, no checksums", nocrc))
-    for name, r in rows:
-        cells = "".join(f"{r.get(k, float('nan')):>9.3f}" for k in _COLUMNS)
-        print(f"{name:<28}{r['step']:>9.3f}{cells}{r.get('io_bytes', 0) / 1e9:>8.2f}")
-    print(f"{'I/O alone at disk speed':<28}{io_alone:>9.3f}")
+    for name, _, _ in runs:  # medians over the rounds
+        r = {k: statistics.median(res[name].get(k, 0.0 if k == "io_bytes" else float("nan")) for res in rounds)
+             for k in ("step", "io_bytes", *_COLUMNS)}
+        cells = "".join(f"{r[k]:>9.3f}" for k in _COLUMNS)
+        print(f"{name:<28}{r['step']:>9.3f}{cells}{r['io_bytes'] / 1e9:>8.2f}")
+    mem_name, nvme_name = runs[1][0], runs[2][0]
     print()
-    print(f"NVMe step / max(in-memory, I/O alone) = {nvme['step']:.3f} / {bound:.3f} = {nvme['step'] / bound:.2f}x "
-          f"(target <= 1.15x); NVMe step / in-memory step = {nvme['step'] / mem['step']:.2f}x; "
-          f"I/O hidden behind compute: {100 * hidden:.0f}%")
-    crc = nvme["checksum"] + nvme["background_checksum"]
-    print(f"CRC32C of offloaded records: {crc:.3f} s per step ({nvme['checksum']:.3f} on the training thread, "
-          f"{nvme['background_checksum']:.3f} in the background step; {100 * crc / nvme['step']:.1f}% of the step if "
-          "none of it were hidden)")
-    if nocrc is not None:
-        print(f"NVMe step with checksums / without = {nvme['step']:.3f} / {nocrc['step']:.3f} = "
-              f"{nvme['step'] / nocrc['step']:.3f}x (goal: under 1.02x)")
+    print(f"{'round':<7}{'in memory':>10}{'NVMe':>8}{'I/O alone':>11}{'NVMe / bound':>14}{'NVMe / in memory':>18}"
+          f"{'I/O hidden':>12}{'CRC32C s':>10}")
+    ratios = []
+    for i, results in enumerate(rounds):
+        mem, nvme = results[mem_name], results[nvme_name]
+        io_alone = disk.floor_s(nvme["read_bytes"], nvme["write_bytes"])  # as the step report's nvme_floor
+        ratio = nvme["step"] / max(mem["step"], io_alone)
+        hidden = 1.0 - max(0.0, nvme["step"] - mem["step"]) / io_alone if io_alone else 1.0
+        crc = nvme["checksum"] + nvme["background_checksum"]
+        ratios.append(ratio)
+        print(f"{i + 1:<7}{mem['step']:>10.3f}{nvme['step']:>8.3f}{io_alone:>11.3f}{ratio:>13.2f}x"
+              f"{nvme['step'] / mem['step']:>17.2f}x{100 * hidden:>11.0f}%{crc:>10.3f}")
+    print()
+    print(f"NVMe step / max(in-memory step, I/O alone): median {statistics.median(ratios):.2f}x over {len(ratios)} "
+          f"round(s), {min(ratios):.2f}-{max(ratios):.2f}x (target <= 1.15x). CRC32C: the training thread's and the "
+          "background step's checksums, seconds per step.")
+    if args.checksums == "both":
+        costs = [r[nvme_name]["step"] / r[runs[3][0]]["step"] for r in rounds]
+        print(f"NVMe step with checksums / without: median {statistics.median(costs):.3f}x, "
+              f"{min(costs):.3f}-{max(costs):.3f}x (goal: under 1.02x)")
 
 
 if __name__ == "__main__":

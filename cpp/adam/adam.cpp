@@ -4,11 +4,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
 #include <vector>
+
+#include "../checksum/crc32c.h"
 
 namespace zinf::adam {
 namespace {
@@ -142,6 +145,63 @@ void adam_step(const AdamArgs& args, size_t numel) {
   const Kernels k = current_kernels();
   const size_t align = args.state_dtype == DType::kInt8 ? kMomentBlock : kChunkAlignNumel;
   parallel_slices(numel, num_threads(), [&](int, size_t b, size_t e) { k.adam(args, b, e); }, align);
+}
+
+namespace {
+
+size_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16: return 2;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+void adam_step_checked(const AdamArgs& a, size_t numel, bool grad_in_crc, uint32_t* in_crc, uint32_t* out_crc) {
+  if (a.state_dtype != DType::kFloat32 && a.state_dtype != DType::kBFloat16)
+    throw std::invalid_argument("a checked Adam pass needs float32 or bfloat16 moments");
+  if (a.param_out != nullptr)
+    throw std::invalid_argument("a checked Adam pass writes no param_out: copy the parameter once the checksums match");
+  const Kernels k = current_kernels();
+  const int nt = num_threads();
+  const int n_in = grad_in_crc ? 4 : 3;
+  const std::array<const uint8_t*, 4> base = {
+      reinterpret_cast<const uint8_t*>(a.param), static_cast<const uint8_t*>(a.exp_avg),
+      static_cast<const uint8_t*>(a.exp_avg_sq), static_cast<const uint8_t*>(a.grad)};
+  const std::array<size_t, 4> width = {4, dtype_bytes(a.state_dtype), dtype_bytes(a.state_dtype),
+                                       dtype_bytes(a.grad_dtype)};
+  std::vector<std::array<uint32_t, 7>> part(static_cast<size_t>(nt));  // each slice's CRCs: 4 in, 3 out
+  std::vector<size_t> len(static_cast<size_t>(nt), 0);
+  parallel_slices(numel, nt, [&](int tid, size_t b, size_t e) {
+    std::array<uint32_t, 7> state;
+    state.fill(~0u);
+    for (size_t t = b; t < e; t += kCheckTileNumel) {
+      const size_t te = std::min(e, t + kCheckTileNumel);
+      const uint8_t* p[4];
+      size_t n[4];
+      for (int i = 0; i < 4; ++i) {
+        p[i] = base[i] + t * width[i];
+        n[i] = (te - t) * width[i];
+      }
+      checksum::raw_update_streams(state.data(), p, n, n_in);
+      k.adam(a, t, te);
+      checksum::raw_update_streams(state.data() + 4, p, n, 3);
+    }
+    for (auto& s : state) s = ~s;
+    part[tid] = state;
+    len[tid] = e - b;
+  });
+  for (int i = 0; i < 7; ++i) {
+    if (i < 4 && i >= n_in) continue;
+    const size_t w = width[i < 4 ? i : i - 4];
+    uint32_t crc = 0;
+    for (int t = 0; t < nt; ++t)
+      if (len[t]) crc = checksum::crc32c_combine(crc, part[t][i], len[t] * w);
+    (i < 4 ? in_crc[i] : out_crc[i - 4]) = crc;
+  }
 }
 
 double grad_norm_sq(const void* data, DType dtype, size_t numel) {

@@ -93,6 +93,18 @@ struct StepConfig {
 AdamArgs make_args(const StepConfig& cfg);
 
 void adam_step(const AdamArgs& args, size_t numel);
+
+// [Note: checksums in the Adam pass]
+// adam_step that also takes the CRC32C (zinf/checksum) of the master and both moments, and of the gradient
+// where `grad_in_crc`, before each tile of kCheckTileNumel elements is stepped, and of the master and moments
+// after, while the tile is in cache: what an offloaded record's trailer is checked against and what its write
+// is stamped with, without passes of their own over memory. in_crc[0..3]: master, exp_avg, exp_avg_sq,
+// gradient; out_crc[0..2]: master, exp_avg, exp_avg_sq; each the CRC32C of the whole array, whatever the
+// threads' slices. float32 or bfloat16 moments only, and no param_out: nothing computed from inputs not yet
+// known good leaves the pass but the arrays it steps in place, which the caller writes back only once the
+// input checksums match.
+constexpr size_t kCheckTileNumel = 4096;
+void adam_step_checked(const AdamArgs& args, size_t numel, bool grad_in_crc, uint32_t* in_crc, uint32_t* out_crc);
 // Sum of squares accumulated in double per SIMD lane and per thread; non-finite if any element is.
 double grad_norm_sq(const void* data, DType dtype, size_t numel);
 // Moves Adam's 28 bytes/param with trivial math: the memory bandwidth bound of a step.

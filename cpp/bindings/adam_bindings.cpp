@@ -2,6 +2,9 @@
 #include <pybind11/operators.h>
 #include <pybind11/pybind11.h>
 
+#include <array>
+#include <stdexcept>
+
 #include "../adam/adam.h"
 #include "bindings.h"
 
@@ -9,6 +12,36 @@ namespace py = pybind11;
 using namespace zinf::adam;
 
 namespace zinf::bindings {
+namespace {
+
+// One step's AdamArgs from the addresses and names Python passes, checked as adam_step documents.
+AdamArgs step_args(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
+                   uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, const AdamHyper& hyper,
+                   int64_t step, double grad_scale, double clip_coef, bool zero_grad, const std::string& state_dtype,
+                   uint32_t seed, uint32_t index_base, uintptr_t exp_avg_scale, uintptr_t exp_avg_sq_scale) {
+  AdamArgs a = make_args(StepConfig{hyper, step, grad_scale, clip_coef});
+  a.param = reinterpret_cast<float*>(param);
+  a.grad = reinterpret_cast<const void*>(grad);
+  a.grad_dtype = parse_dtype(grad_dtype);
+  a.exp_avg = reinterpret_cast<void*>(exp_avg);
+  a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+  a.state_dtype = parse_dtype(state_dtype);
+  if (a.state_dtype != DType::kFloat32 && a.state_dtype != DType::kBFloat16 && a.state_dtype != DType::kInt8)
+    throw std::invalid_argument("state_dtype must be float32, bfloat16 or int8, got " + state_dtype);
+  if (a.state_dtype == DType::kInt8 && !(exp_avg_scale && exp_avg_sq_scale))
+    throw std::invalid_argument("int8 moments need exp_avg_scale and exp_avg_sq_scale");
+  a.exp_avg_scale = reinterpret_cast<int8_t*>(exp_avg_scale);
+  a.exp_avg_sq_scale = reinterpret_cast<int8_t*>(exp_avg_sq_scale);
+  a.seed = seed;
+  a.index_base = index_base;
+  a.param_out = reinterpret_cast<void*>(param_out);
+  a.out_dtype = param_out ? parse_dtype(out_dtype) : DType::kNone;
+  if (zero_grad && a.grad_dtype != DType::kFloat32) throw std::invalid_argument("zero_grad needs a float32 gradient");
+  a.grad_zero = zero_grad ? reinterpret_cast<float*>(grad) : nullptr;
+  return a;
+}
+
+}  // namespace
 
 void bind_adam(py::module_& m) {
   m.doc() = "Fused CPU Adam/AdamW kernels (tensors passed as data_ptr addresses).";
@@ -34,25 +67,9 @@ void bind_adam(py::module_& m) {
          const AdamHyper& hyper, int64_t step, double grad_scale, double clip_coef, bool zero_grad,
          const std::string& state_dtype, uint32_t seed, uint32_t index_base, uintptr_t exp_avg_scale,
          uintptr_t exp_avg_sq_scale) {
-        AdamArgs a = make_args(StepConfig{hyper, step, grad_scale, clip_coef});
-        a.param = reinterpret_cast<float*>(param);
-        a.grad = reinterpret_cast<const void*>(grad);
-        a.grad_dtype = parse_dtype(grad_dtype);
-        a.exp_avg = reinterpret_cast<void*>(exp_avg);
-        a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-        a.state_dtype = parse_dtype(state_dtype);
-        if (a.state_dtype != DType::kFloat32 && a.state_dtype != DType::kBFloat16 && a.state_dtype != DType::kInt8)
-          throw std::invalid_argument("state_dtype must be float32, bfloat16 or int8, got " + state_dtype);
-        if (a.state_dtype == DType::kInt8 && !(exp_avg_scale && exp_avg_sq_scale))
-          throw std::invalid_argument("int8 moments need exp_avg_scale and exp_avg_sq_scale");
-        a.exp_avg_scale = reinterpret_cast<int8_t*>(exp_avg_scale);
-        a.exp_avg_sq_scale = reinterpret_cast<int8_t*>(exp_avg_sq_scale);
-        a.seed = seed;
-        a.index_base = index_base;
-        a.param_out = reinterpret_cast<void*>(param_out);
-        a.out_dtype = param_out ? parse_dtype(out_dtype) : DType::kNone;
-        if (zero_grad && a.grad_dtype != DType::kFloat32) throw std::invalid_argument("zero_grad needs a float32 gradient");
-        a.grad_zero = zero_grad ? reinterpret_cast<float*>(grad) : nullptr;
+        const AdamArgs a = step_args(param, grad, grad_dtype, exp_avg, exp_avg_sq, param_out, out_dtype, hyper, step,
+                                     grad_scale, clip_coef, zero_grad, state_dtype, seed, index_base, exp_avg_scale,
+                                     exp_avg_sq_scale);
         py::gil_scoped_release release;
         adam_step(a, numel);
       },
@@ -61,6 +78,27 @@ void bind_adam(py::module_& m) {
       py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0, py::arg("zero_grad") = false,
       py::arg("state_dtype") = "float32", py::arg("seed") = 0u, py::arg("index_base") = 0u,
       py::arg("exp_avg_scale") = 0u, py::arg("exp_avg_sq_scale") = 0u);
+  m.def(
+      "adam_step_checked",
+      [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+         size_t numel, const AdamHyper& hyper, int64_t step, double clip_coef, bool zero_grad,
+         const std::string& state_dtype, uint32_t seed, uint32_t index_base, bool grad_checksum) {
+        const AdamArgs a = step_args(param, grad, grad_dtype, exp_avg, exp_avg_sq, 0, "none", hyper, step, 1.0,
+                                     clip_coef, zero_grad, state_dtype, seed, index_base, 0, 0);
+        std::array<uint32_t, 4> in{};
+        std::array<uint32_t, 3> out{};
+        {
+          py::gil_scoped_release release;
+          adam_step_checked(a, numel, grad_checksum, in.data(), out.data());
+        }
+        return py::make_tuple(py::make_tuple(in[0], in[1], in[2], in[3]), py::make_tuple(out[0], out[1], out[2]));
+      },
+      "adam_step with the CRC32C of its inputs and outputs taken in the same pass ([Note: checksums in the Adam "
+      "pass] in cpp/adam/adam.h): ((master, exp_avg, exp_avg_sq, grad) before, (master, exp_avg, exp_avg_sq) after)",
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("numel"), py::arg("hyper"), py::kw_only(), py::arg("step"), py::arg("clip_coef") = 1.0,
+      py::arg("zero_grad") = false, py::arg("state_dtype") = "float32", py::arg("seed") = 0u,
+      py::arg("index_base") = 0u, py::arg("grad_checksum") = false);
   m.def(
       "grad_norm_sq",
       [](uintptr_t data, const std::string& dtype, size_t numel) {

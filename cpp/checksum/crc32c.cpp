@@ -146,6 +146,14 @@ uint32_t crc32c_parallel(const void* data, size_t n, uint32_t crc, int threads) 
   return crc;
 }
 
+void raw_update_streams(uint32_t* states, const uint8_t* const* p, const size_t* n, int k) {
+  if (tables().hardware) {
+    detail::raw_update_sse42_streams(states, p, n, k);
+    return;
+  }
+  for (int i = 0; i < k; ++i) states[i] = raw_update_portable(states[i], p[i], n[i]);
+}
+
 std::string crc32c_backend() { return tables().hardware ? "sse4.2" : "portable"; }
 
 }  // namespace zinf::checksum

@@ -20,6 +20,12 @@ uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
 // thread, take the serial path.
 uint32_t crc32c_parallel(const void* data, size_t n, uint32_t crc, int threads);
 
+// Raw register updates (no pre/post inversion: a fresh CRC starts from ~0u and ends inverted) of `k` streams
+// at once: states[i] over n[i] bytes at p[i]. The streams are independent, so the crc32 instruction's latency
+// is hidden as in the three-way loop; a caller that checksums several arrays tile by tile (the CPU-Adam's
+// checked pass) keeps one state per array.
+void raw_update_streams(uint32_t* states, const uint8_t* const* p, const size_t* n, int k);
+
 // The software path alone (the test oracle for the hardware path).
 uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc = 0);
 
@@ -32,6 +38,7 @@ namespace detail {
 uint32_t raw_update_sse42(uint32_t state, const uint8_t* p, size_t n);
 uint32_t raw_update_sse42_3way(uint32_t state, const uint8_t* p, size_t n, const uint32_t (*shift_lane)[256],
                                const uint32_t (*shift_2lanes)[256], size_t lane);
+void raw_update_sse42_streams(uint32_t* states, const uint8_t* const* p, const size_t* n, int k);
 }  // namespace detail
 
 }  // namespace zinf::checksum

@@ -1,6 +1,8 @@
 // The crc32 instruction path of CRC32C, compiled with -msse4.2 and reached only after a CPU check.
 #include <nmmintrin.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "crc32c.h"
@@ -53,6 +55,40 @@ uint32_t raw_update_sse42_3way(uint32_t state, const uint8_t* p, size_t n, const
     n -= 3 * lane;
   }
   return raw_update_sse42(state, p, n);
+}
+
+// Up to four streams advance together over their common length, eight bytes a step each, then each finishes
+// its own tail.
+void raw_update_sse42_streams(uint32_t* states, const uint8_t* const* p, const size_t* n, int k) {
+  for (int first = 0; first < k; first += 4) {
+    const int m = std::min(4, k - first);
+    uint64_t s[4] = {0, 0, 0, 0};
+    size_t common = SIZE_MAX;
+    for (int i = 0; i < m; ++i) {
+      s[i] = states[first + i];
+      common = std::min(common, n[first + i]);
+    }
+    common &= ~size_t{7};
+    const uint8_t* q[4] = {p[first], m > 1 ? p[first + 1] : nullptr, m > 2 ? p[first + 2] : nullptr,
+                           m > 3 ? p[first + 3] : nullptr};
+    size_t off = 0;
+    if (m == 4) {
+      for (; off < common; off += 8) {
+        s[0] = _mm_crc32_u64(s[0], load64(q[0] + off));
+        s[1] = _mm_crc32_u64(s[1], load64(q[1] + off));
+        s[2] = _mm_crc32_u64(s[2], load64(q[2] + off));
+        s[3] = _mm_crc32_u64(s[3], load64(q[3] + off));
+      }
+    } else if (m == 3) {
+      for (; off < common; off += 8) {
+        s[0] = _mm_crc32_u64(s[0], load64(q[0] + off));
+        s[1] = _mm_crc32_u64(s[1], load64(q[1] + off));
+        s[2] = _mm_crc32_u64(s[2], load64(q[2] + off));
+      }
+    }
+    for (int i = 0; i < m; ++i)
+      states[first + i] = raw_update_sse42(static_cast<uint32_t>(s[i]), q[i] + off, n[first + i] - off);
+  }
 }
 
 }  // namespace zinf::checksum::detail

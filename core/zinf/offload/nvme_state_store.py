@@ -13,7 +13,8 @@ needs a pool buffer may finish the oldest trailing write to get one (an evictor 
 While a sub-group is stepped, the reads of the next one are in flight, and of the one after it where the pool has
 room beside ``param_reserve_bytes`` (finishing trailing writes to make it); sub-groups whose reads add up to less
 than ``READ_AHEAD_BYTES`` are read further ahead. So the disk reads while the CPU-Adam steps, whatever the size of a
-sub-group, and a sub-group's records are verified before anything is computed from them or written back.
+sub-group, and a sub-group's records are verified before anything computed from them is used or written back
+(by the stepper: [Note: checks in the Adam pass] in zinf/offload/record_check.py).
 
 [Note: state read-ahead]
 A step's master and moments do not depend on the gradient, so once a step's writes are done the
@@ -35,6 +36,7 @@ import torch
 from zinf.native import PoolExhaustedError
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.pool_room import OPTIMIZER, PoolRoom, block_bytes
+from zinf.offload.record_check import RecordCheck
 from zinf.offload.state_layout import StateLayout
 from zinf.offload.state_store import StateStore, in_group_order
 from zinf.offload.subgroups import SubGroup
@@ -119,16 +121,17 @@ class NvmeStateStore(StateStore):
     def on_background_thread(self) -> None:
         self.swap.mark_background_thread()
 
-    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor]]]:
-        """Every sub-group's states (and stashed gradient) in memory, in order; what the caller wrote into the
-        states is written back behind it (see [Note: trailing writes])."""
+    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None]]:
+        """Every sub-group's states (and stashed gradient) in memory, in order, with the check of their content the
+        caller takes before using them ([Note: checks in the Adam pass] in zinf/offload/record_check.py); what the
+        caller wrote into the states is written back behind it (see [Note: trailing writes])."""
         self._idle.clear()
         try:
             yield from self._sweep()
         finally:
             self._idle.set()
 
-    def _sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor]]]:
+    def _sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None]]:
         if self.stash is not None:
             self.stash.flush()
         with self._lock:
@@ -167,23 +170,33 @@ class NvmeStateStore(StateStore):
             read_sg, bufs, handles = reading.popleft()
             assert read_sg is sg
             for name in handles:
-                rec = self._rec(sg, name)
-                self.swap.wait(handles[name], rec)
-                self.swap.verify(rec, bufs[name])
+                self.swap.wait(handles[name], self._rec(sg, name))
+            check = self._check(sg, bufs, handles)
             views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.layout.dtype(name)) for name in handles}
             grad_buf = bufs.pop("grad", None)
             try:
-                yield sg, views
+                yield sg, views, check
             finally:
                 if grad_buf is not None:
                     self.room.pool.release(grad_buf)
-            writes = [self.swap.submit_write(self.records[id(sg)][n], bufs[n]) for n in self.layout.names]
+            writes = [self.swap.submit_write(self.records[id(sg)][n], bufs[n], None if check is None else check.write_crc(n))
+                      for n in self.layout.names]
             with self._lock:
                 self._trailing.append((sg, bufs, writes))
         while self._retire_oldest():
             pass
         self._writes_done = True
         self.read_ahead_states()
+
+    def _check(self, sg: SubGroup, bufs: dict[str, torch.Tensor], handles: dict[str, int]) -> RecordCheck | None:
+        """The trailers of ``sg``'s records just read, checked; their content's check handed to the stepper with the
+        states ([Note: checks in the Adam pass] in zinf/offload/record_check.py), or None without checksums."""
+        if not self.swap.checksums:
+            for name in handles:
+                self.swap.verify(self._rec(sg, name), bufs[name])
+            return None
+        records = {name: self._rec(sg, name) for name in handles}
+        return RecordCheck(self.swap, records, bufs, {n: self.swap.trailer_crc(r, bufs[n]) for n, r in records.items()})
 
     def _reading_bytes(self, reading: "collections.deque[_Reads]") -> int:
         return sum(self._rec(sg, name).span for sg, _, handles in reading for name in handles)

@@ -17,6 +17,7 @@ from zinf.offload.subgroups import STATES, SubGroup
 from zinf.param.store import UpdateFence
 
 if TYPE_CHECKING:
+    from zinf.offload.record_check import RecordCheck
     from zinf.param.flat_group import FlatParamGroup
 
 __all__ = ["StateStore", "CpuStateStore", "in_group_order"]
@@ -116,9 +117,11 @@ class CpuStateStore(StateStore):
     def on_background_thread(self) -> None:
         return None
 
-    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor]]]:
+    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], "RecordCheck | None"]]:
+        """Every sub-group's states, in order, with the check of their content where it is left to the stepper
+        (none here: they never left memory)."""
         for sg in self.subgroups:
-            yield sg, self._tensors[id(sg)]
+            yield sg, self._tensors[id(sg)], None
 
     def states_of(self, sg: SubGroup) -> dict[str, torch.Tensor]:
         """``sg``'s master and moments, in place (a step taken during the backward: zinf/optim/early_steps.py)."""

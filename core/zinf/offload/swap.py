@@ -264,17 +264,19 @@ class SwapSpace:
             _remove(self.files)
 
     # -- I/O ------------------------------------------------------------------------------------
-    def stamp(self, rec: Record, buf: torch.Tensor) -> None:
-        """Write the trailer of ``rec``'s next generation into ``buf`` (a uint8 buffer of ``rec.span`` bytes)."""
+    def stamp(self, rec: Record, buf: torch.Tensor, crc: int | None = None) -> None:
+        """Write the trailer of ``rec``'s next generation into ``buf`` (a uint8 buffer of ``rec.span`` bytes); ``crc``:
+        the data's CRC32C where the caller took it already (the CPU-Adam's checked pass)."""
         rec.next_generation()
-        crc = self._checksum(rec, buf) if self.checksums else 0
+        if crc is None:
+            crc = self.checksum(rec, buf) if self.checksums else 0
         trailer = _TRAILER.pack(_REC_MAGIC, self.run_id, rec.record_id, rec.generation, rec.nbytes, crc)
         buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + len(trailer)].copy_(
             torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
 
-    def submit_write(self, rec: Record, buf: torch.Tensor) -> int:
-        """Write a whole record (data already in ``buf``); stamps the trailer first."""
-        self.stamp(rec, buf)
+    def submit_write(self, rec: Record, buf: torch.Tensor, crc: int | None = None) -> int:
+        """Write a whole record (data already in ``buf``); stamps the trailer first (see ``stamp``)."""
+        self.stamp(rec, buf, crc)
         handle = self.aio.submit_write(buf[: rec.span], rec.path, rec.offset)
         self._kind[handle] = ("nvme_write", rec.span)
         return handle
@@ -328,6 +330,13 @@ class SwapSpace:
         if isinstance(rec, InPlaceRecord):
             rec.check(buf, content)
             return
+        crc = self.trailer_crc(rec, buf)
+        if content and self.checksums:
+            self.check_content(rec, self.checksum(rec, buf), crc)
+
+    def trailer_crc(self, rec: Record, buf: torch.Tensor) -> int:
+        """Check the trailer read into ``buf`` is this record's latest generation; return the data's CRC32C it holds
+        (the caller checks the data against it: ``verify``, or ``check_content`` with a CRC taken elsewhere)."""
         raw = bytes(buf[rec.span - TRAILER_BYTES : rec.span - TRAILER_BYTES + _TRAILER.size].numpy().tobytes())
         magic, run, rid, gen, nbytes, crc = _TRAILER.unpack(raw)
         if magic != _REC_MAGIC:
@@ -339,15 +348,18 @@ class SwapSpace:
         if gen != rec.generation or nbytes != rec.nbytes:
             raise OffloadFileError(f"zinf offload: {rec.path} record {rec.record_id} is stale (generation {gen}, "
                                    f"expected {rec.generation}); a write was lost.")
-        if self.checksums:
-            actual = self._checksum(rec, buf)
-            if actual != crc:
-                raise OffloadFileError(
-                    f"zinf offload: {rec.path} record {rec.record_id} at offset {rec.offset} ({rec.nbytes} bytes) is "
-                    f"corrupted: its data's CRC32C is {actual:#010x}, {crc:#010x} was written. Refusing to train on "
-                    "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
+        return crc
 
-    def _checksum(self, rec: Record, buf: torch.Tensor) -> int:
+    @staticmethod
+    def check_content(rec: Record, actual: int, crc: int) -> None:
+        """Refuse a record whose data's CRC32C (``actual``) is not the one its trailer holds (``crc``)."""
+        if actual != crc:
+            raise OffloadFileError(
+                f"zinf offload: {rec.path} record {rec.record_id} at offset {rec.offset} ({rec.nbytes} bytes) is "
+                f"corrupted: its data's CRC32C is {actual:#010x}, {crc:#010x} was written. Refusing to train on "
+                "it; check the drive (dmesg, smartctl) and restart from the last checkpoint.")
+
+    def checksum(self, rec: Record, buf: torch.Tensor) -> int:
         """A record's CRC32C on the CPU-Adam's threads: it runs between the sweep's steps, when they are free."""
         with self.timers.time("background_checksum" if threading.get_ident() in self._background else "checksum"):
             return native.crc32c(buf[: rec.nbytes], threads=native.require().adam.num_threads())

@@ -55,6 +55,7 @@ from zinf.param.store import UpdateFence
 from zinf.report import StepTimers
 
 if TYPE_CHECKING:
+    from zinf.offload.record_check import RecordCheck
     from zinf.offload.device_states import DeviceStateStore
     from zinf.offload.nvme_state_store import NvmeStateStore
     from zinf.offload.state_store import CpuStateStore, StateStore
@@ -162,8 +163,8 @@ class OffloadedAdam(OffloadedAdamState):
         for store in self._stores():  # on the training thread: a device store orders its copies after compute
             store.begin_update()
         if self.device_states is not None:  # the device share, before the CPU's sweep: the forward needs it first
-            for sg, states in self.device_states.sweep():
-                self._step(sg, states)
+            for sg, states, check in self.device_states.sweep():
+                self._step(sg, states, check)
         if not self.background:
             self._run()
             return
@@ -286,8 +287,8 @@ class OffloadedAdam(OffloadedAdamState):
             if self.early is not None:  # the steps begun during the backward have finished
                 self.early.join()
             with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
-                for sg, states in self.states.sweep():
-                    self._step(sg, states)
+                for sg, states, check in self.states.sweep():
+                    self._step(sg, states, check)
         finally:
             for store in self._stores():
                 store.end_update()
@@ -306,7 +307,7 @@ class OffloadedAdam(OffloadedAdamState):
         group.zero_grad(memory_zeroed=True)  # zeroed by the Adam pass: [Note: fused step] in zinf/optim/fused_step.py
         self.fence.finish(group)
 
-    def _step(self, sg: SubGroup, states: dict[str, torch.Tensor]) -> None:
+    def _step(self, sg: SubGroup, states: dict[str, torch.Tensor], check: "RecordCheck | None" = None) -> None:
         """See [Note: fused step] in zinf/optim/fused_step.py."""
         g = sg.group
         out = g.store.writer(g)
@@ -336,7 +337,7 @@ class OffloadedAdam(OffloadedAdamState):
         store = self.home(g)
         adam_sub_group(sg, master, m, v, grad, out, self._hyper, stepped, steps, factor, fp32=fp32, stashed=stashed,
                        scales=lambda j: store.layout.segment_scales(sg, states, j),
-                       step_fn=native.adam_step_torch if store is self.device_states else native.adam_step)
+                       step_fn=native.adam_step_torch if store is self.device_states else native.adam_step, check=check)
         if sg.last_of_group:
             self._finish_group(g)
 

@@ -1,7 +1,8 @@
 """The optimizer's sweep over NVMe sub-groups reads ahead counted in sub-groups ([Note: the sweep's reads] in
 zinf/offload/nvme_state_store.py): with sub-groups whose reads exceed READ_AHEAD_BYTES, sub-group i+1's first read
-is submitted before sub-group i's CPU-Adam starts; a corrupted state record is refused before anything of its
-sub-group is written back. One process, real files; the swap space and the step are wrapped only to record the
+is submitted before sub-group i's CPU-Adam starts; a corrupted state record is refused (by the CPU-Adam pass that
+checksums what it reads, [Note: checks in the Adam pass]) before anything of its sub-group is written back or
+reaches the parameters. One process, real files; the swap space and the step are wrapped only to record the
 order of their calls."""
 
 from __future__ import annotations
@@ -96,11 +97,15 @@ def test_a_corrupted_state_record_is_refused_before_any_write_of_its_subgroup(tm
             byte = f.read(1)
             f.seek(rec.offset + 4096)
             f.write(bytes([byte[0] ^ 0xFF]))
+        sg = calls.subgroups[bad]
+        before = sg.group.store.read(sg.group)[sg.lo : sg.hi].clone()
         calls.clear()
         with pytest.raises(OffloadFileError, match="is corrupted"):
             _step(engine, 1)
             engine.synchronize()
         written = {calls.owner.get(k) for w, k in calls.log if w == "submit_write"}
-        assert bad not in written and ("step", bad) not in calls.log, calls.log
+        assert bad not in written, calls.log
+        assert ("step", bad) in calls.log  # the pass that stepped it found the corruption
+        assert torch.equal(sg.group.store.read(sg.group)[sg.lo : sg.hi], before)  # and wrote no parameter
     finally:
         engine.close()
