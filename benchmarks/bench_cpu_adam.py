@@ -3,7 +3,9 @@
     python benchmarks/bench_cpu_adam.py [--sizes 100M,500M] [--threads 2] [--reps 3]
 
 Table 1: one AdamW step on N fp32 params (G params/s). "streaming bound" moves the same 28 bytes
-per param as Adam (read p, g, m, v; write p, m, v) with trivial math, in the same run.
+per param as Adam (read p, g, m, v; write p, m, v) with trivial math, in the same run. Two rows add the CRC32C an
+NVMe sub-group's records need (the four arrays as read, the three as written): taken by passes of their own, and by
+``adam_step_checked`` inside the Adam pass.
 Table 2: the whole ZeRO optimizer step: unscale (1/loss_scale), global-norm clip, AdamW and a bf16
 copy of the param; zinf fuses it into grad_norm_sq + one adam_step pass, torch runs
 g.mul_(1/S); clip_grad_norm_; fused AdamW; param_bf16.copy_(param).
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from zinf import native
+from zinf.native.checked_adam import adam_step_checked
 
 
 def parse_size(s: str) -> int:
@@ -57,8 +60,21 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
         step[0] += 1
         native.adam_step(p, g, m, v, hyper, step=step[0])
 
+    def checked_apart() -> None:  # an NVMe record's content check and write stamp as passes of their own
+        for t in (p, m, v, g):
+            native.crc32c(t, threads=native.require().adam.num_threads())
+        ours()
+        for t in (p, m, v):
+            native.crc32c(t, threads=native.require().adam.num_threads())
+
+    def checked_in_pass() -> None:  # the same CRC32C values taken tile by tile inside the Adam pass
+        step[0] += 1
+        adam_step_checked(p, g, m, v, hyper, step=step[0], grad_checksum=True)
+
     rows = [("streaming bound (28 B/param)", timeit(lambda: native.stream_bound(p, g, m, v), reps)),
-            ("zinf adam_step", timeit(ours, reps))]
+            ("zinf adam_step", timeit(ours, reps)),
+            ("zinf adam_step + CRC32C of what it reads and writes, apart", timeit(checked_apart, reps)),
+            ("zinf adam_step_checked (the CRC32C in the pass)", timeit(checked_in_pass, reps))]
     del m, v
     gc.collect()
     for name, kw in (("torch AdamW(fused=True)", dict(fused=True)), ("torch AdamW (default, foreach)", dict(foreach=True))):
@@ -244,7 +260,7 @@ def main() -> None:
         rows, full = bench_size(n, args.reps)
         bound = rows[0][1]
         ours = rows[1][1]
-        fused = rows[2][1]
+        fused = next(t for name, t in rows if name.startswith("torch AdamW(fused"))
         print(f"\n## AdamW step, {n / 1e6:.0f}M fp32 params (best of {args.reps})")
         print(f"| method | s/step | G params/s | GB/s (28 B/param) | ours vs this |")
         print("|---|---:|---:|---:|---:|")
