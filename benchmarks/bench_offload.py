@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--checksums", default="on", choices=["on", "both"],
                    help="both: also run the NVMe row with the CRC32C of offloaded records off, to measure its cost")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     os.makedirs(args.nvme, exist_ok=True)
     cfg = GPTConfig(vocab=args.vocab, block=128, n_embd=args.embd, n_head=8, n_layer=args.layers)
     numel = sum(p.numel() for p in dict.fromkeys(GPT(cfg).parameters()))
@@ -142,8 +144,9 @@ def main() -> None:
               f"{nvme['step'] / mem['step']:>17.2f}x{100 * hidden:>11.0f}%{crc:>10.3f}")
     print()
     print(f"NVMe step / max(in-memory step, I/O alone): median {statistics.median(ratios):.2f}x over {len(ratios)} "
-          f"round(s), {min(ratios):.2f}-{max(ratios):.2f}x (target <= 1.15x). CRC32C: the training thread's and the "
-          "background step's checksums, seconds per step.")
+          f"round(s), {min(ratios):.2f}-{max(ratios):.2f}x (target <= 1.15x). CRC32C: seconds per step of the "
+          "checksums on passes of their own, on the training thread and in the background step (those the Adam pass "
+          "and the copies into pool buffers take are not timed apart).")
     if args.checksums == "both":
         costs = [r[nvme_name]["step"] / r[runs[3][0]]["step"] for r in rounds]
         print(f"NVMe step with checksums / without: median {statistics.median(costs):.3f}x; by round "

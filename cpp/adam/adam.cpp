@@ -60,12 +60,15 @@ void parallel_slices(size_t numel, int max_threads, Fn&& fn, size_t align = kChu
   const int nt = max_threads;
   size_t chunk = (numel + nt - 1) / nt;
   chunk = (chunk + align - 1) / align * align;
+  // the slices are a loop over OpenMP's threads: fewer threads than asked for (a thread limit, a nested region) still
+  // run every slice, each with its own index
 #pragma omp parallel num_threads(nt)
   {
-    const int tid = omp_get_thread_num();
-    const size_t begin = std::min(numel, chunk * static_cast<size_t>(tid));
-    const size_t end = std::min(numel, begin + chunk);
-    fn(tid, begin, end);
+    for (int tid = omp_get_thread_num(); tid < nt; tid += omp_get_num_threads()) {
+      const size_t begin = std::min(numel, chunk * static_cast<size_t>(tid));
+      const size_t end = std::min(numel, begin + chunk);
+      fn(tid, begin, end);
+    }
   }
 }
 

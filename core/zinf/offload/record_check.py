@@ -5,9 +5,10 @@ The sweep checks each record it reads against its trailer before anything comput
 back. The trailer's generation and identity are checked as the reads finish; the data's CRC32C is taken either by a
 pass of its own (``check_now``) or by the CPU-Adam pass that steps the sub-group (``check_in_pass``, [Note:
 checksums in the Adam pass] in cpp/adam/adam.h), which also returns the CRC32C of what it wrote, so the writes are
-stamped without another pass. The pass steps in place in the sweep's pool buffers and writes nothing else, so a
-record refused after it has only changed buffers the sweep then drops: the stepper writes the parameter shard
-and the sweep submits the writes only after the check.
+stamped without another pass. The pass steps in place in the sweep's pool buffers, so a record refused after it
+has changed only those buffers, which are never written back: the stepper writes the parameter shard and the sweep
+submits the writes only after the check. The one other thing it touches is a gradient held in host memory, zeroed
+as the pass reads it (as the step always does); a refused step has lost it, and the engine trains no further.
 """
 
 from __future__ import annotations
@@ -56,5 +57,7 @@ class RecordCheck:
 
     def write_crc(self, name: str) -> int | None:
         """The CRC32C to stamp ``name``'s write with: None where the write takes its own."""
-        assert self.state is not CheckState.PENDING, "a sub-group's records were written back unchecked"
+        if self.state is CheckState.PENDING:  # never stamp unchecked data with a fresh checksum
+            raise RuntimeError(f"zinf offload: record {self.records[name].record_id} is being written back before its "
+                               "content was checked; the stepper must call check_in_pass or check_now first")
         return self._written.get(name)

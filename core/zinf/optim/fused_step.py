@@ -122,7 +122,7 @@ def _unchanged(arrays: Sequence[torch.Tensor], a: int, b: int,
                resident_grad: torch.Tensor | None) -> tuple[int, int, list[int], list[int]]:
     """A range nothing steps: its CRC32C as read is the one written; a resident gradient is zeroed for the next
     backward, as the stepped ranges' are by their pass."""
-    crcs = [native.crc32c(x[a:b]) for x in arrays]
+    crcs = [native.crc32c(x[a:b], threads=native.require().adam.num_threads()) for x in arrays]
     if resident_grad is not None:
         resident_grad[a:b].zero_()
     return a, b - a, crcs, crcs

@@ -60,3 +60,37 @@ def test_refuses_int8_moments_and_says_what_to_call():
     assert not can_check_in_pass(codes)
     with pytest.raises(RuntimeError, match="adam_step and crc32c apart"):
         adam_step_checked(p, g, codes, codes.clone(), native.AdamHyper(), step=1)
+
+
+_FEWER_THREADS = """
+import torch
+from zinf import native
+from zinf.native.checked_adam import adam_step_checked
+hyper = native.AdamHyper(lr=1e-3)
+g = torch.Generator().manual_seed(0)
+arrays = [torch.randn(300_000, generator=g) for _ in range(4)]
+arrays[3].abs_()
+one = [t.clone() for t in arrays]
+native.set_num_threads(1)
+native.adam_step(*one, hyper, step=2)
+native.set_num_threads(4)
+four = [t.clone() for t in arrays]
+native.adam_step(*four, hyper, step=2)
+checked = [t.clone() for t in arrays]
+read, written = adam_step_checked(*checked, hyper, step=2, grad_checksum=True)
+assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(one, four, checked)), "values"
+assert list(read) == [native.crc32c(t) for t in (arrays[0], arrays[2], arrays[3], arrays[1])], "read"
+assert list(written) == [native.crc32c(t) for t in (checked[0], checked[2], checked[3])], "written"
+"""
+
+
+def test_fewer_threads_than_asked_for_still_step_every_slice() -> None:
+    """OpenMP may run a region on fewer threads than it was asked for (``OMP_THREAD_LIMIT=1`` against four): every
+    slice is still stepped (plain and checked passes) and checksummed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", _FEWER_THREADS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
