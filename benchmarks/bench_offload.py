@@ -3,14 +3,14 @@
     python benchmarks/bench_offload.py [--layers 8 --embd 512 --vocab 8192 --batch 4 --steps 12 --nvme /tmp/zinf-nvme]
                                        [--rounds 3] [--grads cpu] [--max-cpu-bytes 8589934592]
 
-Rows: plain PyTorch (AdamW), zinf with everything in memory, zinf with parameters, gradients and optimizer
-states on NVMe, and the NVMe step's own I/O at the disk bandwidth measured here first (``zinf info --nvme``'s
+Runs: plain PyTorch (AdamW), zinf with everything in memory, and zinf with parameters, gradients and optimizer
+states on NVMe. "I/O alone" is the NVMe step's bytes at the disk bandwidth measured here first (``zinf info --nvme``'s
 sequential O_DIRECT write, read, and both at once; the I/O takes the longest of its reads, its writes and all of it
-at the mixed speed). The target: NVMe step <= 1.15 x max(in-memory step,
-I/O alone), one ratio per round: each round runs every configuration once, so a ratio compares runs seconds
-apart on a machine whose speed drifts. "hidden" is the share of the I/O time that did not add to the step. Step
-times are medians over the steps after two of warm-up; the first table's, medians over the rounds. Columns: "gather" is the training thread's time in gathers (with
-NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
+at the mixed speed). The target: NVMe step <= 1.15 x max(in-memory step, I/O alone), one ratio per round: each
+round runs every configuration once, so a ratio compares runs seconds apart on a machine whose speed drifts.
+"hidden" is the share of the I/O time that did not add to the step. Step times are medians over the steps after
+two of warm-up; the first table's, medians over the rounds. Columns: "gather" is the training thread's time in
+gathers (with NVMe: waiting for a shard's read or its background update), "optim" the time in ``engine.step()``,
 "nvme rd/wr" the training thread's own I/O waits, "bg rd/wr" the background optimizer step's (hidden
 unless a gather waits for it). ``--checksums both`` adds the NVMe row with the CRC32C of offloaded records
 turned off (an internal switch, for this measurement only) and prints what the checksums cost.

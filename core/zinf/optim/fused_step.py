@@ -80,7 +80,6 @@ def adam_sub_group(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch
             grad[lo - sg.lo : hi - sg.lo].zero_()
 
 
-
 def _step_checked(sg: SubGroup, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor | None,
                   out: torch.Tensor | None, hyper: Sequence[AdamHyper], stepped: Sequence[bool],
                   steps: Sequence[int | None], factor: float, stashed: bool, check: RecordCheck) -> bool:
