@@ -64,6 +64,12 @@ def main() -> None:
             storage.resize_(0)
 
         rows.append(("same storage, through the cache", *_measure(cached, args.repeats)))
+
+        def missed() -> None:
+            cached()
+            cache.clear()  # the block goes back to the system: the next gather misses
+
+        rows.append(("through the cache, a miss each time (huge pages)", *_measure(missed, args.repeats)))
     else:
         print(f"gather buffer cache unavailable: {unavailable_reason()}")
     kept = torch.empty(args.numel)

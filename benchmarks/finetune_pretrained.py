@@ -80,6 +80,8 @@ def main() -> None:
                         "adapters, norms)")
     p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "always", "never"],
                    help="overlap.reshard_after_forward")
+    p.add_argument("--host-keep", default="auto", choices=["auto", "off"],
+                   help="overlap.host_keep: on the CPU, groups kept for the backward in a room of host memory")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer (transformers' gradient_checkpointing_enable, "
                         "non-reentrant): the compute bound counts the recomputed forward")
@@ -111,6 +113,7 @@ def main() -> None:
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
                     "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
         "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward,
+                    "host_keep": args.host_keep,
                     "persistent_numel": args.persistent_numel},
         **({} if args.trim_heap_bytes is None else {"trim_heap_bytes": args.trim_heap_bytes}),
     })
@@ -163,7 +166,8 @@ def main() -> None:
                       "nvme_read": report.counts.get("nvme_read_bytes", 0),
                       "nvme_written": report.counts.get("nvme_written_bytes", 0),
                       "disk_bound_s": disk_bound,
-                      "breakdown_s": {k: round(v, 2) for k, v in report.seconds.items()}})
+                      "breakdown_s": {k: round(v, 2) for k, v in report.seconds.items()},
+                      "counts": dict(report.counts)})
         if rank == 0:
             rec = steps[-1]
             disk = (f"disk {disk_bound:.1f} s" if disk_bound is not None

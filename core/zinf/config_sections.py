@@ -58,7 +58,8 @@ class OverlapConfig(Checked):
     for a whole block, as FSDP2 issues one all-gather per block); "off": one all-gather per group.
     ``reshard_after_forward`` says which groups go back to their shards after their module's forward (see
     [Note: kept for backward] in zinf/schedule/keep.py): "auto" (default) all but the ones the backward gathers
-    first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``), which stay gathered from their
+    first, as many as fit ``prefetch_bytes`` (and half of ``max_gathered_bytes``; computing on the CPU, also a room
+    of host memory: [Note: keeping in the host's room] in zinf/schedule/keep.py), which stay gathered from their
     last use in the forward into their backward, and, whatever their size, those of the modules the backward starts
     with where the forward ends with them (the output layer, the root); "always" every group (ZeRO-3 as DeepSpeed
     runs it: the backward gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
@@ -72,6 +73,10 @@ class OverlapConfig(Checked):
     cache that keeps freed blocks mapped for the next gather of the same size, within 1.25 times the most ever
     gathered at once and one block; with the parameters offloaded, frozen groups' gathers only (see [Note: gather
     buffer cache] in zinf/native/buffer_cache.py); "off": fresh memory each gather.
+    ``host_keep`` ("auto", "off"): with "auto" (default), computing on the CPU with ``reshard_after_forward``
+    "auto" and nothing bounding the gathers (no ``max_gathered_bytes``, no ``offload.max_cpu_bytes``), groups are
+    also kept for the backward in a room of host memory: a quarter of what the placements leave free, split between
+    the host's ranks ([Note: keeping in the host's room] in zinf/schedule/keep.py); "off": ``prefetch_bytes`` only.
     """
 
     prefetch_bytes: int = 64 * 2**20
@@ -83,6 +88,7 @@ class OverlapConfig(Checked):
     reshard_after_forward: str = "auto"
     shared_memory: str = "auto"
     gather_cache: str = "auto"
+    host_keep: str = "auto"
 
     def validate(self) -> None:
         check_types(self, "overlap.")
@@ -100,6 +106,8 @@ class OverlapConfig(Checked):
                  "one of ['auto', 'off'] ('off': every collective through the process group)")
         require(self.gather_cache in ("auto", "off"), "overlap.gather_cache", self.gather_cache,
                  "one of ['auto', 'off'] ('off': fresh memory for every gather)")
+        require(self.host_keep in ("auto", "off"), "overlap.host_keep", self.host_keep,
+                 "one of ['auto', 'off'] ('off': only prefetch_bytes keeps groups for the backward)")
         require(self.reduce_bucket_bytes >= 0, "overlap.reduce_bucket_bytes", self.reduce_bucket_bytes,
                  "an integer >= 0 (0: sized by the backend)")
 

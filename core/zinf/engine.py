@@ -23,7 +23,7 @@ from zinf.offload.cleanup import stops_deferred
 from zinf.errors import PartlyLoadedError, UnsupportedModelError
 from zinf.heap import HeapTrimmer
 from zinf.host_memory import HostMemory
-from zinf.host_room import start_heap_trims
+from zinf.host_room import keep_room, start_heap_trims
 from zinf.checkpoint import model_state
 from zinf.checkpoint.sharded import load_sharded, save_sharded
 from zinf.recompute import ActivationCheckpointing
@@ -101,8 +101,7 @@ class ZeroInfinityEngine:
             g.master_shard.fit(g.trainable)  # a frozen group keeps its shard alone ([Note: frozen groups] in zinf/param/master.py)
         self.timers = StepTimers()
         self.grads = Accumulation()  # what the gradient shards hold between steps
-        # [Note: heap growth] in zinf/heap.py: the memory of freed gathers and gradients back to the system
-        # and [Note: host bytes accounted] in zinf/host_memory.py
+        # freed gathers' memory back to the system ([Note: heap growth] in zinf/heap.py) and its account (host_memory.py)
         self.heap = HeapTrimmer(0, self.timers)  # started once the placement says what host memory is left
         self.host = HostMemory(self.heap)
         # one context for every part of this engine: its process group, streams, timers and host account
@@ -113,8 +112,9 @@ class ZeroInfinityEngine:
         self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
                                    check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0,
                                    moment_dtype=self.config.moment_dtype)
-        start_heap_trims(self.heap, self.config, self.device, sum(g.nbytes_full for g in self.groups),
-                         self.comm.ranks_on_host(), self.placement.free_host_bytes)
+        host = (self.comm.ranks_on_host(), self.placement.free_host_bytes)
+        start_heap_trims(self.heap, self.config, self.device, sum(g.nbytes_full for g in self.groups), *host)
+        room = self.comm.host_all_reduce(torch.tensor([keep_room(self.config, self.device, *host)]), "min")
         self.timers.take()  # start-up I/O is not part of the first step
         for g in self.groups:
             if g.numel <= self.config.overlap.persistent_numel:
@@ -131,7 +131,7 @@ class ZeroInfinityEngine:
             on_backward_start=[o.before_backward for o in stepper] + [self.placement.before_backward,
                                                                      self.grads.begin_backward],
             on_backward_end=[self._count_backward, self.heap.after_backward] + [o.after_backward for o in stepper],
-            unit_stages=self.placement.stages_like_one_group)
+            unit_stages=self.placement.stages_like_one_group, keep_room=int(room))
         self.hooks.buffers.broadcast()  # as DDP's construction: every rank starts from rank 0's buffers
         external = ExternalParamMode(self.hooks) if self.config.detect_external_params else None
         self.forward_pass = ForwardPass(model, self.hooks, self.timers, external, self._prepare_inputs,
@@ -361,7 +361,7 @@ class ZeroInfinityEngine:
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
-        counts.update(self.ctx.buffers.take_counts() if self.ctx.buffers is not None else {})
+        counts.update(self.hooks.keep.take_counts(), **(self.ctx.buffers.take_counts() if self.ctx.buffers else {}))
         floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
         if floor is not None:
             seconds["nvme_floor"] = floor

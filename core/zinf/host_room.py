@@ -13,7 +13,8 @@ from zinf.config import ZeroConfig
 from zinf.config_sections import OffloadConfig
 from zinf.heap import HeapTrimmer
 
-__all__ = ["available_ram", "cgroup_room", "trims_host_heap", "start_heap_trims", "HEAP_PRESSURE_SHARE"]
+__all__ = ["available_ram", "cgroup_room", "trims_host_heap", "start_heap_trims", "keep_room", "HEAP_PRESSURE_SHARE",
+           "KEEP_SHARE"]
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +90,20 @@ def start_heap_trims(heap: HeapTrimmer, config: ZeroConfig, device: torch.device
     trims = trims_host_heap(config.offload, device, model_bytes, ranks_on_host, free_host_bytes)
     heap.start(config.trim_heap_bytes if trims else 0)
     log.debug("zinf: the host heap is %s during the step", "trimmed" if heap.every_bytes else "left to glibc")
+
+
+# the share of the memory the placements leave free that the ranks of a host may keep gathered for the backward
+KEEP_SHARE = 0.25
+
+
+def keep_room(config: ZeroConfig, device: torch.device, ranks_on_host: int, free_host_bytes: int) -> int:
+    """Host memory one rank gives to keeping gathered groups from their forward to their backward, beyond
+    ``overlap.prefetch_bytes`` ([Note: keeping in the host's room] in zinf/schedule/keep.py): ``KEEP_SHARE`` of what
+    the placements leave free, split between the host's ranks, where the gathers are host memory (CPU compute) and
+    nothing bounds them otherwise (``overlap.host_keep`` and ``reshard_after_forward`` "auto", no
+    ``max_gathered_bytes``, no ``offload.max_cpu_bytes``); 0 elsewhere."""
+    overlap = config.overlap
+    if (device.type != "cpu" or overlap.host_keep != "auto" or overlap.reshard_after_forward != "auto"
+            or overlap.max_gathered_bytes or config.offload.max_cpu_bytes):
+        return 0
+    return max(0, int(KEEP_SHARE * free_host_bytes) // max(1, ranks_on_host))

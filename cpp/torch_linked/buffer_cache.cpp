@@ -4,6 +4,8 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <iterator>
@@ -16,6 +18,20 @@
 namespace {
 
 constexpr size_t kAlignment = 64;  // c10's own CPU alignment
+constexpr size_t kHugePage = size_t{2} << 20;  // x86-64's transparent huge page
+
+// A block of at least one huge page is aligned to one and asks the kernel for huge pages (where transparent huge
+// pages are "madvise", as on most distributions): its first touch faults in 2 MiB at a time instead of 4 KiB, 512
+// times fewer faults. Smaller blocks keep c10's alignment.
+void* allocate_block(size_t nbytes) {
+  void* ptr = nullptr;
+  const bool huge = nbytes >= kHugePage;
+  if (posix_memalign(&ptr, huge ? kHugePage : kAlignment, nbytes) != 0) return nullptr;
+#ifdef MADV_HUGEPAGE
+  if (huge) madvise(ptr, nbytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only: its failure changes nothing
+#endif
+  return ptr;
+}
 
 class BufferCache;
 
@@ -37,8 +53,8 @@ class BufferCache final : public c10::Allocator {
     if (nbytes == 0) return {nullptr, nullptr, &BufferCache::release, c10::Device(c10::DeviceType::CPU)};
     Block* block = take(nbytes);
     if (block == nullptr) {
-      void* ptr = nullptr;
-      if (posix_memalign(&ptr, kAlignment, nbytes) != 0) {
+      void* ptr = allocate_block(nbytes);
+      if (ptr == nullptr) {
         std::lock_guard<std::mutex> lock(mu_);
         live_bytes_ -= nbytes;  // the room reserved by take()
         throw std::bad_alloc();

@@ -1,6 +1,6 @@
 """[Note: kept for backward] in zinf/schedule/keep.py: the groups the backward gathers first stay gathered from their
-last use in the forward (``overlap.reshard_after_forward``: "auto" within ``prefetch_bytes``, "never" all of them,
-"always" none). Every setting trains as plain PyTorch does; what is kept is bounded as the setting says; a forward
+last use in the forward (``overlap.reshard_after_forward``: "auto" within ``prefetch_bytes`` and, on the CPU, the
+host's room, "never" all of them, "always" none). Every setting trains as plain PyTorch does; what is kept is bounded as the setting says; a forward
 whose backward never comes (a discarded loss, an evaluation in between) leaves nothing stale behind."""
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ pytestmark = pytest.mark.distributed
 SETTINGS = ("auto", "always", "never")
 
 
-def _recipe(setting: str, **overlap: int) -> Recipe:
+def _recipe(setting: str, **overlap: int | str) -> Recipe:
     return Recipe(kind="gpt", steps=6, accum=2, zinf={"overlap": {"reshard_after_forward": setting, **overlap}})
 
 
 RECIPES = {"auto": _recipe("auto"), "always": _recipe("always"), "never": _recipe("never"),
-           "auto, a small window": _recipe("auto", prefetch_bytes=20_000),
+           "auto, a small window": _recipe("auto", prefetch_bytes=20_000, host_keep="off"),
+           "auto, a small window and the host's room": _recipe("auto", prefetch_bytes=20_000),
            "auto, under max_gathered_bytes": _recipe("auto", max_gathered_bytes=80_000)}
 
 
@@ -46,14 +47,14 @@ def test_every_setting_trains_as_pytorch(world: int) -> None:
         assert results[name]["rerecords"] == {"forward": 0, "backward": 0, "eval": 0}, name
 
 
-def _kept(rank: int, world: int, setting: str, prefetch_bytes: int) -> dict:
+def _kept(rank: int, world: int, setting: str, prefetch_bytes: int, host_keep: str = "off") -> dict:
     torch.manual_seed(0)
-    config = zinf.ZeroConfig.from_dict({"overlap": {"reshard_after_forward": setting,
+    config = zinf.ZeroConfig.from_dict({"overlap": {"reshard_after_forward": setting, "host_keep": host_keep,
                                                     "prefetch_bytes": prefetch_bytes}})
     with zinf.Init(config):
         model = GPT(GPTConfig(n_layer=4))
     engine = zinf.initialize(model, make_optimizer(model), config)
-    after_forward, gathers = [], []
+    after_forward, gathers, kept = [], [], []
     for x, y in batches("gpt", 4, 8):
         loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
         after_forward.append(engine.fetcher.gathered_bytes)
@@ -61,6 +62,7 @@ def _kept(rank: int, world: int, setting: str, prefetch_bytes: int) -> dict:
         engine.step()
         counts = engine.report().counts
         gathers.append(counts["prefetched_gathers"] + counts["demand_gathers"])
+        kept.append(counts["kept_for_backward_bytes"])
         assert engine.fetcher.gathered_bytes == 0  # nothing is left gathered after a step
     total = sum(g.nbytes_full for g in engine.groups)
     # the groups gathered as the forward ends and first needed by the backward: the root's (its call spans the
@@ -68,16 +70,17 @@ def _kept(rank: int, world: int, setting: str, prefetch_bytes: int) -> dict:
     ends = {id(g): g.nbytes_full for m in (model, model.lm_head) for g in engine.hooks.keep.needed(m)}
     engine.close()
     return {"after_forward": after_forward, "gathers": gathers, "total": total, "ends": sum(ends.values()),
-            "ends_count": len(ends)}
+            "ends_count": len(ends), "kept": kept, "room": engine.hooks.keep.room}
 
 
 def _kept_each(rank: int, world: int) -> list[dict]:
-    return [_kept(rank, world, setting, window) for setting, window in
-            (("always", 64 << 20), ("auto", 64 << 20), ("auto", 30_000), ("never", 4096), ("auto", 1))]
+    return [_kept(rank, world, *how) for how in
+            (("always", 64 << 20), ("auto", 64 << 20), ("auto", 30_000), ("never", 4096), ("auto", 1),
+             ("auto", 1, "auto"), ("always", 1, "auto"))]
 
 
 def test_what_stays_gathered_into_the_backward() -> None:
-    always, auto, small, never, tiny = run_distributed(_kept_each, 2)[0]
+    always, auto, small, never, tiny, room, room_always = run_distributed(_kept_each, 2)[0]
     # the first step records the order: nothing is kept before both traces are known
     assert {r["after_forward"][0] for r in (always, auto, small, never, tiny)} == {0}
     # with no window at all, "auto" still keeps what the forward ends with and the backward starts with (whatever
@@ -93,6 +96,14 @@ def test_what_stays_gathered_into_the_backward() -> None:
     assert auto["gathers"][1:] == never["gathers"][1:]
     assert all(n < s < a for n, s, a in zip(never["gathers"][1:], small["gathers"][1:], always["gathers"][1:])), (
         never["gathers"], small["gathers"], always["gathers"])
+    # the step report counts what each backward found kept
+    assert auto["kept"] == [0] + [auto["total"]] * 3 and always["kept"] == [0] * 4
+    # [Note: keeping in the host's room]: on the CPU, "auto" keeps within host memory beside the window; this small
+    # model fits any host's room whole, so the backward gathers nothing again however small the window
+    assert room["room"] > room["total"] and tiny["room"] == 0 and room_always["room"] == 0
+    assert room["after_forward"][1:] == [room["total"]] * 3 and room["kept"] == [0] + [room["total"]] * 3
+    assert room["gathers"][1:] == never["gathers"][1:]
+    assert room_always["gathers"] == always["gathers"]  # "always" keeps nothing, whatever the room
 
 
 def _sequence(rank: int, world: int) -> list[float]:
@@ -144,7 +155,7 @@ def test_a_forward_without_its_backward_leaves_nothing_stale(world: int) -> None
 
 def _budget_and_loads(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_bytes": 20_000}})
+    config = zinf.ZeroConfig.from_dict({"overlap": {"prefetch_bytes": 20_000, "host_keep": "off"}})
     with zinf.Init(config):
         model = build("gpt")
     engine = zinf.initialize(model, make_optimizer(model), config)

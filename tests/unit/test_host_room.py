@@ -1,6 +1,6 @@
 """zinf/host_room.py: when an engine trims the heap during the step (host memory short: a budget stated, or the
-models a large share of what the placements leave free), and the memory counted as available (a cgroup's limit
-bounds the kernel's figure)."""
+models a large share of what the placements leave free), the room it gives to groups kept for the backward, and the
+memory counted as available (a cgroup's limit bounds the kernel's figure)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from torch import nn
 
 import zinf
 from zinf.config_sections import OffloadConfig
-from zinf.host_room import available_ram, cgroup_room, trims_host_heap
+from zinf.config import ZeroConfig
+from zinf.host_room import available_ram, cgroup_room, keep_room, trims_host_heap
 
 GIB = 1 << 30
 CPU = torch.device("cpu")
@@ -29,6 +30,20 @@ CPU = torch.device("cpu")
 def test_the_heap_is_trimmed_where_host_memory_is_short(params, budget, model, ranks, device, trims) -> None:
     cfg = OffloadConfig(params=params, optimizer="cpu", max_cpu_bytes=budget, nvme_paths=["/tmp"])
     assert trims_host_heap(cfg, device, model, ranks, free_host_bytes=16 * GIB) is trims
+
+
+@pytest.mark.parametrize("overlap, offload, device, room", [
+    ({}, {}, CPU, 2 * GIB),  # a quarter of 16 GiB, split between 2 ranks
+    ({"host_keep": "off"}, {}, CPU, 0),
+    ({"reshard_after_forward": "always"}, {}, CPU, 0),  # nothing kept, so no room for it
+    ({"reshard_after_forward": "never"}, {}, CPU, 0),  # everything kept already, without a room
+    ({"max_gathered_bytes": 1 << 30}, {}, CPU, 0),  # the user's cap on gathers decides
+    ({}, {"params": "nvme", "optimizer": "cpu", "nvme_paths": ["/tmp"], "max_cpu_bytes": 4 * GIB}, CPU, 0),
+    ({}, {}, torch.device("cuda"), 0),  # gathers on a GPU are device memory
+])
+def test_the_room_for_keeping_is_host_memory_to_spare(overlap, offload, device, room) -> None:
+    config = ZeroConfig.from_dict({"overlap": overlap, "offload": offload})
+    assert keep_room(config, device, ranks_on_host=2, free_host_bytes=16 * GIB) == room
 
 
 def _files(root: Path, **files: str) -> str:

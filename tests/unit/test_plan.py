@@ -82,19 +82,41 @@ def test_bytes_two_ranks_pad_each_group() -> None:
 def test_kept_for_backward_follows_the_engines_choice() -> None:
     """As zinf/schedule/keep.py: the groups the backward needs first (the last ones), while their full bytes fit
     ``prefetch_bytes``, the last one whatever its size; every group with "never", none with "always" or one rank."""
-    from zinf.plan.cost import Workload, _kept_for_backward
+    from zinf.plan.cost import Workload
+    from zinf.plan.gathered import kept_for_backward
     from zinf.plan.model import spec_from_module
 
     spec = spec_from_module(tiny())  # full fp32 bytes at 2 ranks: 16 x 4 = 64 and 8 x 4 = 32
-    kept = lambda **kw: _kept_for_backward(spec, Workload(**{"world": 2, "prefetch_bytes": 40, **kw}), 4)  # noqa: E731
+    kept = lambda room=0, **kw: kept_for_backward(  # noqa: E731
+        spec, Workload(**{"world": 2, "prefetch_bytes": 40, **kw}), 4, room)
     assert kept() == [False, True]
     assert kept(prefetch_bytes=96) == [True, True]
     assert kept(prefetch_bytes=0) == [False, True]  # the output layer's group: gathered as the forward ends
     assert kept(reshard_after_forward="never", prefetch_bytes=0) == [True, True]
     assert kept(reshard_after_forward="always", prefetch_bytes=1 << 30) == [False, False]
     assert kept(world=1) == [False, False]
+    # the host's room ([Note: keeping in the host's room]) beside the window: 40 + 24 holds the 64-byte group
+    assert kept(room=24) == [True, True] and kept(room=23) == [False, True] and kept(world=1, room=24) == [True, True]
     with pytest.raises(PlanError, match="reshard_after_forward"):
         plan(tiny(), world=2, machine=machine(), reshard_after_forward="sometimes")
+    with pytest.raises(PlanError, match="host_keep"):
+        plan(tiny(), world=2, machine=machine(), host_keep="always")
+
+
+def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu() -> None:
+    """A model over the 64 MiB window: on a CPU with room to spare, the groups the room holds are all-gathered once
+    a step and counted in the gathered peak; with ``host_keep="off"``, or a budget stated, the window alone keeps."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)])  # just over 64 MiB a group in fp32
+    est = {keep: plan(model, world=2, machine=machine(), placements=["cpu/cpu"], batch_tokens=8,
+                      host_keep=keep).estimates[0] for keep in ("auto", "off")}
+    budget = plan(model, world=2, machine=machine(), placements=["cpu/cpu"], batch_tokens=8,
+                  max_cpu_bytes=8 * GiB).estimates[0]
+    group = (4096 * 4096 + 4096) * 4
+    assert est["auto"].io_bytes["allgather"] == 4 * group // 2  # each group once a step: half of it from the other rank
+    assert est["off"].io_bytes["allgather"] == budget.io_bytes["allgather"] == 7 * group // 2  # the last group once
+    peak = {k: e.bytes["device"]["gathered_peak"] for k, e in est.items()}
+    assert peak["auto"] - peak["off"] == 3 * group  # the three groups the room keeps, gathered at the forward's end
 
 
 def test_cpu_only_machine_keeps_one_fp32_copy_for_cpu_params() -> None:

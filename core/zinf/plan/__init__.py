@@ -287,7 +287,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
          checkpointing: bool = False, placements: Sequence[str | PlanPlacement] | None = None,
          machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
          pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
-         allgather_gbps: float | None = None, reshard_after_forward: str = "auto",
+         allgather_gbps: float | None = None, reshard_after_forward: str = "auto", host_keep: str = "auto",
          calibration: Calibration = Calibration(), qlora: bool = False, checkpoint: str | None = None) -> Plan:
     """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
     ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
@@ -309,6 +309,9 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
     if reshard_after_forward not in RESHARD_AFTER_FORWARD:
         raise PlanError(f"zinf plan: --reshard-after-forward {reshard_after_forward!r} is not allowed; expected one "
                         f"of {list(RESHARD_AFTER_FORWARD)} (the engine's overlap.reshard_after_forward).")
+    if host_keep not in ("auto", "off"):
+        raise PlanError(f"zinf plan: --host-keep {host_keep!r} is not allowed; expected 'auto' or 'off' (the engine's "
+                        "overlap.host_keep).")
     precisions = [precision] if isinstance(precision, str) else list(precision)
 
     for p in precisions:
@@ -338,7 +341,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
         ranks_per_node = world if machine.device == "cpu" else min(world, _cuda_count())
     wl = Workload(world=world, batch_tokens=batch_tokens, seq_len=seq, checkpointing=checkpointing,
                   ranks_per_node=ranks_per_node, pinned_pool_bytes=pinned_pool_bytes, sub_group_numel=sub_group_numel,
-                  max_cpu_bytes=max_cpu_bytes, reshard_after_forward=reshard_after_forward)
+                  max_cpu_bytes=max_cpu_bytes, reshard_after_forward=reshard_after_forward, host_keep=host_keep)
     notes = []
     if not paths:
         notes.append("no --nvme path: NVMe placements are shown but cannot fit")

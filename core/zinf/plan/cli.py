@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--allgather-gbps", type=float, help="all-gather GB/s per rank (default: measured or estimated)")
     run_.add_argument("--reshard-after-forward", default="auto",
                       help="overlap.reshard_after_forward, auto, always or never: the groups gathered once a step")
+    run_.add_argument("--host-keep", default="auto", help="overlap.host_keep, auto or off: on the CPU, groups kept for "
+                      "the backward in a quarter of the free host memory")
     run_.add_argument("--remeasure", action="store_true", help="measure the disks again (not the cached figures)")
     run_.add_argument("--checkpoint", metavar="DIR", help="a pretrained base that stays frozen (LoRA, QLoRA): choose "
                       "whether it is read where it lies or staged to the --nvme swap (offload.frozen_in_place)")
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq, checkpointing=args.checkpointing, placements=args.placement or None,
             remeasure=args.remeasure, ranks_per_node=args.ranks_per_node, pinned_pool_bytes=args.pinned_pool_bytes,
             max_cpu_bytes=args.max_cpu_bytes, allgather_gbps=args.allgather_gbps, machine=machine,
-            reshard_after_forward=args.reshard_after_forward, qlora=args.qlora, checkpoint=args.checkpoint)
+            reshard_after_forward=args.reshard_after_forward, host_keep=args.host_keep, qlora=args.qlora, checkpoint=args.checkpoint)
     except PlanError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2

@@ -25,8 +25,10 @@ from zinf.offload.subgroups import subgroup_numels
 from zinf.plan.machine import Machine
 from zinf.plan.memory import (choose_pool, disk_bytes, param_reserve, pool_need, record_span, state_bytes,
                               trained_shards)
+from zinf.plan.gathered import gathered_peak, keep_room, kept_for_backward
 from zinf.plan.model import ModelSpec, PlanError
 from zinf.plan.placements import PlanPlacement
+from zinf.plan.workload import Workload
 
 __all__ = ["Estimate", "estimate", "Workload", "Calibration"]
 
@@ -68,21 +70,6 @@ class Calibration:
     crc_bw_per_core: float = 8e9
 
 
-@dataclass(kw_only=True)
-class Workload:
-    world: int = 1
-    batch_tokens: int = 2048  # tokens per rank per optimizer step
-    seq_len: int = 1024
-    checkpointing: bool = False
-    ranks_per_node: int = 1
-    pinned_pool_bytes: int | None = None  # None: the planner picks
-    sub_group_numel: int = 8 << 20
-    prefetch_bytes: int = 64 << 20  # overlap.prefetch_bytes
-    prefetch_modules: int = 4  # overlap.prefetch_modules
-    reshard_after_forward: str = "auto"  # overlap.reshard_after_forward
-    max_cpu_bytes: int = 0
-
-
 @dataclass
 class Estimate:
     placement: PlanPlacement
@@ -119,43 +106,6 @@ def _activation_bytes(spec: ModelSpec, wl: Workload, pb: int) -> int:
     return blocks + wl.batch_tokens * vocab * 4 * 3
 
 
-def _gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement) -> int:
-    """Full parameters gathered at once (0 with one rank and device shards: gathered in place): the largest group
-    (an embedding, often used again by a tied head) while the next ``prefetch_modules`` groups are gathered ahead,
-    within ``prefetch_bytes`` (the groups kept for the backward count in it); with ``reshard_after_forward``
-    "never", the whole model at the forward's end."""
-    if wl.world == 1 and pl.params == "device":
-        return 0
-    fulls = sorted((n * wl.world * pb for n in spec.shard_numels(wl.world)), reverse=True)
-    if wl.reshard_after_forward == "never":
-        return sum(fulls)
-    ahead = min(wl.prefetch_bytes, sum(fulls[1 : 1 + wl.prefetch_modules]))
-    return fulls[0] + ahead
-
-
-def _kept_for_backward(spec: ModelSpec, wl: Workload, sb: int) -> list[bool]:
-    """Per group, whether the backward finds it still gathered from the forward, as the engine's BackwardKeep
-    (zinf/schedule/keep.py) chooses with ``reshard_after_forward``: "always" none, "never" all, "auto" the groups
-    the backward gathers first (the forward's last, here the groups in reverse) while their full bytes fit
-    ``prefetch_bytes``, the last group (the output layer's: gathered as the forward ends) whatever its size. Those
-    are all-gathered once a step instead of twice."""
-    kept = [False] * len(spec.groups)
-    if wl.world == 1 or wl.reshard_after_forward == "always":
-        return kept
-    budget = wl.prefetch_bytes
-    shards = spec.shard_bytes(wl.world, sb)
-    for i in reversed(range(len(shards))):
-        full = shards[i] * wl.world
-        if i == len(shards) - 1:
-            kept[i] = True  # the running group at both ends of the backward's start: no room of the window taken
-            continue
-        if wl.reshard_after_forward != "never" and full > budget:
-            break
-        budget -= full
-        kept[i] = True
-    return kept
-
-
 def state_reads_in_flight(largest_subgroup: int) -> int:
     """The optimizer's state reads in flight during its sweep ([Note: the sweep's reads] in
     zinf/offload/nvme_state_store.py), at most: three of the largest sub-groups' fp32 master and moments, or
@@ -182,7 +132,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     pool = (wl.pinned_pool_bytes or choose_pool(need, param_spans if pl.params == "nvme" else 0)) if uses_nvme else 0
     nbytes = state_bytes(spec, world, storage, pl, machine.device, pool)
     acts = _activation_bytes(spec, wl, pb)
-    gathered = _gathered_peak(spec, wl, pb, pl)
+    room = keep_room(machine, wl, pl, nbytes)
+    kept = kept_for_backward(spec, wl, pb, room)
+    kept_fulls = [n * world * pb for n, k in zip(spec.shard_numels(world), kept) if k]
+    gathered = gathered_peak(spec, wl, pb, pl, min(room, sum(kept_fulls[:-1])) if room else 0)
     if gathered:
         nbytes["device"]["gathered_peak"] = gathered
     if acts:
@@ -199,7 +152,9 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
         cache = max(0, pool - param_reserve(spec, world, storage, pl)
                     - (state_reads_in_flight(max(subgroup_numels(max(shards), wl.sub_group_numel)))
                        if pl.optimizer == "nvme" else 0))
-        io["nvme_read"] += 2 * max(0, param_spans - cache)
+        # the backward reads neither what the pool kept nor the groups kept gathered, both the forward's last
+        kept_spans = sum(record_span(b) for b, k in zip(sizes, kept) if k)
+        io["nvme_read"] += max(0, param_spans - cache) + max(0, param_spans - max(cache, kept_spans))
         io["nvme_write"] += sum(record_span(n * sb) for n in trained_shards(spec, shards))  # frozen shards are never rewritten
     if pl.optimizer == "nvme":
         io["nvme_read"] += trainable * 4 + pl.moments_nbytes(trainable)
@@ -212,7 +167,6 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
             io["h2d"] += 2 * sum(sizes)
         if pl.optimizer != "device":
             io["d2h"] += trainable * 4
-    kept = _kept_for_backward(spec, wl, sb)
     if world > 1:
         # received per rank: the forward's gathers and the backward's, less the groups kept from one to the other
         io["allgather"] = (world - 1) * (2 * sum(sizes) - sum(b for b, k in zip(sizes, kept) if k))

@@ -88,10 +88,11 @@ class ModuleHooks:
                  fetcher: ParamFetcher, reducer: GradReducer, rounds: Rounds, *,
                  on_backward_start: Sequence[Callable[[], None]] = (),
                  on_backward_end: Sequence[Callable[[], None]] = (),
-                 unit_stages: Callable[[list[FlatParamGroup]], bool] = lambda groups: True) -> None:
+                 unit_stages: Callable[[list[FlatParamGroup]], bool] = lambda groups: True, keep_room: int = 0) -> None:
         """``on_backward_start`` / ``on_backward_end``: called, in order, when a backward pass starts (before its
         first gradient lands) and after it ends (every gradient reduced). ``unit_stages``: whether the NVMe staging
-        pool can read a block's groups at once (see [Note: blocks as units] in zinf/schedule/units.py)."""
+        pool can read a block's groups at once (see [Note: blocks as units] in zinf/schedule/units.py).
+        ``keep_room``: host bytes for groups kept from the forward to the backward (zinf/host_room.py)."""
         self.model = model
         self.config = config
         self.comm = ctx.comm
@@ -107,7 +108,7 @@ class ModuleHooks:
                        "eval": ModuleTrace("eval forward")}
         self.pass_state = PassState()  # see [Note: pass phases] in zinf/schedule/pass_state.py
         self.keep = BackwardKeep(config.overlap, self.traces["forward"], self.traces["backward"],
-                                 lambda m: self.states[m].needed(), fetcher.release)
+                                 lambda m: self.states[m].needed(), fetcher.release, keep_room)
         fetcher.use_keep(self.keep)
         self._forward_order: tuple[list[nn.Module], list[FlatParamGroup]] | None = None
         self.adoption = UnitAdoption(model, self.states, self.comm)  # see [Note: units] in zinf/schedule/units.py

@@ -25,6 +25,19 @@ That is ``overlap.reshard_after_forward="auto"``. "never" keeps every group the 
 all-gather per parameter a step, for the memory of all of them gathered at the end of the forward (FSDP2's
 ``reshard_after_forward=False``). "always" keeps none (DeepSpeed's ZeRO-3).
 
+[Note: keeping in the host's room]
+Computing on the CPU, the gathered parameters are host memory, and a LoRA step over a frozen base spends much of
+its overhead widening and moving each group twice (a 1.1B Llama on two ranks of two cores: 1.2 s a step in gathers,
+0.7 s with every group kept). Where nothing else bounds the gathers (``reshard_after_forward`` "auto", no
+``max_gathered_bytes``, no ``offload.max_cpu_bytes``), the engine gives keeping a room of its own beside
+``prefetch_bytes``: a quarter of the host memory the placements leave free, split between the host's ranks, the
+smallest over the ranks (``keep_room`` in zinf/host_room.py; ``ModuleHooks(keep_room=...)``). The groups the
+backward gathers first fill it, as they fill the window; kept bytes within the room take nothing of the window, so
+the forward's gathers ahead run as before. The room is memory the host has to spare, not a share of what a run
+needs: the backward then gathers (and with the parameters on NVMe reads) only what the room could not keep. On a
+GPU the gathers are device memory and this room is none of theirs: there the room is 0. The step report counts
+the bytes each backward found kept (``kept_for_backward_bytes``).
+
 [Note: kept from a recomputation]
 A block under activation checkpointing runs its forward again inside the backward, just before its own backward, so
 gathered module by module each of its modules was gathered three times a step: for the forward, for the
@@ -72,8 +85,11 @@ class BackwardKeep:
 
     def __init__(self, config: OverlapConfig, forward: ModuleTrace, backward: ModuleTrace,
                  needed: Callable[[nn.Module], Sequence[FlatParamGroup]],
-                 release: Callable[[Sequence[FlatParamGroup]], None]) -> None:
+                 release: Callable[[Sequence[FlatParamGroup]], None], room: int = 0) -> None:
+        """``room``: bytes of host memory the engine gives to keeping beyond ``prefetch_bytes`` ([Note: keeping in
+        the host's room])."""
         self.config = config
+        self.room = room if config.reshard_after_forward == "auto" and not config.max_gathered_bytes else 0
         self.forward = forward
         self.backward = backward
         self.needed = needed
@@ -83,6 +99,7 @@ class BackwardKeep:
         self._kept: list[FlatParamGroup] = []  # kept gathered by a forward for its backward, not taken by one yet
         self._kept_taken: list[FlatParamGroup] = []  # what the running backward took over, until a module uses it
         self._again: tuple[list[nn.Module] | None, set[int]] = (None, set())  # positions used again, in that order
+        self._kept_at_turn = 0  # full bytes the last backward found kept (``take_counts``)
 
     @property
     def kept(self) -> list[FlatParamGroup]:
@@ -99,6 +116,12 @@ class BackwardKeep:
     def to_backward(self) -> None:
         """A backward started: what the forward kept is the backward's now (released as its gradients complete)."""
         self._kept_taken, self._kept = self._kept, []
+        self._kept_at_turn += sum(g.nbytes_full for g in self._kept_taken if g.owns_full and not g.persistent)
+
+    def take_counts(self) -> dict[str, int]:
+        """``kept_for_backward_bytes``: full bytes the backwards since the last call found kept by their forwards."""
+        counts, self._kept_at_turn = {"kept_for_backward_bytes": self._kept_at_turn}, 0
+        return counts
 
     def drop(self, but: Sequence[FlatParamGroup] = ()) -> None:
         """Give back what a forward kept for a backward that has not taken it (except ``but``)."""
@@ -119,7 +142,8 @@ class BackwardKeep:
         if self.config.reshard_after_forward == "never":
             return 0  # everything is kept by request: counting it would turn the forward's prefetch off
         self._kept_taken = [g for g in self._kept_taken if g.backward_held]
-        return sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
+        kept = sum(g.nbytes_full for g in (*self._kept, *self._kept_taken) if g.owns_full and not g.persistent)
+        return max(0, kept - self.room)  # what the host's room holds is memory of its own, not the window's
 
     def after_call(self, call: Call) -> list[FlatParamGroup]:
         """Of the groups a forward ``call`` that returned held, the ones that stay gathered for the backward (held
@@ -169,7 +193,7 @@ class BackwardKeep:
         if self._for is not None and self._for[0] is fwd.order and self._for[1] is bwd.order:
             return self._last
         everything = self.config.reshard_after_forward == "never"
-        budget = self.config.prefetch_bytes
+        budget = self.config.prefetch_bytes + self.room
         if self.config.max_gathered_bytes:
             budget = min(budget, self.config.max_gathered_bytes // 2)
         head: set[int] = set()
