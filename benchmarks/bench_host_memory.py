@@ -1,8 +1,9 @@
 """Host memory of an unchanged full fine-tune from ``from_pretrained``, per rank, against the model's size and the
 engine's own accounting, through three front ends (a transformers ``Trainer``, an Accelerate loop, a Lightning
 module): DDP beside zinf with everything on NVMe and a host budget (``offload.max_cpu_bytes``, so that it trims its heap
-during the step), zinf without the trimming (``trim_heap_bytes: 0``), and zinf with glibc told to return freed memory
-at once instead (``MALLOC_MMAP_THRESHOLD_``).
+during the step), zinf without the trimming (``trim_heap_bytes: 0``; ``overlap.host_keep: off``, so that no room of
+host memory keeps gathered groups either), and zinf with glibc told to return freed memory at once instead
+(``MALLOC_MMAP_THRESHOLD_``).
 
     python benchmarks/bench_host_memory.py [--layers 24 --hidden 512 --intermediate 1376 --vocab 8000]
         [--steps 6] [--batch 2] [--pool-mib 64] [--systems ddp,zinf-nvme,zinf-nvme-untrimmed,zinf-nvme-mmap]
@@ -46,8 +47,8 @@ FRONT_END_LABELS = {"trainer": "Trainer", "accelerate": "Accelerate loop", "ligh
 ACCELERATE_DDP = HERE.parent / "examples" / "accelerate" / "accelerate_cpu.yaml"
 SYSTEMS = ("ddp", "zinf-nvme", "zinf-nvme-untrimmed", "zinf-nvme-mmap")
 LABELS = {"ddp": "DDP", "zinf-nvme": "zinf, everything on NVMe, `max_cpu_bytes` 4 GiB",
-          "zinf-nvme-untrimmed": "zinf, everything on NVMe, `trim_heap_bytes: 0`",
-          "zinf-nvme-mmap": "zinf, everything on NVMe, `trim_heap_bytes: 0`, MALLOC_MMAP_THRESHOLD_=65536"}
+          "zinf-nvme-untrimmed": "zinf, everything on NVMe, `trim_heap_bytes: 0`, `host_keep: off`",
+          "zinf-nvme-mmap": "zinf, everything on NVMe, `trim_heap_bytes: 0`, `host_keep: off`, MALLOC_MMAP_THRESHOLD_=65536"}
 MIB = 2**20
 BUDGET = 4 << 30  # zinf-nvme's offload.max_cpu_bytes: host memory is what the run is short of, so the heap is trimmed
 # a launch's own variables in this process's environment (a caller that ran ranks in-process, Lightning among them,
@@ -77,7 +78,7 @@ zinf:
     nvme_paths: ["{nvme}"]
     pinned_pool_bytes: {pool_bytes}
     sub_group_numel: 262144
-""" + (f"    max_cpu_bytes: {BUDGET}\n" if trim else "  trim_heap_bytes: 0\n"))
+""" + (f"    max_cpu_bytes: {BUDGET}\n" if trim else "  trim_heap_bytes: 0\n  overlap:\n    host_keep: \"off\"\n"))
     return path
 
 

@@ -81,7 +81,8 @@ def test_bytes_two_ranks_pad_each_group() -> None:
 
 def test_kept_for_backward_follows_the_engines_choice() -> None:
     """As zinf/schedule/keep.py: the groups the backward needs first (the last ones), while their full bytes fit
-    ``prefetch_bytes``, the last one whatever its size; every group with "never", none with "always" or one rank."""
+    ``prefetch_bytes`` (and the host's room), the last one whatever its size; every group with "never", none with
+    "always" or with one rank and no room."""
     from zinf.plan.cost import Workload
     from zinf.plan.gathered import kept_for_backward
     from zinf.plan.model import spec_from_module
@@ -103,7 +104,7 @@ def test_kept_for_backward_follows_the_engines_choice() -> None:
         plan(tiny(), world=2, machine=machine(), host_keep="always")
 
 
-def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu() -> None:
+def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu(tmp_path: Path) -> None:
     """A model over the 64 MiB window: on a CPU with room to spare, the groups the room holds are all-gathered once
     a step and counted in the gathered peak; with ``host_keep="off"``, or a budget stated, the window alone keeps."""
     with torch.device("meta"):
@@ -117,6 +118,13 @@ def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu() -> None:
     assert est["off"].io_bytes["allgather"] == budget.io_bytes["allgather"] == 7 * group // 2  # the last group once
     peak = {k: e.bytes["device"]["gathered_peak"] for k, e in est.items()}
     assert peak["auto"] - peak["off"] == 3 * group  # the three groups the room keeps, gathered at the forward's end
+    # states on NVMe are not host memory: 2 GiB leave room for every group still (a quarter of 1.9 GiB a host, after
+    # the pools, split in two), and the backward reads only what nothing kept
+    nvme = {keep: plan(model, world=2, machine=machine(2, nvme={str(tmp_path): 100}), placements=["nvme/nvme"],
+                       nvme_paths=[str(tmp_path)], batch_tokens=8, pinned_pool_bytes=64 << 20,
+                       host_keep=keep).estimates[0] for keep in ("auto", "off")}
+    assert nvme["auto"].io_bytes["allgather"] == est["auto"].io_bytes["allgather"]
+    assert nvme["auto"].io_bytes["nvme_read"] < nvme["off"].io_bytes["nvme_read"]
 
 
 def test_cpu_only_machine_keeps_one_fp32_copy_for_cpu_params() -> None:

@@ -29,12 +29,13 @@ def gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement, kep
 
 def keep_room(machine: Machine, wl: Workload, pl: PlanPlacement, nbytes: dict[str, dict[str, int]]) -> int:
     """The engine's ``keep_room`` (zinf/host_room.py) from the machine's available memory less what every rank of
-    the host keeps (its model states and pool), computing on the CPU where something is gathered."""
+    the host keeps in it (its model states and pool; the device tier is host memory on a CPU), computing on the CPU
+    where something is gathered."""
     if (machine.device != "cpu" or wl.host_keep != "auto" or wl.reshard_after_forward != "auto" or wl.max_cpu_bytes
             or (wl.world == 1 and pl.params == "device")):
         return 0
     ranks = max(1, wl.ranks_per_node)
-    kept = sum(sum(kinds.values()) for kinds in nbytes.values())
+    kept = sum(sum(nbytes.get(tier, {}).values()) for tier in ("device", "cpu"))  # host memory here: not the swap
     return max(0, int(KEEP_SHARE * (machine.host_bytes - ranks * kept))) // ranks
 
 

@@ -12,7 +12,8 @@ becomes the backward's (``FlatParamGroup.hold_for_backward``), the backward's pr
 their gradients' completion releases them as it releases any group the backward gathered. ``prefetch_bytes`` is
 the memory the user already gave to parameters gathered before they are needed: kept groups fill that window
 (``ParamFetcher`` counts them as gathered ahead until the backward reaches their module), so the parameters
-gathered at once stay within the running module's and ``prefetch_bytes``, as without keeping. FSDP2 keeps its
+gathered at once stay within the running module's and ``prefetch_bytes``, as without keeping (on the CPU, plus the
+host's room: [Note: keeping in the host's room]). FSDP2 keeps its
 root module so. The modules the backward starts with, where they are the forward's last (the output layer) or its
 outermost (the root, whose call spans the forward), keep their groups whatever their size: those are gathered as
 the forward ends, the backward would gather them again at once, and they are running modules at both ends, so
@@ -33,10 +34,13 @@ its overhead widening and moving each group twice (a 1.1B Llama on two ranks of 
 ``prefetch_bytes``: a quarter of the host memory the placements leave free, split between the host's ranks, the
 smallest over the ranks (``keep_room`` in zinf/host_room.py; ``ModuleHooks(keep_room=...)``). The groups the
 backward gathers first fill it, as they fill the window; kept bytes within the room take nothing of the window, so
-the forward's gathers ahead run as before. The room is memory the host has to spare, not a share of what a run
-needs: the backward then gathers (and with the parameters on NVMe reads) only what the room could not keep. On a
-GPU the gathers are device memory and this room is none of theirs: there the room is 0. The step report counts
-the bytes each backward found kept (``kept_for_backward_bytes``).
+the forward's gathers ahead run as before; the backward then gathers (and with the parameters on NVMe reads) only
+what the room could not keep. The room is measured before the first step, so it does not know the activations,
+which peak when it is fullest (the forward's end); and the gather buffer cache keeps up to a quarter more than the
+gathers' high-water mark mapped between steps. A run whose activations take most of the host's memory sets
+``overlap.host_keep: off`` (or ``max_gathered_bytes``). On a GPU the gathers are device memory and this room is none
+of theirs: there the room is 0. The step report counts the bytes each backward found kept
+(``kept_for_backward_bytes``).
 
 [Note: kept from a recomputation]
 A block under activation checkpointing runs its forward again inside the backward, just before its own backward, so
