@@ -13,8 +13,8 @@ from zinf.config import ZeroConfig
 from zinf.config_sections import OffloadConfig
 from zinf.heap import HeapTrimmer
 
-__all__ = ["available_ram", "cgroup_room", "trims_host_heap", "start_heap_trims", "keep_room", "HEAP_PRESSURE_SHARE",
-           "KEEP_SHARE"]
+__all__ = ["available_ram", "cgroup_room", "trims_host_heap", "start_heap_trims", "keep_room", "keep_share",
+           "HEAP_PRESSURE_SHARE", "KEEP_SHARE"]
 
 log = logging.getLogger(__name__)
 
@@ -106,4 +106,10 @@ def keep_room(config: ZeroConfig, device: torch.device, ranks_on_host: int, free
     if (device.type != "cpu" or overlap.host_keep != "auto" or overlap.reshard_after_forward != "auto"
             or overlap.max_gathered_bytes or config.offload.max_cpu_bytes):
         return 0
-    return max(0, int(KEEP_SHARE * free_host_bytes) // max(1, ranks_on_host))
+    return keep_share(free_host_bytes, ranks_on_host)
+
+
+def keep_share(free_host_bytes: int, ranks_on_host: int) -> int:
+    """One rank's share of the room: ``KEEP_SHARE`` of the host's free memory, split between its ranks (the
+    engine's ``keep_room`` and the planner's)."""
+    return max(0, int(KEEP_SHARE * free_host_bytes)) // max(1, ranks_on_host)

@@ -134,8 +134,7 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     acts = _activation_bytes(spec, wl, pb)
     room = keep_room(machine, wl, pl, nbytes)
     kept = kept_for_backward(spec, wl, pb, room)
-    kept_fulls = [n * world * pb for n, k in zip(spec.shard_numels(world), kept) if k]
-    gathered = gathered_peak(spec, wl, pb, pl, min(room, sum(kept_fulls[:-1])) if room else 0)
+    gathered = gathered_peak(spec, wl, pb, pl, kept, room)
     if gathered:
         nbytes["device"]["gathered_peak"] = gathered
     if acts:

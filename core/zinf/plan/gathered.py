@@ -4,7 +4,7 @@ zinf/host_room.py)."""
 
 from __future__ import annotations
 
-from zinf.host_room import KEEP_SHARE
+from zinf.host_room import keep_share
 from zinf.plan.machine import Machine
 from zinf.plan.model import ModelSpec
 from zinf.plan.placements import PlanPlacement
@@ -13,18 +13,21 @@ from zinf.plan.workload import Workload
 __all__ = ["gathered_peak", "keep_room", "kept_for_backward"]
 
 
-def gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement, kept_in_room: int) -> int:
+def gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement, kept: list[bool], room: int) -> int:
     """Full parameters gathered at once (0 with one rank and device shards: gathered in place): the largest group
     (an embedding, often used again by a tied head) while the next ``prefetch_modules`` groups are gathered ahead,
-    within ``prefetch_bytes`` (the groups kept for the backward count in it), and what the host's room keeps for
-    the backward (``kept_in_room``); with ``reshard_after_forward`` "never", the whole model at the forward's end."""
+    within ``prefetch_bytes`` (the groups kept for the backward count in it), and what the host's ``room`` holds of
+    the ``kept`` groups but the last (the running one); with ``reshard_after_forward`` "never", the whole model at
+    the forward's end."""
     if wl.world == 1 and pl.params == "device":
         return 0
-    fulls = sorted((n * wl.world * pb for n in spec.shard_numels(wl.world)), reverse=True)
+    numels = spec.shard_numels(wl.world)
+    fulls = sorted((n * wl.world * pb for n in numels), reverse=True)
     if wl.reshard_after_forward == "never":
         return sum(fulls)
     ahead = min(wl.prefetch_bytes, sum(fulls[1 : 1 + wl.prefetch_modules]))
-    return fulls[0] + ahead + kept_in_room
+    kept_fulls = [n * wl.world * pb for n, k in zip(numels, kept) if k]
+    return fulls[0] + ahead + min(room, sum(kept_fulls[:-1]))
 
 
 def keep_room(machine: Machine, wl: Workload, pl: PlanPlacement, nbytes: dict[str, dict[str, int]]) -> int:
@@ -36,7 +39,7 @@ def keep_room(machine: Machine, wl: Workload, pl: PlanPlacement, nbytes: dict[st
         return 0
     ranks = max(1, wl.ranks_per_node)
     kept = sum(sum(nbytes.get(tier, {}).values()) for tier in ("device", "cpu"))  # host memory here: not the swap
-    return max(0, int(KEEP_SHARE * (machine.host_bytes - ranks * kept))) // ranks
+    return keep_share(machine.host_bytes - ranks * kept, ranks)
 
 
 def kept_for_backward(spec: ModelSpec, wl: Workload, pb: int, room: int) -> list[bool]:

@@ -91,9 +91,9 @@ class BackwardKeep:
                  needed: Callable[[nn.Module], Sequence[FlatParamGroup]],
                  release: Callable[[Sequence[FlatParamGroup]], None], room: int = 0) -> None:
         """``room``: bytes of host memory the engine gives to keeping beyond ``prefetch_bytes`` ([Note: keeping in
-        the host's room])."""
+        the host's room]; ``keep_room`` in zinf/host_room.py makes it 0 wherever it does not apply)."""
         self.config = config
-        self.room = room if config.reshard_after_forward == "auto" and not config.max_gathered_bytes else 0
+        self.room = room
         self.forward = forward
         self.backward = backward
         self.needed = needed
