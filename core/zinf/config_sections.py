@@ -147,6 +147,10 @@ class OffloadConfig(Checked):
     overlap_optimizer: run the offloaded optimizer step in the background, overlapped with the next
         forward pass; a group's next gather waits only for that group's update, the next backward for
         the whole step.
+    optimizer_thread: where that overlapped step runs: "worker" (a thread of its own, while the next forward
+        runs), "training" (the training thread, a sub-group at a time, as the next forward's gathers need the
+        groups), or "auto" (the default: "training" where the host's cores compute the model, "worker" with a GPU;
+        see [Note: a sweep the gathers drive] in zinf/optim/driven_sweep.py).
     step_during_backward: with the optimizer on "cpu", step each group's CPU-Adam during the backward, as soon
         as its gradient shard is complete on the host (speculatively: the step after the backward keeps it where
         clipping, loss scaling, later micro-batches and the hyper-parameters left it unchanged, and rolls it back
@@ -180,6 +184,7 @@ class OffloadConfig(Checked):
     pinned_pool_bytes: int = 256 * 2**20
     sub_group_numel: int = 32 * 2**20
     overlap_optimizer: bool = True
+    optimizer_thread: str = "auto"
     step_during_backward: bool = False
     max_cpu_bytes: int = 0
     frozen_in_place: bool = True
@@ -199,6 +204,8 @@ class OffloadConfig(Checked):
                  "'nvme' only with offload.optimizer='nvme' (the NVMe optimizer pipeline reads them); use 'auto'")
         require(self.grads != "cpu" or self.optimizer != "device", "offload.grads", self.grads,
                  "'cpu' only with an offloaded optimizer (offload.optimizer 'cpu' or 'nvme'); use 'auto'")
+        require(self.optimizer_thread in ("auto", "worker", "training"), "offload.optimizer_thread",
+                self.optimizer_thread, "one of ['auto', 'worker', 'training']")
         require(not self.step_during_backward or self.optimizer == "cpu", "offload.step_during_backward",
                  self.step_during_backward, "False unless offload.optimizer='cpu' (it steps the states in host memory)")
         uses_nvme = "nvme" in (self.params, self.optimizer)

@@ -168,7 +168,9 @@ class Placement:
         if self.states is not None:
             self.optimizer = OffloadedAdam(optimizer, self.groups, self.states, self.fence, self.stash,  # type: ignore[arg-type]
                                            background=cfg.overlap_optimizer, timers=self.timers,
-                                           early=cfg.step_during_backward, device_states=self.device_states)
+                                           early=cfg.step_during_backward, device_states=self.device_states,
+                                           driven=cfg.optimizer_thread == "training" or (
+                                               cfg.optimizer_thread == "auto" and not device_is_apart(ctx.device)))
         elif optimizer is not None:
             self.optimizer = ShardedOptimizer(optimizer, self.groups)
 
@@ -295,6 +297,9 @@ class Placement:
 
     def before_backward(self) -> None:
         self.store.keep_for_backward(False)
+        if isinstance(self.store, NvmeShardStore) and isinstance(self.optimizer, OffloadedAdam) \
+                and self.optimizer.step_follows:  # [Note: kept slots before an update] in nvme_param_store.py
+            self.store.release_kept([g for g in self.groups if g.trainable and g.backward_held])
 
     def flush(self) -> None:
         self.store.flush()

@@ -45,7 +45,7 @@ class NvmeShardStore:
 
     A slot's state (:class:`SlotState`): READING -> FILLED when its read is waited for; FILLED, KEPT or
     CONSUMED -> IN_USE in ``fetch``; IN_USE -> KEPT or CONSUMED in ``done``; an idle one -> STAGED in
-    ``writer`` (a new slot starts STAGED); STAGED -> FILLED in ``commit``. A write to the file may be in
+    ``writer`` (a new slot starts STAGED); STAGED -> FILLED in ``commit``; KEPT -> CONSUMED in ``release_kept``. A write to the file may be in
     flight beside any state but READING and STAGED. ``fetch`` copies the buffer to the device on the copy_in
     stream and keeps that copy's fence on the slot: the buffer goes back to the pool, or is staged again,
     only after the fence is waited for (see [Note: streams] in zinf/runtime/streams.py).
@@ -211,6 +211,24 @@ class NvmeShardStore:
                 self._drop(key)
         if not self.keep_gathered:
             self.room.room_given_back()
+
+    def release_kept(self, groups: Sequence["FlatParamGroup"]) -> None:
+        """[Note: kept slots before an update]
+        A backward starts that the step follows, and ``groups`` (trained ones) stay gathered from the forward: the
+        backward does not gather them, and the step stages their new shards. Their kept slots would hold pool room
+        through the backward for nothing, room the optimizer's read-ahead of the next step's states needs (measured
+        on a 29.5M GPT with a 512 MiB pool: no sub-group read ahead with the slots kept, 20 of 53 without them,
+        and the forward's waits for the update fell from 0.063 to 0.023 s a step). They go now, or once their
+        write has finished; the step's ``writer`` takes new buffers."""
+        with self._lock:
+            for g in groups:
+                slot = self._slots.get(id(g))
+                if slot is None or slot.state is not SlotState.KEPT:
+                    continue
+                slot.let_go()
+                if slot.write is None:
+                    self._drop(id(g))
+        self.room.room_given_back()
 
     def read(self, group: "FlatParamGroup") -> torch.Tensor:
         """A copy of the shard: from its slot when it has one (a newer write may still be on its way to the

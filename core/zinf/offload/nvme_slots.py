@@ -89,6 +89,11 @@ class Slot:
         assert self.state is SlotState.IN_USE, f"give_back from {self.state}"
         self.state, self.used = (SlotState.KEPT if keep else SlotState.CONSUMED), clock
 
+    def let_go(self) -> None:
+        """What it was kept for will not come (the backward does not gather it again): KEPT -> CONSUMED."""
+        assert self.state is SlotState.KEPT, f"let_go from {self.state}"
+        self.state = SlotState.CONSUMED
+
     def stage(self) -> None:
         """The optimizer writes the updated shard into the buffer (an idle slot whose I/O the store finished)
         -> STAGED, as newly filled. Waits for the last device copy to have read the buffer."""

@@ -140,7 +140,10 @@ class NvmeStateStore(StateStore):
         while i < len(reading):  # states read ahead: the gradient is read now
             sg, bufs, handles = reading[i]
             if "grad" in self._read_names(sg):
-                more = self._try_submit_reads(sg, ("grad",))
+                # the room the parameter store stages updated shards in stays free: those of the groups read ahead
+                # were let go for this read-ahead ([Note: kept slots before an update] in nvme_param_store.py)
+                fits = i == 0 or self.room.free_bytes - block_bytes(self._rec(sg, "grad").span) >= self.param_reserve_bytes
+                more = self._try_submit_reads(sg, ("grad",)) if fits else None
                 if more is None:  # no block for it now: the later read-ahead is given up (read again in turn)
                     while len(reading) > max(i, 1):
                         self._give_back(*reading.pop())

@@ -38,7 +38,7 @@ import logging
 import math
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -46,6 +46,7 @@ from zinf import native
 from zinf.native import AdamHyper
 from zinf.errors import UnsupportedModelError, ZinfError
 from zinf.offload.grad_stash import NvmeGradStash
+from zinf.optim.driven_sweep import DrivenSweep
 from zinf.optim.early_steps import EarlyInputs, EarlySteps, hyper_key
 from zinf.optim.exit_wait import wait_at_exit
 from zinf.optim.fused_step import adam_sub_group
@@ -89,13 +90,17 @@ class OffloadedAdam(OffloadedAdamState):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence["FlatParamGroup"],
                  states: "CpuStateStore | NvmeStateStore", fence: UpdateFence, stash: NvmeGradStash | None = None,
                  background: bool = False, timers: StepTimers | None = None, early: bool = False,
-                 device_states: "DeviceStateStore | None" = None) -> None:
+                 device_states: "DeviceStateStore | None" = None, driven: bool = False) -> None:
+        """``background``: the step overlaps the next forward, on a worker thread, or with ``driven`` on the training
+        thread as its gathers need the groups ([Note: a sweep the gathers drive] in zinf/optim/driven_sweep.py)."""
         check_offloadable(optimizer)
         self.optimizer, self.states, self.fence, self.stash = optimizer, states, fence, stash
         # the groups stepped on the device ([Note: the device share] in zinf/offload/device_states.py)
         self.device_states = device_states
         self.groups = list(groups)
         self.background = background
+        self.driven = driven and background and device_states is None
+        self._driven: DrivenSweep | None = None  # the driven step in flight
         self.timers = timers or StepTimers()
         # one worker, made at the first background step and kept: a thread started per step made the training
         # thread wait in Thread.start() until the new thread ran, milliseconds on cores busy with the other ranks
@@ -172,6 +177,10 @@ class OffloadedAdam(OffloadedAdamState):
         self.fence.begin([g for g in self.groups if self.states.of(g)])
         # interpreter exit waits for a running step (see [Note: a background step at exit] in zinf/optim/exit_wait.py)
         wait_at_exit(self)
+        if self.driven:
+            self._driven = DrivenSweep(self._sweep_steps(), self.fence, self.groups, self._failed)
+            self.fence.drive_by(self._driven.until)
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-offloaded-adam")
         self._job = self._pool.submit(self._background)
@@ -212,6 +221,12 @@ class OffloadedAdam(OffloadedAdamState):
     def wait(self) -> None:
         """Block until a background step has finished; raise its error here (and on every later call:
         after a failed step the model is half updated and must not be trained on)."""
+        if self._driven is not None:  # the rest of a driven step, here (its error, if any, is in self._error)
+            driven, self._driven = self._driven, None
+            try:
+                driven.until(None)
+            except BaseException:  # noqa: BLE001 - raised below with the message of a failed step
+                pass
         if self._job is not None:
             if not self._job.done():  # the training thread stands still for the step (an interval of the I/O note)
                 with self.timers.time("optimizer_wait"):
@@ -227,6 +242,12 @@ class OffloadedAdam(OffloadedAdamState):
     def join_at_exit(self) -> None:
         """Wait for a background step, even one whose submission an exception cut short (its error is left for the
         log: the process is ending)."""
+        if self._driven is not None and not self._driven.finished:
+            try:
+                self.wait()
+            except BaseException as exc:  # noqa: BLE001 - the process is ending
+                log.error("zinf: the optimizer step left to finish at exit failed: %s", exc)
+            return
         job = self._job
         if job is None:
             return
@@ -260,6 +281,12 @@ class OffloadedAdam(OffloadedAdamState):
             self.wait()
             raise
 
+    @property
+    def step_follows(self) -> bool:
+        """Whether the backward starting now is the last before a step, as the last step's count of backwards
+        predicts (a wrong guess costs a read, never a value)."""
+        return self._backwards + 1 >= self._backwards_per_step
+
     def after_backward(self) -> None:
         self._backwards += 1
         if self.stash is not None:
@@ -271,24 +298,34 @@ class OffloadedAdam(OffloadedAdamState):
             self.early.join()
         self.states.quiesce()
 
+    def _failed(self, exc: BaseException) -> None:
+        """A background or driven step failed part way: every waiter and every later call raises ``exc``."""
+        self._error = exc
+        self.fence.fail(exc)
+
     def _background(self) -> None:
         self.states.on_background_thread()
         try:
             self._run()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-            self._error = exc
-            self.fence.fail(exc)
+            self._failed(exc)
         finally:
             for g in self.groups:
                 self.fence.finish(g)
 
     def _run(self) -> None:
+        for _ in self._sweep_steps():
+            pass
+
+    def _sweep_steps(self) -> Iterator[None]:
+        """The sweep, one item per sub-group stepped."""
         try:
             if self.early is not None:  # the steps begun during the backward have finished
                 self.early.join()
-            with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
-                for sg, states, check in self.states.sweep():
+            for sg, states, check in self.states.sweep():
+                with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
                     self._step(sg, states, check)
+                yield
         finally:
             for store in self._stores():
                 store.end_update()

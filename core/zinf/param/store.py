@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -154,6 +154,13 @@ class UpdateFence:
         self._pending: set[int] = set()
         self._error: BaseException | None = None
         self._timers = timers or StepTimers()
+        # advances the step on the waiting thread ([Note: a sweep the gathers drive] in zinf/optim/driven_sweep.py)
+        self._driver: Callable[["GroupKey | None"], None] | None = None
+
+    def drive_by(self, driver: Callable[["GroupKey | None"], None] | None) -> None:
+        """From now on a wait first calls ``driver(group)`` (``driver(None)`` for the whole step), which steps the
+        updates itself on the waiting thread; None: the updates happen elsewhere (a worker thread, or none)."""
+        self._driver = driver
 
     def begin(self, groups: "list[GroupKey]") -> None:
         """A background step starts: every group in ``groups`` is pending until ``finish``."""
@@ -176,14 +183,21 @@ class UpdateFence:
         return self._error is not None or id(group) in self._pending
 
     def wait(self, group: GroupKey) -> None:
-        """Block until ``group``'s update is done (timed as ``optimizer_wait``: the step fell behind the forward);
-        raise the step's error if it failed."""
+        """Block until ``group``'s update is done (timed as ``optimizer_wait``: the step fell behind the forward, or
+        with a driver this thread stepped it); raise the step's error if it failed."""
         if id(group) in self._pending and self._error is None:
-            with self._timers.time("optimizer_wait"), self._cond:
-                self._cond.wait_for(lambda: id(group) not in self._pending or self._error is not None)
+            with self._timers.time("optimizer_wait"):
+                driver = self._driver
+                if driver is not None:
+                    driver(group)
+                with self._cond:
+                    self._cond.wait_for(lambda: id(group) not in self._pending or self._error is not None)
         if self._error is not None:
             raise self._error
 
     def wait_all(self) -> None:
+        driver = self._driver
+        if driver is not None and self._error is None:  # its end too (trailing writes, the next read-ahead)
+            driver(None)
         with self._cond:
             self._cond.wait_for(lambda: not self._pending or self._error is not None)

@@ -1,4 +1,5 @@
-"""The background optimizer step gives exactly the numbers of the synchronous one."""
+"""The overlapped optimizer step, on a worker thread or driven by the training thread's gathers, gives exactly the
+numbers of the synchronous one."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 from torch import nn
 
 import zinf
+from zinf.offload.nvme_slots import SlotState
 
 
-def _losses(overlap: bool, persistent: int, offload: dict) -> list[float]:
+def _losses(overlap: bool, persistent: int, offload: dict, thread: str = "auto") -> list[float]:
     torch.manual_seed(0)
     config = zinf.ZeroConfig.from_dict({"overlap": {"persistent_numel": persistent},
-                                        "offload": {**offload, "overlap_optimizer": overlap}})
+                                        "offload": {**offload, "overlap_optimizer": overlap, "optimizer_thread": thread}})
     model = nn.Sequential(nn.Linear(512, 2048), nn.Tanh(), nn.Linear(2048, 512), nn.Tanh(), nn.Linear(512, 4))
     engine = zinf.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), config)
     g = torch.Generator().manual_seed(1)
@@ -28,13 +30,15 @@ def _losses(overlap: bool, persistent: int, offload: dict) -> list[float]:
     return out
 
 
+@pytest.mark.parametrize("thread", ["worker", "training"])
 @pytest.mark.parametrize("persistent", [0, 1 << 30], ids=["sharded", "persistent"])
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_background_equals_synchronous(tier: str, persistent: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "nvme-params"])
+def test_background_equals_synchronous(tier: str, persistent: int, thread: str, tmp_path: Path) -> None:
     # regression: groups that stay gathered (persistent, or one rank gathering in place) were read by the
     # next forward while the background step was still writing them
-    offload = {"optimizer": tier, "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 256 << 20}
-    assert _losses(True, persistent, offload) == _losses(False, persistent, offload)
+    offload = {"optimizer": tier.split("-")[0], "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 256 << 20,
+               **({"params": "nvme"} if tier == "nvme-params" else {})}
+    assert _losses(True, persistent, offload, thread) == _losses(False, persistent, offload)
 
 
 def test_parameter_writes_do_not_fill_a_small_pool(tmp_path: Path) -> None:
@@ -100,3 +104,56 @@ def test_groups_are_stepped_in_the_next_forwards_order(tier: str, tmp_path: Path
     order, background = run(True)
     assert order == ["first", "mid", "head"]
     assert run(False) == (order, background)
+
+
+def _nvme_engine(tmp_path: Path, thread: str, layers: int = 4) -> tuple[zinf.ZeroInfinityEngine, nn.Module]:
+    torch.manual_seed(0)
+    config = zinf.ZeroConfig.from_dict({"offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmp_path)], "pinned_pool_bytes": 32 << 20,
+        "sub_group_numel": 1 << 16, "optimizer_thread": thread}})
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 4))
+    return zinf.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), config), model
+
+
+def _train_step(engine: zinf.ZeroInfinityEngine, g: torch.Generator) -> None:
+    x, y = torch.randn(8, 256, generator=g), torch.randint(0, 4, (8,), generator=g)
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+
+
+def test_a_driven_step_runs_as_far_as_a_gather_needs(tmp_path: Path) -> None:
+    """[Note: a sweep the gathers drive]: ``step()`` steps nothing; a wait for a group steps the sub-groups up to that
+    group's and no further; the backward's start finishes the step."""
+    engine, _ = _nvme_engine(tmp_path, "training")
+    optimizer, fence = engine.placement.optimizer, engine.placement.fence
+    assert optimizer.driven
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # from the second step on, the sweep follows the recorded forward's order
+        _train_step(engine, g)  # each returns with nothing of its step done
+    order = list(dict.fromkeys(sg.group for sg in engine.placement.states.subgroups))
+    assert len(order) >= 3 and all(fence.pending(grp) for grp in order)
+    fence.wait(order[1])  # as the forward's gather of the second group does
+    assert [fence.pending(grp) for grp in order] == [False, False] + [True] * (len(order) - 2)
+    fence.wait_all()  # as the backward's start does
+    assert not any(fence.pending(grp) for grp in order)
+    engine.close()
+
+
+@pytest.mark.parametrize("thread", ["worker", "training"])
+def test_trained_slots_kept_for_the_backward_make_room_for_the_next_states(thread: str, tmp_path: Path) -> None:
+    """[Note: kept slots before an update]: groups the forward keeps gathered for the backward give their kept pool
+    slots back as the backward starts, so the optimizer reads the next step's first states during the backward."""
+    engine, _ = _nvme_engine(tmp_path, thread)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _train_step(engine, g)
+    store, states = engine.placement.store, engine.placement.states
+    x, y = torch.randn(8, 256, generator=g), torch.randint(0, 4, (8,), generator=g)
+    loss = nn.functional.cross_entropy(engine(x), y)
+    held = [grp for grp in engine.groups if grp.trainable and grp.backward_held]
+    assert held  # the forward kept them gathered for its backward
+    engine.backward(loss)
+    assert not any(store._slots.get(id(grp)) is not None and store._slots[id(grp)].state is SlotState.KEPT for grp in held)
+    assert len(states._preread) > 0  # the next step's first states, read during the backward
+    engine.step()
+    engine.close()
