@@ -84,8 +84,8 @@ class ZeroInfinityEngine:
         self.device = compute_device(device)
         self.comm = (comm or Comm.current(device=self.device)).with_host_group()
         shutdown.install(self.comm.rank, self.comm.world)  # see [Note: the fault line] in zinf/native/fault.py
-        if self.config.overlap.shared_memory != "off":
-            self.comm = self.comm.with_same_host(SameHostTransport.connect(self.comm, self.config.collective_timeout_s))
+        self.comm = self.comm.with_same_host(SameHostTransport.connect(  # without it, the ranks on this host are counted
+            self.comm, self.config.collective_timeout_s, wanted=self.config.overlap.shared_memory != "off"))
         self.module = model
         check_model(model)
         replaced = tile_linears(model, self.config.tiling, self.config.compute_dtype.itemsize, comm=self.comm)

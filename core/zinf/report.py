@@ -139,7 +139,9 @@ class StepReport:
     (reads of parameter shards fall inside the all-gather waits; optimizer-state I/O inside
     ``optimizer``), ``background_nvme_read`` / ``background_nvme_write`` the background optimizer step's
     (hidden unless the training thread waits for that step: ``optimizer_wait``, inside ``all_gather`` where a gather
-    waits for its group's update, inside ``optimizer`` where the next step waits for the last one), and counts hold
+    waits for its group's update, inside ``optimizer`` where the next step waits for the last one; where the training
+    thread runs that step itself, [Note: a sweep the gathers drive], the wait holds its work and its I/O waits are
+    the training thread's), and counts hold
     ``nvme_read_bytes`` / ``nvme_written_bytes``. ``broadcast_buffers`` (with several ranks and a model with
     buffers) is the forward's wait for rank 0's buffers (see [Note: buffers like DDP] in zinf/schedule/buffers.py),
     outside ``compute`` like the other waits. With the optimizer offloaded, ``adam`` is the CPU-Adam's own time

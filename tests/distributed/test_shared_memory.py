@@ -115,6 +115,8 @@ def _train(rank: int, world: int, shared_memory: str) -> dict:
         losses.append(loss.item())
     transport = engine.comm.same_host
     ops = None if transport is None else transport.ops
+    # without shared memory and without the launcher's LOCAL_WORLD_SIZE, the ranks count who runs on this host
+    assert "LOCAL_WORLD_SIZE" not in os.environ and engine.comm.ranks_on_host() == world
     state = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
     engine.close()
     return {"losses": losses, "ops": ops, "state": state}

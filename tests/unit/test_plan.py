@@ -104,6 +104,23 @@ def test_kept_for_backward_follows_the_engines_choice() -> None:
         plan(tiny(), world=2, machine=machine(), host_keep="always")
 
 
+def test_the_gathered_peak_counts_a_kept_group_once() -> None:
+    """The largest group kept in the middle of the forward is counted once: it is gathered with what is ahead of it,
+    or with the other kept groups at the forward's end, not both."""
+    from zinf.plan.cost import Workload
+    from zinf.plan.gathered import gathered_peak
+    from zinf.plan.model import spec_from_module
+    from zinf.plan.placements import PlanPlacement
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 64), nn.Linear(64, 8))  # the middle group is the largest
+    spec = spec_from_module(model)
+    fulls = [n * 2 * 4 for n in spec.shard_numels(2)]
+    wl = Workload(world=2, prefetch_bytes=0, prefetch_modules=1)
+    assert gathered_peak(spec, wl, 4, PlanPlacement("cpu", "cpu", "cpu"), [False, True, True], room=1 << 20) \
+        == max(fulls[1], fulls[1] + fulls[2])
+
+
 def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu(tmp_path: Path) -> None:
     """A model over the 64 MiB window: on a CPU with room to spare, the groups the room holds are all-gathered once
     a step and counted in the gathered peak; with ``host_keep="off"``, or a budget stated, the window alone keeps."""
@@ -117,7 +134,8 @@ def test_the_hosts_room_keeps_groups_for_the_backward_on_a_cpu(tmp_path: Path) -
     assert est["auto"].io_bytes["allgather"] == 4 * group // 2  # each group once a step: half of it from the other rank
     assert est["off"].io_bytes["allgather"] == budget.io_bytes["allgather"] == 7 * group // 2  # the last group once
     peak = {k: e.bytes["device"]["gathered_peak"] for k, e in est.items()}
-    assert peak["auto"] - peak["off"] == 3 * group  # the three groups the room keeps, gathered at the forward's end
+    assert peak["auto"] == 4 * group  # the room keeps every group: all four gathered at the forward's end
+    assert peak["off"] == group + 64 * 2**20  # one group, and the window's bytes gathered ahead
     # states on NVMe are not host memory: 2 GiB leave room for every group still (a quarter of 1.9 GiB a host, after
     # the pools, split in two), and the backward reads only what nothing kept
     nvme = {keep: plan(model, world=2, machine=machine(2, nvme={str(tmp_path): 100}), placements=["nvme/nvme"],

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from zinf import native
 from zinf.native.checksum import crc32c_combine
 from zinf.offload.in_place import Extent, InPlaceRecord
-from zinf.runtime.same_host import host_boot
+from zinf.runtime.comm import host_boot
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup

@@ -15,7 +15,9 @@ waits release the GIL), in the order the next forward needs the groups (below). 
 next gather (and any NVMe read-ahead of it) waits on that. The next backward waits for every group's
 update (``before_backward``), not for the state writes still trailing on disk; the next step,
 checkpoints and state reads wait for the whole step (``wait``). If the step fails, every waiting
-group raises the error instead of training on a half-updated model.
+group raises the error instead of training on a half-updated model. Where the host's cores compute the model,
+the training thread runs the step itself as those waits need it ([Note: a sweep the gathers drive] in
+zinf/optim/driven_sweep.py).
 
 [Note: stepped in the next forward's order]
 The forward that follows a background step gathers the groups in its recorded order, each waiting for its own

@@ -14,20 +14,21 @@ __all__ = ["gathered_peak", "keep_room", "kept_for_backward"]
 
 
 def gathered_peak(spec: ModelSpec, wl: Workload, pb: int, pl: PlanPlacement, kept: list[bool], room: int) -> int:
-    """Full parameters gathered at once (0 with one rank and device shards: gathered in place): the largest group
-    (an embedding, often used again by a tied head) while the next ``prefetch_modules`` groups are gathered ahead,
-    within ``prefetch_bytes`` (the groups kept for the backward count in it), and what the host's ``room`` holds of
-    the ``kept`` groups but the last (the running one); with ``reshard_after_forward`` "never", the whole model at
-    the forward's end."""
+    """Full parameters gathered at once (0 with one rank and device shards: gathered in place), the larger of two
+    moments: the largest group (an embedding, often used again by a tied head) with the next ``prefetch_modules``
+    groups gathered ahead, within ``prefetch_bytes``, beside what the host's ``room`` holds of the ``kept`` groups
+    the forward ran before it; and the forward's end, where the kept groups (a suffix of the forward) are all
+    gathered. With ``reshard_after_forward`` "never", the whole model at the forward's end."""
     if wl.world == 1 and pl.params == "device":
         return 0
-    numels = spec.shard_numels(wl.world)
-    fulls = sorted((n * wl.world * pb for n in numels), reverse=True)
+    fulls = [n * wl.world * pb for n in spec.shard_numels(wl.world)]  # in the forward's order
     if wl.reshard_after_forward == "never":
         return sum(fulls)
-    ahead = min(wl.prefetch_bytes, sum(fulls[1 : 1 + wl.prefetch_modules]))
-    kept_fulls = [n * wl.world * pb for n, k in zip(numels, kept) if k]
-    return fulls[0] + ahead + min(room, sum(kept_fulls[:-1]))
+    largest = max(range(len(fulls)), key=fulls.__getitem__)
+    ahead = min(wl.prefetch_bytes, sum(sorted(fulls, reverse=True)[1 : 1 + wl.prefetch_modules]))
+    kept_before = sum(f for f, k in zip(fulls[:largest], kept) if k)
+    at_end = sum(f for f, k in zip(fulls, kept) if k)
+    return max(fulls[largest] + ahead + min(room, kept_before), at_end)
 
 
 def keep_room(machine: Machine, wl: Workload, pl: PlanPlacement, nbytes: dict[str, dict[str, int]]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -39,6 +40,17 @@ class Transport(Protocol):
     def bytes_by_tier(self) -> dict[str, dict[str, int]]: ...
 
     def close(self) -> None: ...
+
+
+def host_boot() -> tuple[str, str]:
+    """This host's name and the kernel's boot id: processes with both equal run on one kernel ("" where the boot id
+    cannot be read)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
 
 
 def default_device() -> torch.device:
@@ -76,6 +88,8 @@ class Comm:
     # the ranks' shared memory where every rank runs on this host and computes on its CPU (see [Note: same-host
     # collectives] in zinf/runtime/same_host.py); None: every collective through ``group``
     same_host: Transport | None = None
+    # how many of the ranks run on this host, counted at build where they share no memory (``with_same_host``)
+    host_ranks: int | None = None
 
     @functools.cached_property
     def backend(self) -> str:
@@ -94,9 +108,12 @@ class Comm:
 
     def ranks_on_host(self) -> int:
         """How many of this group's ranks share this host's memory: all of them where they share memory
-        (``same_host``), else as many as the launcher started here (``LOCAL_WORLD_SIZE``), else this one."""
+        (``same_host``), else as counted at build (``host_ranks``), else as many as the launcher started here
+        (``LOCAL_WORLD_SIZE``), else this one."""
         if self.same_host is not None:
             return self.world
+        if self.host_ranks is not None:
+            return self.host_ranks
         return max(1, min(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
     def with_host_group(self) -> "Comm":
@@ -114,8 +131,14 @@ class Comm:
 
     def with_same_host(self, transport: Transport | None) -> "Comm":
         """This group with its ranks' shared memory (``SameHostTransport.connect``, which every rank calls
-        together); this group as it is when there is none."""
-        return self if transport is None else dataclasses.replace(self, same_host=transport)
+        together); without it, with the count of its ranks on this host (``ranks_on_host``: the host memory each
+        may take), which every rank asks together."""
+        if transport is not None:
+            return dataclasses.replace(self, same_host=transport)
+        if self.world == 1:
+            return self
+        here = host_boot()
+        return dataclasses.replace(self, host_ranks=sum(h == here for h in self.all_gather_object(here)))
 
     def _shared(self, tensor: torch.Tensor) -> Transport | None:
         """The shared-memory transport for a collective of ``tensor``, if it takes one: open, and a CPU tensor.

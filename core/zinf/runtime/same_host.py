@@ -37,7 +37,6 @@ import enum
 import logging
 import mmap
 import os
-import socket
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zinf.errors import SharedMemoryTimeout, ZinfError
+from zinf.runtime.comm import host_boot
 from zinf.native import shm as native_shm
 from zinf.native.widen import widen_into
 from zinf.report import tier_of
@@ -53,7 +53,7 @@ from zinf.report import tier_of
 if TYPE_CHECKING:
     from zinf.runtime.comm import Comm
 
-__all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState", "host_boot"]
+__all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState"]
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,6 @@ class _HostId:
     pid_ns: str  # the same PID namespace: a rank can tell whether another one's process still runs
     shm_dir: bool
     native: bool
-
-
-def host_boot() -> tuple[str, str]:
-    """This host's name and the kernel's boot id: processes with both equal run on one kernel ("" where the boot id
-    cannot be read)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
 
 
 def _host_id() -> _HostId:
@@ -147,12 +136,13 @@ class SameHostTransport:
         return self.state is TransportState.OPEN
 
     @classmethod
-    def connect(cls, comm: Comm, timeout_s: float = 0.0) -> "SameHostTransport | None":
-        """Every rank of ``comm`` calls this together. None (on every rank alike) with one rank, a backend other
-        than gloo, a compute device other than the CPU, ranks not all on this host, no writable ``/dev/shm``, or
-        no C++ extension. A collective waits ``timeout_s`` for the other ranks where it is > 0
-        (``collective_timeout_s``), else the process group's own timeout."""
-        if comm.world == 1 or "gloo" not in comm.backend or comm.device.type != "cpu":
+    def connect(cls, comm: Comm, timeout_s: float = 0.0, wanted: bool = True) -> "SameHostTransport | None":
+        """Every rank of ``comm`` calls this together. None (on every rank alike) where not ``wanted``
+        (``overlap.shared_memory: off``), with one rank, a backend other than gloo, a compute device other than the
+        CPU, ranks not all on this host, no writable ``/dev/shm``, or no C++ extension. A collective waits
+        ``timeout_s`` for the other ranks where it is > 0 (``collective_timeout_s``), else the process group's own
+        timeout."""
+        if not wanted or comm.world == 1 or "gloo" not in comm.backend or comm.device.type != "cpu":
             return None
         rank, world, all_gather_object = comm.rank, comm.world, comm.all_gather_object
         ids = all_gather_object((_host_id(), uuid.uuid4().hex, os.getpid()))
