@@ -37,7 +37,7 @@ from zinf.offload.disk_speed import load_speed
 from zinf.offload.grad_stash import NvmeGradStash
 from zinf.offload.nvme_param_store import NvmeShardStore
 from zinf.offload.param_store import CpuShardStore
-from zinf.offload.pool_room import PoolRoom
+from zinf.offload.pool_room import PoolRoom, block_bytes
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore, StateStore
@@ -297,9 +297,23 @@ class Placement:
 
     def before_backward(self) -> None:
         self.store.keep_for_backward(False)
-        if isinstance(self.store, NvmeShardStore) and isinstance(self.optimizer, OffloadedAdam) \
-                and self.optimizer.step_follows:  # [Note: kept slots before an update] in nvme_param_store.py
+        step_follows = isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_follows
+        if isinstance(self.store, NvmeShardStore) and step_follows:  # [Note: kept slots before an update]
             self.store.release_kept([g for g in self.groups if g.trainable and g.backward_held])
+        if self.stash is not None and isinstance(self.states, NvmeStateStore):
+            self.stash.hold_for_step(self._held_grads() if step_follows else [])
+
+    def _held_grads(self) -> list[SubGroup]:
+        """The sweep's first sub-groups whose gradients fit a quarter of the pool ([Note: gradients held for the
+        step] in zinf/offload/grad_stash.py)."""
+        assert self.stash is not None and isinstance(self.states, NvmeStateStore)
+        room, out = self.cfg.pinned_pool_bytes // 4, []
+        for sg in self.states.subgroups:
+            room -= block_bytes(self.stash.record(sg).span)
+            if room < 0:
+                break
+            out.append(sg)
+        return out
 
     def flush(self) -> None:
         self.store.flush()

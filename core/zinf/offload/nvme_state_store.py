@@ -86,8 +86,13 @@ class NvmeStateStore(StateStore):
         return self.records[id(sg)][name]
 
     def _read_names(self, sg: SubGroup) -> tuple[str, ...]:
-        stashed = self.stash is not None and sg.group.grad.state is GradState.ON_NVME
+        """The records the step of ``sg`` reads: the states, and the gradient where it is in its record (not held in
+        a pool buffer: [Note: gradients held for the step] in zinf/offload/grad_stash.py)."""
+        stashed = self._stashed(sg) and not self.stash.holds(sg)  # type: ignore[union-attr]
         return self.layout.names + (("grad",) if stashed else ())
+
+    def _stashed(self, sg: SubGroup) -> bool:
+        return self.stash is not None and sg.group.grad.state is GradState.ON_NVME
 
     def _submit_reads(self, sg: SubGroup, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Reads the step cannot go on without: wait for pool room if need be."""
@@ -121,17 +126,19 @@ class NvmeStateStore(StateStore):
     def on_background_thread(self) -> None:
         self.swap.mark_background_thread()
 
-    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None]]:
+    def sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None] | None]:
         """Every sub-group's states (and stashed gradient) in memory, in order, with the check of their content the
         caller takes before using them ([Note: checks in the Adam pass] in zinf/offload/record_check.py); what the
-        caller wrote into the states is written back behind it (see [Note: trailing writes])."""
+        caller wrote into the states is written back behind it (see [Note: trailing writes]). First a None, once the
+        first reads are in flight."""
         self._idle.clear()
         try:
             yield from self._sweep()
         finally:
             self._idle.set()
 
-    def _sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None]]:
+    def _sweep(self) -> Iterator[tuple[SubGroup, dict[str, torch.Tensor], RecordCheck | None] | None]:
+        self._retire_all()  # the last step's writes, where no read-ahead waited for them: these records are read now
         if self.stash is not None:
             self.stash.flush()
         with self._lock:
@@ -139,10 +146,16 @@ class NvmeStateStore(StateStore):
         i = 0
         while i < len(reading):  # states read ahead: the gradient is read now
             sg, bufs, handles = reading[i]
-            if "grad" in self._read_names(sg):
-                # the room the parameter store stages updated shards in stays free: those of the groups read ahead
-                # were let go for this read-ahead ([Note: kept slots before an update] in nvme_param_store.py)
-                fits = i == 0 or self.room.free_bytes - block_bytes(self._rec(sg, "grad").span) >= self.param_reserve_bytes
+            need = block_bytes(self._rec(sg, "grad").span) if "grad" in self._read_names(sg) else 0
+            # the room the parameter store stages updated shards in stays free: those of the groups read ahead were
+            # let go for this read-ahead ([Note: kept slots before an update] in nvme_param_store.py), and gradients
+            # held for the step take room too ([Note: gradients held for the step] in grad_stash.py)
+            fits = i == 0 or self.room.free_bytes - need >= self.param_reserve_bytes
+            if not fits and not need:
+                while len(reading) > i:
+                    self._give_back(*reading.pop())
+                break
+            if need:
                 more = self._try_submit_reads(sg, ("grad",)) if fits else None
                 if more is None:  # no block for it now: the later read-ahead is given up (read again in turn)
                     while len(reading) > max(i, 1):
@@ -155,6 +168,7 @@ class NvmeStateStore(StateStore):
             i += 1
         upcoming = iter(self.subgroups[len(reading):])
         following = next(upcoming, None)
+        primed = False
         for sg in self.subgroups:
             # see [Note: the sweep's reads]: the sub-group stepped now, the next one (two where the pool allows,
             # more while all of them read less than READ_AHEAD_BYTES), in room trailing writes and parameters leave
@@ -170,12 +184,22 @@ class NvmeStateStore(StateStore):
                 else:
                     break
                 following = next(upcoming, None)
+            if not primed:  # the first reads are in flight: a driven sweep returns here at first, to wait for them
+                primed = True  # only when a gather needs the update ([Note: a sweep the gathers drive])
+                yield None
             read_sg, bufs, handles = reading.popleft()
             assert read_sg is sg
             for name in handles:
                 self.swap.wait(handles[name], self._rec(sg, name))
-            check = self._check(sg, bufs, handles)
-            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.layout.dtype(name)) for name in handles}
+            if "grad" not in bufs and self._stashed(sg):  # held in a pool buffer when its reads were submitted
+                held = self.stash.take_held(sg)  # type: ignore[union-attr]
+                if held is None:  # written since, to make room: read now
+                    more, reads = self._submit_reads(sg, ("grad",))
+                    self.swap.wait(reads["grad"], self._rec(sg, "grad"))
+                    held = more["grad"]
+                bufs["grad"] = held
+            check = self._check(sg, bufs)
+            views = {name: bufs[name][: self._rec(sg, name).nbytes].view(self.layout.dtype(name)) for name in bufs}
             grad_buf = bufs.pop("grad", None)
             try:
                 yield sg, views, check
@@ -186,19 +210,43 @@ class NvmeStateStore(StateStore):
                       for n in self.layout.names]
             with self._lock:
                 self._trailing.append((sg, bufs, writes))
-        while self._retire_oldest():
-            pass
-        self._writes_done = True
+        # the last writes trail into the backward (see [Note: trailing writes]); the thread that ran the sweep, which
+        # may be the training thread, does not wait for them here
+        self._retire_finished()
+        with self._lock:
+            self._writes_done = not self._trailing
         self.read_ahead_states()
 
-    def _check(self, sg: SubGroup, bufs: dict[str, torch.Tensor], handles: dict[str, int]) -> RecordCheck | None:
-        """The trailers of ``sg``'s records just read, checked; their content's check handed to the stepper with the
-        states ([Note: checks in the Adam pass] in zinf/offload/record_check.py), or None without checksums."""
+    def _retire_finished(self) -> None:
+        """Retire the trailing writes that have finished, oldest first, without waiting for any."""
+        while True:
+            with self._lock:
+                if not self._trailing or not all(self.swap.aio.done(h) for h in self._trailing[0][2]):
+                    return
+            self._retire_oldest()
+
+    def finish_writes(self) -> None:
+        """Wait for the last step's trailing writes and start the next step's read-ahead: the step is over on disk."""
+        if not self._idle.is_set():
+            return
+        self._retire_all()
+        with self._lock:
+            self._writes_done = not self._trailing
+        self.read_ahead_states()
+
+    def _retire_all(self) -> None:
+        """Wait for every trailing write: the records are read next."""
+        while self._retire_oldest():
+            pass
+
+    def _check(self, sg: SubGroup, bufs: dict[str, torch.Tensor]) -> RecordCheck | None:
+        """The trailers of ``sg``'s records just read (``bufs``), checked; their content's check handed to the stepper
+        with the states ([Note: checks in the Adam pass] in zinf/offload/record_check.py), or None without checksums."""
         if not self.swap.checksums:
-            for name in handles:
+            for name in bufs:
                 self.swap.verify(self._rec(sg, name), bufs[name])
             return None
-        records = {name: self._rec(sg, name) for name in handles}
+        records = {name: self._rec(sg, name) for name in bufs}
         return RecordCheck(self.swap, records, bufs, {n: self.swap.trailer_crc(r, bufs[n]) for n, r in records.items()})
 
     def _reading_bytes(self, reading: "collections.deque[_Reads]") -> int:
@@ -241,6 +289,10 @@ class NvmeStateStore(StateStore):
     def read_ahead_states(self) -> None:
         """Extend the read-ahead of the next step's first sub-group states into the pool room there is
         now (see [Note: state read-ahead])."""
+        if not self._writes_done and self._idle.is_set():  # the last sweep's writes may have finished since
+            self._retire_finished()
+            with self._lock:
+                self._writes_done = not self._trailing
         if not self._writes_done or not self._preread_lock.acquire(blocking=False):
             return
         try:
@@ -303,6 +355,7 @@ class NvmeStateStore(StateStore):
     def quiesce(self) -> None:
         """Give back the states read ahead: afterwards the files alone hold the optimizer's state."""
         self._idle.wait()
+        self._retire_all()
         while self._drop_preread():
             pass
 
@@ -311,6 +364,7 @@ class NvmeStateStore(StateStore):
         """This rank's master and moments of ``group`` as host tensors of their stored dtypes (copies)."""
         self.fence.wait_all()
         self._idle.wait()
+        self._retire_all()
         out = self._outputs(group)
         for sg in self.of(group):
             bufs: dict[str, torch.Tensor] = {}  # a sub-group's records at once, as the sweep holds them
@@ -331,6 +385,7 @@ class NvmeStateStore(StateStore):
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         self.fence.wait_all()
         self._idle.wait()
+        self._retire_all()
         while self._drop_preread():  # read before these states changed
             pass
         for sg in self.of(group):

@@ -4,7 +4,7 @@ Every user of the pinned staging pool (the NVMe parameter store, the optimizer-s
 stash) is built with the same ``PoolRoom``; each registers, in its constructor, what it can give back without
 losing anything (trailing writes to finish, read-ahead to drop, idle cached shards) with its place in the
 one eviction order: the optimizer's pipeline first (``OPTIMIZER``), then the parameter store's idle slots
-(``PARAMS``). A buffer for work that must not fail for room is taken with ``acquire_waiting``.
+(``PARAMS``), then the gradients held for the step (``HELD_GRADS``). A buffer for work that must not fail for room is taken with ``acquire_waiting``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 
 from zinf.native import PinnedBufferPool, PoolExhaustedError
 
-__all__ = ["PoolRoom", "ACQUIRE_TIMEOUT_S", "block_bytes", "OPTIMIZER", "PARAMS"]
+__all__ = ["PoolRoom", "ACQUIRE_TIMEOUT_S", "block_bytes", "OPTIMIZER", "PARAMS", "HELD_GRADS"]
 
 ACQUIRE_TIMEOUT_S = 120.0
-OPTIMIZER, PARAMS = 0, 1  # eviction order: what the optimizer holds without need goes first
+# eviction order: what the optimizer holds without need goes first; gradients held for the step last (each costs a
+# write, then a read)
+OPTIMIZER, PARAMS, HELD_GRADS = 0, 1, 2
 
 
 def block_bytes(nbytes: int) -> int:

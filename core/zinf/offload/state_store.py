@@ -77,6 +77,14 @@ class StateStore:
     def write_states(self, group: "FlatParamGroup", states: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def finish_writes(self) -> None:
+        """Wait for the last step's writes still on their way (NVMe); nothing in memory."""
+        return None
+
+    def read_ahead_states(self) -> None:
+        """Start reading the next step's first states where they are on NVMe; nothing in memory."""
+        return None
+
 
 class CpuStateStore(StateStore):
     """[Note: one fp32 master on the host] Where a group's parameter shard is itself an fp32 tensor in host memory

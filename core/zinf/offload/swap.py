@@ -277,6 +277,10 @@ class SwapSpace:
     def submit_write(self, rec: Record, buf: torch.Tensor, crc: int | None = None) -> int:
         """Write a whole record (data already in ``buf``); stamps the trailer first (see ``stamp``)."""
         self.stamp(rec, buf, crc)
+        return self.submit_stamped(rec, buf)
+
+    def submit_stamped(self, rec: Record, buf: torch.Tensor) -> int:
+        """Write a whole record whose trailer ``stamp`` already wrote into ``buf``."""
         handle = self.aio.submit_write(buf[: rec.span], rec.path, rec.offset)
         self._kind[handle] = ("nvme_write", rec.span)
         return handle

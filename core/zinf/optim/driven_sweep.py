@@ -43,18 +43,33 @@ class DrivenSweep:
     def finished(self) -> bool:
         return self._steps is None
 
+    def start(self) -> None:
+        """Take the sweep's first item now: its first reads go out while the training thread carries on (with NVMe
+        states the sweep yields once before it waits for them)."""
+        self._advance()
+
     def until(self, group: "FlatParamGroup | None") -> None:
         """Step sub-groups until ``group``'s update is done (None: until the sweep ends)."""
         with self._lock:
             while self._steps is not None and (group is None or self._fence.pending(group)):
-                try:
-                    next(self._steps)
-                except StopIteration:
-                    self._end()
-                except BaseException as exc:  # noqa: BLE001 - the step failed part way: its waiters raise it
-                    self._on_error(exc)
-                    self._end()
-                    raise
+                self._advance_held()
+
+    def _advance(self) -> None:
+        with self._lock:
+            if self._steps is not None:
+                self._advance_held()
+
+    def _advance_held(self) -> None:
+        """One item of the sweep (the caller holds the lock)."""
+        assert self._steps is not None
+        try:
+            next(self._steps)
+        except StopIteration:
+            self._end()
+        except BaseException as exc:  # noqa: BLE001 - the step failed part way: its waiters raise it
+            self._on_error(exc)
+            self._end()
+            raise
 
     def _end(self) -> None:
         self._steps = None

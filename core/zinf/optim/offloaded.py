@@ -182,6 +182,7 @@ class OffloadedAdam(OffloadedAdamState):
         if self.driven:
             self._driven = DrivenSweep(self._sweep_steps(), self.fence, self.groups, self._failed)
             self.fence.drive_by(self._driven.until)
+            self._driven.start()
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-offloaded-adam")
@@ -227,8 +228,10 @@ class OffloadedAdam(OffloadedAdamState):
             driven, self._driven = self._driven, None
             try:
                 driven.until(None)
-            except BaseException:  # noqa: BLE001 - raised below with the message of a failed step
-                pass
+                self.states.finish_writes()  # its writes, which a worker's step waits for at its end
+            except BaseException as exc:  # noqa: BLE001 - raised below with the message of a failed step
+                if self._error is None:
+                    self._failed(exc)
         if self._job is not None:
             if not self._job.done():  # the training thread stands still for the step (an interval of the I/O note)
                 with self.timers.time("optimizer_wait"):
@@ -293,6 +296,7 @@ class OffloadedAdam(OffloadedAdamState):
         self._backwards += 1
         if self.stash is not None:
             self.stash.flush()
+        self.states.read_ahead_states()  # where the last step's writes have finished since the backward began
 
     def quiesce(self) -> None:
         self.wait()
@@ -324,9 +328,10 @@ class OffloadedAdam(OffloadedAdamState):
         try:
             if self.early is not None:  # the steps begun during the backward have finished
                 self.early.join()
-            for sg, states, check in self.states.sweep():
-                with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
-                    self._step(sg, states, check)
+            for item in self.states.sweep():
+                if item is not None:  # None: reads are in flight, nothing to step yet
+                    with self.timers.time("adam"):  # the step's own time, wherever it runs (see StepReport)
+                        self._step(*item)
                 yield
         finally:
             for store in self._stores():

@@ -195,6 +195,8 @@ class GradShard:
         did, ``memory_zeroed``: the fused Adam pass) and kept (a torch optimizer holds views of it)."""
         self._land()
         self._stats_due = False
+        if self.state is GradState.ON_NVME and self.stash is not None:
+            self.stash.forget(self._group)  # pool buffers still holding it ([Note: gradients held for the step])
         if self._tensor is not None and self.state is not GradState.EMPTY and not memory_zeroed:
             self._tensor.zero_()
         self.state, self._norms, self._finite, self.pending = GradState.EMPTY, None, None, []

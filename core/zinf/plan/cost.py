@@ -23,8 +23,8 @@ from zinf.offload.pool_room import block_bytes
 from zinf.offload.nvme_state_store import READ_AHEAD_BYTES, READ_AHEAD_SUBGROUPS
 from zinf.offload.subgroups import subgroup_numels
 from zinf.plan.machine import Machine
-from zinf.plan.memory import (choose_pool, disk_bytes, param_reserve, pool_need, record_span, state_bytes,
-                              trained_shards)
+from zinf.plan.memory import (choose_pool, disk_bytes, held_grad_bytes, param_reserve, pool_need, record_span,
+                              state_bytes, trained_shards)
 from zinf.plan.gathered import gathered_peak, keep_room, kept_for_backward
 from zinf.plan.model import ModelSpec, PlanError
 from zinf.plan.placements import PlanPlacement
@@ -194,13 +194,14 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
     else:
         per = {"fp32": cal.cpu_adam_bytes, "bf16": cal.cpu_adam_bytes_bf16, "int8": cal.cpu_adam_bytes_int8}[pl.moments]
         sec["optimizer"] = trainable * per / host_bw
-    fraction = 0.0
+    fraction, shared_groups = 0.0, 0
     if machine.device == "cuda" and pl.optimizer != "device" and pl.params == "device":
         headroom = int(machine.device_bytes * 0.9) - sum(nbytes["device"].values())
         trained = trained_shards(spec, shards)
         fraction = device_share(sec["optimizer"], sec["compute"] / (3 * recompute), trained, headroom)
         if fraction:
             moved = share_taken(trained, fraction)  # whole groups, as the engine takes them
+            shared_groups = groups_in_share(trained, fraction)
             _move_share(nbytes, pl, trainable, moved)
             sec["optimizer_device"] = moved * trainable * cal.torch_adam_bytes / mem_bw
             sec["optimizer"] *= 1 - moved
@@ -210,6 +211,10 @@ def estimate(spec: ModelSpec, machine: Machine, wl: Workload, pl: PlanPlacement,
                 for key in ("nvme_read", "nvme_write"):
                     io[key] -= int(moved * states)
                 disk -= int(moved * states)
+    if pl.optimizer == "nvme" and pl.grads == "nvme":  # the CPU sweep's first gradients stay in the pool
+        held = held_grad_bytes(trained_shards(spec, shards)[shared_groups:], wl.sub_group_numel, pool)
+        io["nvme_read"] -= held
+        io["nvme_write"] -= held
     nvme_bytes = io["nvme_read"] + io["nvme_write"]
     if nvme_bytes:
         read_bw, write_bw, mixed_bw = _disk_bw(machine, nvme_paths)

@@ -19,7 +19,7 @@ from zinf.offload.swap import align_up, record_span
 from zinf.plan.model import ModelSpec
 from zinf.plan.placements import PlanPlacement
 
-__all__ = ["record_span", "trained_shards", "pool_need", "choose_pool", "state_bytes", "disk_bytes"]
+__all__ = ["record_span", "trained_shards", "pool_need", "choose_pool", "state_bytes", "disk_bytes", "held_grad_bytes"]
 
 
 def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
@@ -29,6 +29,19 @@ def _subgroup_numels(shards: Sequence[int], sub_group_numel: int) -> list[int]:
 def trained_shards(spec: ModelSpec, shards: Sequence[int]) -> list[int]:
     """The shards of the groups that train (frozen groups have no optimizer state, gradient or update)."""
     return [n for n, g in zip(shards, spec.groups) if g.trainable]
+
+
+def held_grad_bytes(trained: Sequence[int], sub_group_numel: int, pool: int) -> int:
+    """Gradient bytes a step neither writes to NVMe nor reads back: the sweep's first sub-groups' (of the ``trained``
+    shards in the forward's order) while their blocks fit a quarter of the pool ([Note: gradients held for the step]
+    in zinf/offload/grad_stash.py)."""
+    room, held = pool // 4, 0
+    for n in _subgroup_numels(trained, sub_group_numel):
+        room -= block_bytes(record_span(n * 4))
+        if room < 0:
+            break
+        held += n * 4
+    return held
 
 
 def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:

@@ -88,3 +88,44 @@ def test_auto_keeps_gradients_on_the_host_where_they_fit(tmp_path: Path) -> None
     assert _grads_auto(tmp_path, fits)[0] == "cpu"
     tier, held, _ = _grads_auto(tmp_path, fits - 1)
     assert tier == "nvme" and held["nvme"]["grad_shards"] == numel * 4 and "grad_shards" not in held["cpu"]
+
+
+def test_gradients_held_for_the_step_are_neither_written_nor_read(tmp_path: Path) -> None:
+    """[Note: gradients held for the step]: a steady step reads and writes each sub-group's states and, of the
+    gradients, only those a quarter of the pool does not hold (the sweep's first are held); the same numbers as
+    the states in memory."""
+    def run(offload: dict) -> tuple[list[float], zinf.ZeroInfinityEngine]:
+        torch.manual_seed(0)
+        config = zinf.ZeroConfig.from_dict({"offload": {"sub_group_numel": 1 << 14, **offload}})
+        layers = [nn.Linear(128, 256), nn.Tanh()] + [m for _ in range(5) for m in (nn.Linear(256, 256), nn.Tanh())]
+        model = nn.Sequential(*layers, nn.Linear(256, 4))
+        engine = zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x, y = torch.randn(8, 128, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, engine
+
+    losses, engine = run({"optimizer": "nvme", "grads": "nvme", "nvme_paths": [str(tmp_path)],
+                          "pinned_pool_bytes": 2 << 20})
+    states, stash = engine.placement.states, engine.placement.stash
+    x, y = torch.randn(8, 128), torch.randint(0, 4, (8,))
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    held = [sg for sg in states.subgroups if stash.holds(sg)]
+    assert 0 < len(held) < len(states.subgroups)
+    assert held == states.subgroups[: len(held)]  # the sweep's first
+    engine.report()
+    engine.step()
+    engine.synchronize()
+    counts = engine.report().counts
+    state_spans = sum(rec.span for sg in states.subgroups for rec in states.records[id(sg)].values())
+    grad_spans = sum(stash.record(sg).span for sg in states.subgroups[len(held):])
+    assert counts["nvme_read_bytes"] == counts["nvme_written_bytes"] == state_spans + grad_spans
+    engine.close()
+    in_memory, engine = run({"optimizer": "cpu"})
+    engine.close()
+    assert losses == in_memory

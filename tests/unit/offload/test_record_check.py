@@ -74,7 +74,10 @@ def test_checked_in_pass_steps_as_the_other_ways(tmp_path: Path, grads: str, mom
     assert checked == _losses(None, grads, moments)  # the states in host memory
 
 
-def test_a_corrupted_gradient_record_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["record", "held"])
+def test_a_corrupted_gradient_is_refused(where: str, tmp_path: Path) -> None:
+    """In its record (held gradients written out to make pool room: the step reads them back), or held in its pool
+    buffer for the step ([Note: gradients held for the step] in zinf/offload/grad_stash.py)."""
     torch.manual_seed(0)
     config = zinf.ZeroConfig.from_dict({"offload": {"optimizer": "nvme", "grads": "nvme", "nvme_paths": [str(tmp_path)],
                                                     "sub_group_numel": 4096, "pinned_pool_bytes": 8 << 20}})
@@ -86,12 +89,20 @@ def test_a_corrupted_gradient_record_is_refused(tmp_path: Path) -> None:
     try:
         engine.backward(engine(torch.randn(8, 32)).square().mean())
         stash.flush()
-        rec = stash.record(engine.placement.optimizer.states.subgroups[0])
-        with open(rec.path, "r+b") as f:
-            f.seek(rec.offset + 8)
-            byte = f.read(1)
-            f.seek(rec.offset + 8)
-            f.write(bytes([byte[0] ^ 0x10]))
+        first = engine.placement.optimizer.states.subgroups[0]
+        assert stash.holds(first)  # the sweep's first gradients stay in the pool
+        if where == "record":
+            while stash._write_one_held():  # as a thread short of pool room has them written
+                pass
+            assert not stash.holds(first)
+            rec = stash.record(first)
+            with open(rec.path, "r+b") as f:
+                f.seek(rec.offset + 8)
+                byte = f.read(1)
+                f.seek(rec.offset + 8)
+                f.write(bytes([byte[0] ^ 0x10]))
+        else:
+            stash._held[id(first)][8] ^= 0x10
         with pytest.raises(OffloadFileError, match="is corrupted"):
             engine.step()
             engine.synchronize()
