@@ -212,26 +212,25 @@ class NvmeStateStore(StateStore):
                 self._trailing.append((sg, bufs, writes))
         # the last writes trail into the backward (see [Note: trailing writes]); the thread that ran the sweep, which
         # may be the training thread, does not wait for them here
-        self._retire_finished()
-        with self._lock:
-            self._writes_done = not self._trailing
+        self._settle_writes(wait=False)
         self.read_ahead_states()
 
-    def _retire_finished(self) -> None:
-        """Retire the trailing writes that have finished, oldest first, without waiting for any."""
+    def _settle_writes(self, wait: bool) -> None:
+        """Retire the trailing writes, oldest first: every one (``wait``), or those finished; the next step's records
+        may be read ahead once none trails."""
         while True:
             with self._lock:
-                if not self._trailing or not all(self.swap.aio.done(h) for h in self._trailing[0][2]):
-                    return
+                if not self._trailing or not (wait or all(self.swap.aio.done(h) for h in self._trailing[0][2])):
+                    break
             self._retire_oldest()
+        with self._lock:
+            self._writes_done = not self._trailing
 
     def finish_writes(self) -> None:
         """Wait for the last step's trailing writes and start the next step's read-ahead: the step is over on disk."""
         if not self._idle.is_set():
             return
-        self._retire_all()
-        with self._lock:
-            self._writes_done = not self._trailing
+        self._settle_writes(wait=True)
         self.read_ahead_states()
 
     def _retire_all(self) -> None:
@@ -290,9 +289,7 @@ class NvmeStateStore(StateStore):
         """Extend the read-ahead of the next step's first sub-group states into the pool room there is
         now (see [Note: state read-ahead])."""
         if not self._writes_done and self._idle.is_set():  # the last sweep's writes may have finished since
-            self._retire_finished()
-            with self._lock:
-                self._writes_done = not self._trailing
+            self._settle_writes(wait=False)
         if not self._writes_done or not self._preread_lock.acquire(blocking=False):
             return
         try:
