@@ -34,10 +34,10 @@ from zinf.host_room import available_ram
 from zinf.native.buffer_cache import BufferCache, buffer_cache
 from zinf.offload.device_states import DeviceStateStore, device_share
 from zinf.offload.disk_speed import load_speed
-from zinf.offload.grad_stash import NvmeGradStash
+from zinf.offload.grad_stash import NvmeGradStash, held_count
 from zinf.offload.nvme_param_store import NvmeShardStore
 from zinf.offload.param_store import CpuShardStore
-from zinf.offload.pool_room import PoolRoom, block_bytes
+from zinf.offload.pool_room import PoolRoom
 from zinf.offload.staged_store import StagedDeviceStore
 from zinf.offload.nvme_state_store import NvmeStateStore
 from zinf.offload.state_store import CpuStateStore, StateStore
@@ -307,13 +307,8 @@ class Placement:
         """The sweep's first sub-groups whose gradients fit a quarter of the pool ([Note: gradients held for the
         step] in zinf/offload/grad_stash.py)."""
         assert self.stash is not None and isinstance(self.states, NvmeStateStore)
-        room, out = self.cfg.pinned_pool_bytes // 4, []
-        for sg in self.states.subgroups:
-            room -= block_bytes(self.stash.record(sg).span)
-            if room < 0:
-                break
-            out.append(sg)
-        return out
+        order = self.states.subgroups
+        return order[: held_count([self.stash.record(sg).span for sg in order], self.cfg.pinned_pool_bytes)]
 
     def flush(self) -> None:
         self.store.flush()

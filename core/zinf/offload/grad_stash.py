@@ -28,16 +28,27 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from zinf.native.widen import copy_checked
-from zinf.offload.pool_room import HELD_GRADS, PoolRoom
+from zinf.offload.pool_room import HELD_GRADS, PoolRoom, block_bytes
 from zinf.offload.subgroups import SubGroup
 from zinf.offload.swap import Record, SwapSpace
 
 if TYPE_CHECKING:
     from zinf.param.flat_group import FlatParamGroup
 
-__all__ = ["NvmeGradStash", "GRAD_WRITES_IN_FLIGHT"]
+__all__ = ["NvmeGradStash", "GRAD_WRITES_IN_FLIGHT", "held_count"]
 
 GRAD_WRITES_IN_FLIGHT = 4  # gradient sub-group writes in flight during backward (each holds a pool buffer)
+
+
+def held_count(spans: Sequence[int], pool_bytes: int) -> int:
+    """How many of the sweep's first gradient records (``spans``, in its order) a step holds: while their pool blocks
+    fit a quarter of the pool ([Note: gradients held for the step])."""
+    room = pool_bytes // 4
+    for count, span in enumerate(spans):
+        room -= block_bytes(span)
+        if room < 0:
+            return count
+    return len(spans)
 
 
 class NvmeGradStash:

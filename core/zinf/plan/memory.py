@@ -13,6 +13,7 @@ from typing import Sequence
 
 from zinf.config import PRECISIONS
 from zinf.config_sections import TIERS
+from zinf.offload.grad_stash import held_count
 from zinf.offload.pool_room import block_bytes
 from zinf.offload.subgroups import subgroup_numels
 from zinf.offload.swap import align_up, record_span
@@ -35,13 +36,8 @@ def held_grad_bytes(trained: Sequence[int], sub_group_numel: int, pool: int) -> 
     """Gradient bytes a step neither writes to NVMe nor reads back: the sweep's first sub-groups' (of the ``trained``
     shards in the forward's order) while their blocks fit a quarter of the pool ([Note: gradients held for the step]
     in zinf/offload/grad_stash.py)."""
-    room, held = pool // 4, 0
-    for n in _subgroup_numels(trained, sub_group_numel):
-        room -= block_bytes(record_span(n * 4))
-        if room < 0:
-            break
-        held += n * 4
-    return held
+    numels = _subgroup_numels(trained, sub_group_numel)
+    return 4 * sum(numels[: held_count([record_span(n * 4) for n in numels], pool)])
 
 
 def pool_need(spec: ModelSpec, world: int, precision: str, pl: PlanPlacement, sub_group_numel: int) -> int:
