@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import zinf
-from zinf.integrations.quantized import four_bit_bytes
+from zinf.integrations.quantized import quantized_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness.machine import matmul_peak_flops  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> None:
     with zinf.Init(config):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **quantization)
     load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
-    four_bit = four_bit_bytes(model)  # (this rank's 4-bit shard bytes, the elements they hold)
+    four_bit = quantized_bytes(model)  # (this rank's 4-bit shard bytes, the elements they hold)
     rss_after_load = _proc("VmHWM:")
     _checkpointing(args, model)
     if not args.full:

@@ -258,7 +258,7 @@ def tile_linears(model: nn.Module, config: TilingConfig, itemsize: int = 4,
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not nn.Linear or child.weight.numel() < config.min_numel or getattr(
-                    group_of(child.weight), "four_bit", None) is not None:  # 4-bit weights stay as loaded
+                    group_of(child.weight), "quantized", None) is not None:  # 4-bit weights stay as loaded
                 continue
             own = [p for p in (child.weight, child.bias) if p is not None]
             if any(uses.get(id(p), 0) > 1 for p in own):

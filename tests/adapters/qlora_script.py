@@ -5,7 +5,9 @@ in it knows about zinf.
 Launched by test_qlora.py under plain ``accelerate launch`` (DDP, bitsandbytes' ``Linear4bit`` on the CPU) and
 under ``zinf launch``:
 
-    python qlora_script.py MODEL_DIR OUTPUT_DIR RESULT_JSON
+    python qlora_script.py MODEL_DIR OUTPUT_DIR RESULT_JSON [nf4|int8]
+
+``int8``: the base in bitsandbytes' 8 bits (``load_in_8bit``) instead, the rest unchanged.
 
 Rank 0 writes the logged per-step losses, the trainable / total parameter counts, the next-token logits of a prompt
 with the adapter and without it, and the saved adapter's file names to ``RESULT_JSON``. Trainer saves its
@@ -24,14 +26,17 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfi
 from sft_lora_script import probe, texts
 
 
-def quantization() -> BitsAndBytesConfig:
+def quantization(kind: str = "nf4") -> BitsAndBytesConfig:
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.float32)
 
 
 def main() -> None:
     model_dir, output_dir, result = sys.argv[1], sys.argv[2], sys.argv[3]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=quantization())
+    kind = sys.argv[4] if len(sys.argv) > 4 else "nf4"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=quantization(kind))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # non-reentrant checkpointing: what DDP needs with a PeftModel (peft's multi-GPU QLoRA setting)
     model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})

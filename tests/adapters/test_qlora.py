@@ -1,5 +1,5 @@
-"""An unchanged QLoRA script (qlora_script.py: NF4 base, ``prepare_model_for_kbit_training``, LoRA, ``Trainer``) on
-two gloo processes under ``zinf launch`` (parameters in memory; parameters on NVMe with the optimizer on the CPU)
+"""An unchanged QLoRA script (qlora_script.py: NF4 base, or bitsandbytes' 8-bit one, ``prepare_model_for_kbit_training``,
+LoRA, ``Trainer``) on two gloo processes under ``zinf launch`` (parameters in memory; parameters on NVMe with the optimizer on the CPU)
 and under plain Accelerate DDP with bitsandbytes on the CPU, compared step for step; Trainer's last checkpoint
 consolidated by ``zinf consolidate``."""
 
@@ -39,24 +39,33 @@ def _script():
     return script
 
 
-def reference_logits(model_dir: Path) -> torch.Tensor:
-    """The next-token logits of the script's first prompt from the 4-bit model through bitsandbytes' training path
-    (``MatMul4Bit``: its dequantized weight, ``F.linear``), in this process, without zinf."""
+def reference_logits(model_dir: Path, kind: str) -> torch.Tensor:
+    """The next-token logits of the script's first prompt from the quantized model through bitsandbytes' training
+    path (``MatMul4Bit``, ``MatMul8bitFp``: its dequantized weight, ``F.linear``), in this process, without zinf."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     script = _script()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 quantization_config=script.quantization())
-    model.model.embed_tokens.weight.requires_grad_(True)  # inputs that need a gradient: the training path
+                                                 quantization_config=script.quantization(kind))
+    model.model.embed_tokens.weight.requires_grad_(True)  # inputs that need a gradient: the 4-bit training path
+    model.train()  # the 8-bit training path (no dropout in this model)
     prompt = AutoTokenizer.from_pretrained(model_dir)(PROMPTS[0], return_tensors="pt")
     return model(**prompt).logits[0, -1].detach()
 
 
 @pytest.fixture(scope="module")
-def ddp(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("ddp")
-    accelerate_launch(EXAMPLES / "accelerate_cpu.yaml", SCRIPT, model_dir, out / "output", out / "result.json")
-    return json.loads((out / "result.json").read_text())
+def ddp_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The script under DDP, once per base kind."""
+    runs: dict[str, dict] = {}
+
+    def run(kind: str) -> dict:
+        if kind not in runs:
+            out = tmp_path_factory.mktemp(f"ddp_{kind}")
+            accelerate_launch(EXAMPLES / "accelerate_cpu.yaml", SCRIPT, model_dir, out / "output", out / "result.json",
+                              kind)
+            runs[kind] = json.loads((out / "result.json").read_text())
+        return runs[kind]
+    return run
 
 
 def _zinf_config(path: Path, offload: dict | None) -> Path:
@@ -66,16 +75,17 @@ def _zinf_config(path: Path, offload: dict | None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("placement", ["memory", "nvme"])
-def test_qlora_under_zinf_launch_trains_like_ddp_with_bitsandbytes(model_dir: Path, ddp: dict, tmp_path: Path,
-                                                                  placement: str) -> None:
+@pytest.mark.parametrize("kind,placement", [("nf4", "memory"), ("nf4", "nvme"), ("int8", "memory"), ("int8", "nvme")])
+def test_qlora_under_zinf_launch_trains_like_ddp_with_bitsandbytes(model_dir: Path, ddp_runs, tmp_path: Path,
+                                                                  kind: str, placement: str) -> None:
+    ddp = ddp_runs(kind)
     offload = None
     if placement == "nvme":
         (tmp_path / "nvme").mkdir()
         offload = {"params": "nvme", "optimizer": "cpu", "nvme_paths": [str(tmp_path / "nvme")],
                    "pinned_pool_bytes": 4 << 20}
     config = _zinf_config(tmp_path / "zinf.yaml", offload)
-    zinf_launch("--config", config, SCRIPT, model_dir, tmp_path / "output", tmp_path / "result.json")
+    zinf_launch("--config", config, SCRIPT, model_dir, tmp_path / "output", tmp_path / "result.json", kind)
     ours = json.loads((tmp_path / "result.json").read_text())
     assert (ddp["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "accelerate_zinf.accelerator")
     assert ours["world"] == ddp["world"] == 2
@@ -84,20 +94,31 @@ def test_qlora_under_zinf_launch_trains_like_ddp_with_bitsandbytes(model_dir: Pa
     assert ours["trainable"] == ddp["trainable"] and ours["total"] == ddp["total"]
     # the adapter disabled, the frozen base computes what bitsandbytes' training path computes (its dequantized
     # weights, F.linear); bitsandbytes' own inference path on a CPU with AVX512-BF16 repacks the weights and
-    # computes in bf16 (measured 1.5e-3 from its training path), so DDP's logits are compared within that
+    # computes in bf16 (measured 1.5e-3 from its training path), and its 8-bit one quantizes the activations to 8
+    # bits too (measured 2.3e-3), so DDP's logits are compared within 5e-3
     base, tuned = torch.tensor(ours["base_logits"]), torch.tensor(ours["tuned_logits"])
-    assert torch.allclose(base, reference_logits(model_dir), rtol=0, atol=1e-5)
+    assert torch.allclose(base, reference_logits(model_dir, kind), rtol=0, atol=1e-5)
     assert torch.allclose(base, torch.tensor(ddp["base_logits"]), rtol=0, atol=5e-3)
     assert (tuned - base).abs().max() > 1e-2
     assert torch.allclose(tuned, torch.tensor(ddp["tuned_logits"]), rtol=0, atol=5e-3)
     assert ours["adapter"] == ddp["adapter"] and "adapter_model.safetensors" in ours["adapter"]
     if placement == "memory":
-        check_consolidated(model_dir, tmp_path / "output", tmp_path / "consolidated")
+        check_consolidated(model_dir, tmp_path / "output", tmp_path / "consolidated", kind)
 
 
-def check_consolidated(model_dir: Path, output: Path, out: Path) -> None:
-    """Trainer's last checkpoint, consolidated from zinf's shards: the base's 4-bit weights as bitsandbytes
-    dequantizes them (bit for bit), and the adapters as saved."""
+def _decoded(module) -> torch.Tensor:
+    """A bitsandbytes layer's weight as its training path decodes it."""
+    import bitsandbytes as bnb
+
+    w = module.weight
+    if isinstance(module, bnb.nn.Linear4bit):
+        return bnb.functional.dequantize_4bit(w.data, w.quant_state)
+    return w.data.to(torch.float32).mul_(w.SCB.unsqueeze(1).mul(1.0 / 127.0))
+
+
+def check_consolidated(model_dir: Path, output: Path, out: Path, kind: str) -> None:
+    """Trainer's last checkpoint, consolidated from zinf's shards: the base's quantized weights as bitsandbytes
+    decodes them (bit for bit), and the adapters as saved."""
     import bitsandbytes as bnb
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -106,14 +127,13 @@ def check_consolidated(model_dir: Path, output: Path, out: Path) -> None:
                   "--format", "safetensors"])
     state = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     quantization_config=_script().quantization())
-    four_bit = {n: m for n, m in reference.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    assert len(four_bit) == 14
-    for name, module in four_bit.items():
+                                                     quantization_config=_script().quantization(kind))
+    quantized = {n: m for n, m in reference.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+    assert len(quantized) == 14
+    for name, module in quantized.items():
         key = f"base_model.model.{name}.base_layer.weight" if name.endswith(("q_proj", "v_proj", "down_proj")) \
             else f"base_model.model.{name}.weight"
-        w = module.weight
-        assert torch.equal(state[key], bnb.functional.dequantize_4bit(w.data, w.quant_state)), key
+        assert torch.equal(state[key], _decoded(module)), key
     adapter = load_file(output / "checkpoint-6" / "adapter_model.safetensors")
     for k, v in adapter.items():
         ours = k.replace(".weight", ".default.weight")

@@ -58,7 +58,7 @@ def reference_weights(path: Path, quant_type: str, double: bool) -> dict[str, to
 def _load(rank: int, world: int, path: str, quant_type: str, double: bool, nvme: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from zinf.integrations.quantized import all_four_bit, four_bit_bytes
+    from zinf.integrations.quantized import all_quantized, quantized_bytes
 
     if nvme:
         os.makedirs(nvme, exist_ok=True)
@@ -67,8 +67,8 @@ def _load(rank: int, world: int, path: str, quant_type: str, double: bool, nvme:
     with zinf.Init(config):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      quantization_config=_bnb(quant_type, double))
-    names = all_four_bit(model)
-    nbytes, numel = four_bit_bytes(model)
+    names = all_quantized(model)
+    nbytes, numel = quantized_bytes(model)
     for p in model.parameters():
         p.requires_grad_(False)
     engine = zinf.initialize(model, None, config)
@@ -113,15 +113,6 @@ def _train_four_bit(rank: int, world: int, path: str) -> str:
 def test_training_a_four_bit_weight_is_refused(checkpoint: Path) -> None:
     message = run_distributed(_train_four_bit, 2, str(checkpoint))[0]
     assert "stored in 4 bits" in message and "LoRA" in message, message
-
-
-def test_eight_bit_is_refused_with_the_fix(checkpoint: Path) -> None:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    os.environ.setdefault("ZINF_QUIET", "1")
-    with pytest.raises(UnsupportedModelError, match="load_in_4bit=True"):
-        with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
-            AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
 
 
 def test_a_model_bitsandbytes_quantized_before_zinf_is_refused(checkpoint: Path) -> None:
@@ -209,7 +200,7 @@ def _group_gathers(rank: int, world: int, quant_type: str, double: bool) -> dict
     params = [torch.nn.Parameter(torch.randn(s) * (i + 1), requires_grad=False) for i, s in enumerate(SHAPES)]
     full = [p.detach().clone() for p in params]
     group = FlatParamGroup("w", params, ["a", "b", "c"], rank, world, torch.float32, torch.device("cpu"),
-                           four_bit=FourBitFormat(quant_type, 64, double))
+                           quantized=FourBitFormat(quant_type, 64, double))
     ctx = RunContext.build(Comm.current(device=torch.device("cpu")), torch.device("cpu"))
     group.to_gathered(ctx)
     first = [p.detach().clone() for p in group.params]
@@ -244,7 +235,7 @@ def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
     """``from_pretrained`` of a checkpoint bitsandbytes saved in 4 bits, no quantization_config given."""
     from transformers import AutoModelForCausalLM
 
-    from zinf.integrations.quantized import all_four_bit
+    from zinf.integrations.quantized import all_quantized
 
     if nvme:
         os.makedirs(nvme, exist_ok=True)
@@ -256,11 +247,11 @@ def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
     engine = zinf.initialize(model, None, config)
     params = dict(model.named_parameters())
     weights = {}
-    for n in all_four_bit(model) + ["model.norm.weight", "lm_head.weight"]:
+    for n in all_quantized(model) + ["model.norm.weight", "lm_head.weight"]:
         with zinf.GatheredParameters(params[n]):
             weights[n] = params[n].detach().clone()
     nvme_bytes = engine.resident_bytes().get("nvme", {})
-    four_bit = sum(g.shard_nbytes for g in engine.groups if g.four_bit is not None)
+    four_bit = sum(g.shard_nbytes for g in engine.groups if g.quantized is not None)
     engine.close()
     return {"weights": weights, "nvme": nvme_bytes, "four_bit_bytes": four_bit}
 

@@ -56,7 +56,7 @@ def _quant_state(key: str, files: TensorFiles) -> dict:
 
 def check(group: FlatParamGroup, slot_index: int, key: str, files: TensorFiles) -> str | None:
     """Why the file's 4-bit weight ``key`` cannot fill slot ``slot_index`` of ``group``, or None."""
-    slot, fmt = group.slots[slot_index], group.four_bit
+    slot, fmt = group.slots[slot_index], group.quantized
     assert fmt is not None
     state = _quant_state(key, files)
     found = (state.get("quant_type"), state.get("blocksize"), tuple(state.get("shape", ())))
@@ -74,7 +74,7 @@ def check(group: FlatParamGroup, slot_index: int, key: str, files: TensorFiles) 
 
 def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:
     """This rank's codes and scales of every weight of 4-bit ``group`` from the files, written to its shard."""
-    fmt = group.four_bit
+    fmt = group.quantized
     assert fmt is not None
     bs = fmt.blocksize
     record = _in_place(group, files, key_of)
@@ -107,7 +107,7 @@ def _read_code_bytes(files: TensorFiles, key: str, first: int, end: int, out: to
 def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> InPlaceRecord | None:
     """Where this rank's codes and scales of ``group`` lie in the files, when the shard may stay there: the spill
     takes shards in place, the files are safetensors, and no scale is double-quantized; None otherwise."""
-    fmt = group.four_bit
+    fmt = group.quantized
     assert fmt is not None
     params = group.params
     if not group.residence.may_load_in_place(group) or group.persistent or files.from_state_dict:

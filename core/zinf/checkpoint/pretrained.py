@@ -113,7 +113,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
         used.update(keys)
         shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
         group = group_of(params[pid])
-        if group is not None and group.four_bit is not None:  # bitsandbytes' saved codes and scales
+        if group is not None and group.quantized is not None:  # bitsandbytes' saved codes and scales
             used.update(four_bit_files.companions(key, files))
             why = four_bit_files.check(group, group.index_of(params[pid]), key, files)
             if why:
@@ -148,7 +148,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
     heap = HeapTrimmer()  # see [Note: heap growth] in zinf/heap.py
     with torch.no_grad():
         for i, g in enumerate(groups, 1):
-            if g.four_bit is not None:
+            if g.quantized is not None:
                 four_bit_files.load_four_bit_group(g, files, key_of)
             else:
                 _load_group(g, files, key_of)

@@ -35,7 +35,8 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf import integrations
 from zinf.integrations.after_import import when_imported, wrap_once
-from zinf.integrations.quantized import four_bit_format, prepare_saved_four_bit, quantize_base
+from zinf.integrations.quantized import prepare_saved_four_bit, quantize_base, quantized_format
+from zinf.param.four_bit import FourBitFormat
 from zinf.init import Init
 from zinf.param.registry import group_of
 
@@ -130,12 +131,12 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
     if loading() or (init is None and _launch["config"] is None):
         return original(cls, *args, **kwargs)
     refused = [k for k in _REFUSED if kwargs.get(k) is not None]
-    four_bit = None
+    quantized = None
     if kwargs.get("quantization_config") is not None:  # [Note: a 4-bit base] in zinf/integrations/quantized.py
-        four_bit = four_bit_format(kwargs.pop("quantization_config"))
+        quantized = quantized_format(kwargs.pop("quantization_config"))
     saved = _saved_quantization(cls, args, kwargs)  # a checkpoint saved in 4 bits: its config says so
     if saved is not None:
-        four_bit = saved  # as transformers does, the checkpoint's own quantization wins
+        quantized = saved  # as transformers does, the checkpoint's own quantization wins
     if refused:
         raise UnsupportedModelError(
             f"zinf: from_pretrained({refused[0]}=...) places the weights itself, which zinf does instead (it "
@@ -149,11 +150,11 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
         stack.enter_context(init.placeholders())
         stack.enter_context(_loading())
         if saved is not None:
-            token = _SAVED_FOUR_BIT.set((*four_bit, init.comm))
+            token = _SAVED_FOUR_BIT.set((*quantized, init.comm))
             stack.callback(_SAVED_FOUR_BIT.reset, token)
         model = original(cls, *args, **kwargs)
-    if four_bit is not None:
-        quantize_base(model, *four_bit, init.comm)
+    if quantized is not None:
+        quantize_base(model, *quantized, init.comm)
     return model
 
 
@@ -174,7 +175,11 @@ def _saved_quantization(cls: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     saved = getattr(config, "quantization_config", None)
     if saved is None:
         return None
-    fmt = four_bit_format(saved.to_dict() if hasattr(saved, "to_dict") else saved)
+    fmt = quantized_format(saved.to_dict() if hasattr(saved, "to_dict") else saved)
+    if not isinstance(fmt[0], FourBitFormat):
+        raise UnsupportedModelError(
+            "zinf: this checkpoint is saved in bitsandbytes' 8 bits, which zinf does not read. Load the unquantized "
+            "checkpoint with BitsAndBytesConfig(load_in_8bit=True), or one saved in 4 bits.")
     config = copy.deepcopy(config)
     del config.quantization_config
     kwargs["config"] = config

@@ -14,7 +14,8 @@ from torch import nn
 
 from zinf.device_memory import mark_device
 from zinf.native.checksum import ContentCheck
-from zinf.param.four_bit import FourBitFormat, WidenedShard, refuse_change
+from zinf.param.eight_bit import QuantizedFormat
+from zinf.param.four_bit import WidenedShard, refuse_change
 from zinf.param.grad_flat import FlatGrad
 from zinf.param.grad_shard import GradShard
 from zinf.param.layout import FlatLayout, ParamSlot
@@ -36,7 +37,7 @@ class FlatParamGroup:
     def __init__(self, name: str, params: Sequence[nn.Parameter], names: Sequence[str], rank: int, world: int,
                  compute_dtype: torch.dtype, device: torch.device, full_values: Sequence[torch.Tensor] | None = None,
                  storage_dtype: torch.dtype | None = None, placeholders: bool = False,
-                 four_bit: FourBitFormat | None = None) -> None:
+                 quantized: QuantizedFormat | None = None) -> None:
         if not params:
             raise ValueError("a flat group needs at least one parameter")
         self.name = name
@@ -46,10 +47,10 @@ class FlatParamGroup:
         self.compute_dtype = compute_dtype
         # [Note: storage dtype] the parameter shard at rest (every tier) may be narrower than the compute dtype
         # (``param_storage``): the all-gather moves the narrow bytes, then one cast widens the gathered vector
-        self.storage_dtype = torch.uint8 if four_bit is not None else storage_dtype or compute_dtype
-        # [Note: 4-bit shards] in zinf/param/four_bit.py: frozen weights kept as bitsandbytes' codes and scales
-        self.four_bit = four_bit
-        self.format = four_bit or WidenedShard(self.storage_dtype)
+        self.storage_dtype = torch.uint8 if quantized is not None else storage_dtype or compute_dtype
+        # bitsandbytes' codes and scales ([Note: 4-bit shards] in four_bit.py, [Note: 8-bit shards] in eight_bit.py)
+        self.quantized = quantized
+        self.format = quantized or WidenedShard(self.storage_dtype)
         self.device = device
         values = list(full_values) if full_values is not None else [p.detach() for p in params]
         self.layout = FlatLayout.of(names, values, rank, world, align=self.format.align)
@@ -61,15 +62,15 @@ class FlatParamGroup:
         self._slot_of = {id(p): i for i, p in enumerate(params)}
         # ``placeholders``: values a loader replaces, in a shard that goes straight to NVMe with none of them
         # (``spill_to``): no master is cut and no shard cast (passes over the whole model for nothing)
-        master = None if placeholders or four_bit else MasterShard.cut(self.layout, values, device)
+        master = None if placeholders or quantized else MasterShard.cut(self.layout, values, device)
         self.shard: torch.Tensor | None = (
-            four_bit.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if four_bit and not placeholders
+            quantized.encode(self.slots, values, self.layout.lo, self.shard_numel).to(device) if quantized and not placeholders
             else self.format.empty_shards(1, self.shard_numel, device) if master is None
             else master if self.storage_dtype == torch.float32 else master.to(self.storage_dtype))
         self.residence = ShardResidence()  # [Note: placement]: the device tier until a placement moves the shard
         # the master goes when an offload placement takes it, or when the group is frozen ([Note: frozen groups])
         self.master_shard = MasterShard(self, self.residence, master)
-        if four_bit:
+        if quantized:
             self.master_shard.drop()  # the codes are the value; nothing trains them
         # With one rank the shard is the whole flat vector: gathering is free (unless it must be widened).
         if world == 1 and self.storage_dtype == compute_dtype:
@@ -160,7 +161,7 @@ class FlatParamGroup:
 
     def write_master(self, master: torch.Tensor) -> None:
         """Replace this rank's master shard and the parameter shard derived from it (a frozen group's shard)."""
-        if self.four_bit is not None:  # a 4-bit group takes back its own values (a resume), nothing else
+        if self.quantized is not None:  # a quantized group takes back its own values (a resume), nothing else
             return refuse_change(self, "loading other values into it", master)
         with torch.no_grad():
             self.master_shard.write(master)
@@ -182,7 +183,7 @@ class FlatParamGroup:
         group has no master)."""
         assert self.state is GroupState.GATHERED, f"{self.name}: write_back from {self.state}"
         mine = self.full[self.layout.lo : self.layout.lo + self.shard_numel]
-        if self.four_bit is not None:
+        if self.quantized is not None:
             return refuse_change(self, "an edit of its gathered values", mine)
         if self.shard is None or self.full.data_ptr() != self.shard.data_ptr():
             self.residence.write(self, lambda out: out.copy_(mine))
@@ -219,8 +220,8 @@ class FlatParamGroup:
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
         # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather; one
         # widened from the store's buffer with its checksum (read whole, one rank) is widened here (_widen_checked)
-        into_full = self.storage_dtype == self.compute_dtype or (self.four_bit is None and ctx.comm.gathers_widening(self.full))
-        widen_here = self.four_bit is None and (self.residence.whole or (self.world == 1 and not into_full))
+        into_full = self.storage_dtype == self.compute_dtype or (self.quantized is None and ctx.comm.gathers_widening(self.full))
+        widen_here = self.quantized is None and (self.residence.whole or (self.world == 1 and not into_full))
         source, check = self.store.fetch(self, defer_check=widen_here), self.store.take_check(self) if widen_here else None
         if check is not None:
             _widen_checked(self, source, check)
@@ -263,7 +264,7 @@ class FlatParamGroup:
         # exact: widened from it. With a batch always a copy: the batch reads it after this call returns, and the full
         # buffer may be resharded (its storage freed) before that. 4-bit codes are not cut from decoded values: the
         # store's shard is sent
-        mine = (self.store.read(self).to(self.device, copy=True) if self.four_bit is not None
+        mine = (self.store.read(self).to(self.device, copy=True) if self.quantized is not None
                 else self.full[lo : lo + self.shard_numel].to(self.storage_dtype, copy=batch is not None))
         collectives.serve_all_gather(ctx, scratch, mine, self.name, batch)
 

@@ -84,9 +84,10 @@ class WidenedShard:
 
 
 def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = None) -> list[tuple[str, nn.Linear]]:
-    """The layers ``BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=skip_modules)`` turns into
-    ``Linear4bit`` (transformers' own rule: ``get_modules_to_not_convert``, ``should_convert_module``). A transformers
-    ``Conv1D`` it would convert (the GPT-2 family) is refused: zinf does not store it in 4 bits."""
+    """The layers ``BitsAndBytesConfig(load_in_4bit=True or load_in_8bit=True, llm_int8_skip_modules=...)`` turns
+    into ``Linear4bit`` or ``Linear8bitLt`` (transformers' own rule: ``get_modules_to_not_convert``,
+    ``should_convert_module``). A transformers ``Conv1D`` it would convert (the GPT-2 family) is refused: zinf does
+    not store it quantized."""
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -103,24 +104,25 @@ def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = N
             tied = [n for n in owners.get(id(module.weight), []) if n != name]
             if tied:  # an embedding read through this weight would be decoded from 4 bits
                 raise UnsupportedModelError(
-                    f"zinf: {name}'s weight is tied to {tied[0]}, and a tied weight is not stored in 4 bits. Add "
+                    f"zinf: {name}'s weight is tied to {tied[0]}, and a tied weight is not stored quantized. Add "
                     f"'{name.rsplit('.', 1)[-1]}' to BitsAndBytesConfig(llm_int8_skip_modules=[...]) (transformers "
                     "leaves a tied output layer out by default).")
             out.append((name, module))
         elif type(module).__name__ == "Conv1D":
             raise UnsupportedModelError(
-                f"zinf: {name} is a transformers Conv1D (the GPT-2 family), which zinf does not store in 4 bits. "
+                f"zinf: {name} is a transformers Conv1D (the GPT-2 family), which zinf does not store quantized. "
                 "Load this model without quantization_config (LoRA on a 16-bit base), or add it to "
                 "BitsAndBytesConfig(llm_int8_skip_modules=[...]).")
     return out
 
 
 def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
-    """A 4-bit group refuses ``what`` (a change of its values; with ``values``, this rank's shard of them, unless they
+    """A quantized group refuses ``what`` (a change of its values; with ``values``, this rank's shard of them, unless they
     are its own where its parameters lie: the padding between them decodes to whatever its codes were read as)."""
-    if group.four_bit is not None and (values is None or not _same_values(group, values.float().cpu())):
+    if group.quantized is not None and (values is None or not _same_values(group, values.float().cpu())):
         raise UnsupportedModelError(
-            f"zinf: {group.name} is stored in 4 bits (from_pretrained's quantization_config), so {what} cannot change "
+            f"zinf: {group.name} is stored in {group.quantized.bits} bits (from_pretrained's quantization_config), so "
+            f"{what} cannot change "
             "it. Train adapters on it (peft's LoRA), or load the model without quantization_config to train or edit "
             "these weights.")
 
@@ -138,6 +140,7 @@ class FourBitFormat:
     quant_type: str = "nf4"
     blocksize: int = 64
     double_quant: bool = False
+    bits = 4
 
     def __post_init__(self) -> None:
         if self.quant_type not in CODES:
@@ -150,6 +153,10 @@ class FourBitFormat:
     @property
     def align(self) -> int:
         return self.blocksize
+
+    def for_weight(self, weight: torch.Tensor) -> "FourBitFormat":
+        """The format of one weight: blocks run over the flat weight, whatever its shape."""
+        return self
 
     def nbytes(self, shard_numel: int) -> int:
         """Bytes of a shard of ``shard_numel`` elements (a multiple of ``blocksize``): codes, then fp32 scales."""

@@ -17,7 +17,7 @@ from zinf.errors import UnsupportedModelError
 from zinf.runtime.comm import Comm
 from zinf.param import module_moves
 from zinf.param.flat_group import FlatParamGroup
-from zinf.param.four_bit import FourBitFormat
+from zinf.param.eight_bit import QuantizedFormat
 from zinf.param.registry import group_of, groups_of, register_group, unregister
 from zinf.param.gathered import gather_full_master
 
@@ -86,7 +86,7 @@ def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def partition_module_params(
     module: nn.Module, name: str, comm: Comm, compute_dtype: torch.dtype, device: torch.device,
     only: set[int] | None = None, storage_dtype: torch.dtype | None = None, agree: bool = True,
-    placeholders: bool = False, four_bit: FourBitFormat | None = None,
+    placeholders: bool = False, quantized: QuantizedFormat | None = None,
 ) -> FlatParamGroup | None:
     """Group the direct parameters of ``module`` that no group holds yet (or the ids in ``only``). With ``agree``
     their values are first made equal to rank 0's (see [Note: initial values agree]); ``zinf.Init`` turns it off
@@ -113,7 +113,7 @@ def partition_module_params(
     group = FlatParamGroup(
         name=name or type(module).__name__, params=[p for _, p in picked], names=[n for n, _ in picked],
         rank=comm.rank, world=comm.world, compute_dtype=compute_dtype, device=device, storage_dtype=storage_dtype,
-        placeholders=placeholders, four_bit=four_bit,
+        placeholders=placeholders, quantized=quantized,
     )
     module_moves.install()  # [Note: moving a partitioned model]
     return register_group(group)
@@ -137,7 +137,7 @@ def partition_model(model: nn.Module, comm: Comm, compute_dtype: torch.dtype, de
 
     for g in groups_of(live.values()):
         compatible = (g.world == comm.world and g.compute_dtype == compute_dtype and g.device == device
-                      and (g.four_bit is not None or g.storage_dtype == (storage_dtype or compute_dtype)))
+                      and (g.quantized is not None or g.storage_dtype == (storage_dtype or compute_dtype)))
         if compatible and all(p is not None and id(p) in live for p in g.params):
             continue
         _dissolve(g, comm, keep=lambda p: id(p) in live)

@@ -1,0 +1,124 @@
+"""[Note: 8-bit shards] in zinf/param/eight_bit.py on real gloo processes: ``from_pretrained`` with
+``BitsAndBytesConfig(load_in_8bit=True)`` under ``zinf.Init`` stores the base's linear weights in bitsandbytes' 8-bit
+format, and each gathered weight equals the weight bitsandbytes' CPU training path decodes, bit for bit (1 and 2
+ranks, parameters in memory and on NVMe); the shards hold one byte a parameter and a scale a row; training an 8-bit
+weight, ``llm_int8_has_fp16_weight`` and a checkpoint saved in 8 bits are refused with the fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zinf
+from dist_utils import run_distributed
+from zinf.errors import UnsupportedModelError
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama_fp32")
+    torch.manual_seed(12)
+    # hidden 40, 2 ranks: k_proj's 20 rows of 40 split 10 and 10; gate_proj's 72 rows, down_proj's 40 rows of 72
+    config = LlamaConfig(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="60KB")
+    return path
+
+
+def _bnb(**kwargs):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
+
+
+def reference_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Each 8-bit weight as bitsandbytes' CPU training path decodes it (``MatMul8bitFp``), from plain transformers
+    in this process."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, bnb.nn.Linear8bitLt):
+            w = m.weight
+            out[f"{name}.weight"] = w.data.to(torch.float32).mul_(w.SCB.unsqueeze(1).mul(1.0 / 127.0))
+    return out
+
+
+def _load(rank: int, world: int, path: str, nvme: str | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from zinf.integrations.quantized import all_quantized, quantized_bytes
+
+    if nvme:
+        os.makedirs(nvme, exist_ok=True)
+    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
+    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
+    with zinf.Init(config):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
+    names = all_quantized(model)
+    nbytes, numel = quantized_bytes(model)
+    model.requires_grad_(False)
+    engine = zinf.initialize(model, None, config)
+    params = dict(model.named_parameters())
+    weights = {}
+    for n in names:
+        with zinf.GatheredParameters(params[n]):
+            weights[n] = params[n].detach().clone()
+    engine.close()
+    return {"weights": weights, "bytes": nbytes, "numel": numel, "marked": model.is_loaded_in_8bit}
+
+
+@pytest.mark.parametrize("world,nvme", [(1, False), (2, False), (2, True)])
+def test_gathered_eight_bit_weights_equal_bitsandbytes(checkpoint: Path, tmp_path: Path, world: int,
+                                                       nvme: bool) -> None:
+    expected = reference_weights(checkpoint)
+    results = run_distributed(_load, world, str(checkpoint), str(tmp_path / "nvme") if nvme else None)
+    for r in results:
+        assert r["marked"]
+        assert set(r["weights"]) == set(expected) and len(expected) == 14  # 7 linear layers a block, lm_head kept
+        for n, w in expected.items():
+            assert torch.equal(r["weights"][n], w), n
+        # a byte an element and an fp32 scale a row of 40 or 72 (hidden 40: at most 1.1 bytes a parameter)
+        assert r["bytes"] / (r["numel"] / world) <= 1 + 4 / 40, r
+
+
+def _train_eight_bit(rank: int, world: int, path: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    config = zinf.ZeroConfig.from_dict({"precision": "fp32"})
+    with zinf.Init(config):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
+    try:
+        zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    except UnsupportedModelError as e:
+        return str(e)
+    return "built"
+
+
+def test_training_an_eight_bit_weight_is_refused(checkpoint: Path) -> None:
+    message = run_distributed(_train_eight_bit, 2, str(checkpoint))[0]
+    assert "stored in 8 bits" in message and "LoRA" in message, message
+
+
+def test_what_zinf_does_not_store_in_eight_bits_is_refused_with_the_fix(checkpoint: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("ZINF_QUIET", "1")
+    with pytest.raises(UnsupportedModelError, match="drop llm_int8_has_fp16_weight"):
+        with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
+            AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=_bnb(llm_int8_has_fp16_weight=True))
+    AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                         quantization_config=_bnb()).save_pretrained(tmp_path / "saved")
+    with pytest.raises(UnsupportedModelError, match=r"saved in bitsandbytes' 8 bits.*load_in_8bit=True"):
+        with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
