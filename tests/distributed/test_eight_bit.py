@@ -1,8 +1,9 @@
 """[Note: 8-bit shards] in zinf/param/eight_bit.py on real gloo processes: ``from_pretrained`` with
 ``BitsAndBytesConfig(load_in_8bit=True)`` under ``zinf.Init`` stores the base's linear weights in bitsandbytes' 8-bit
 format, and each gathered weight equals the weight bitsandbytes' CPU training path decodes, bit for bit (1 and 2
-ranks, parameters in memory and on NVMe); the shards hold one byte a parameter and a scale a row; training an 8-bit
-weight, ``llm_int8_has_fp16_weight`` and a checkpoint saved in 8 bits are refused with the fix."""
+ranks, parameters in memory and on NVMe); the shards hold one byte a parameter and a scale a row; a checkpoint
+bitsandbytes saved in 8 bits loads as bitsandbytes reads it (on NVMe, read where it lies); training an 8-bit weight
+and ``llm_int8_has_fp16_weight`` are refused with the fix."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def _bnb(**kwargs):
     return BitsAndBytesConfig(load_in_8bit=True, **kwargs)
 
 
-def reference_weights(path: Path) -> dict[str, torch.Tensor]:
+def reference_weights(path: Path, saved: bool = False) -> dict[str, torch.Tensor]:
     """Each 8-bit weight as bitsandbytes' CPU training path decodes it (``MatMul8bitFp``), from plain transformers
-    in this process."""
+    in this process (``path`` unquantized, or saved in 8 bits)."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
+    load = {} if saved else {"quantization_config": _bnb()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, bnb.nn.Linear8bitLt):
@@ -110,15 +112,55 @@ def test_training_an_eight_bit_weight_is_refused(checkpoint: Path) -> None:
     assert "stored in 8 bits" in message and "LoRA" in message, message
 
 
-def test_what_zinf_does_not_store_in_eight_bits_is_refused_with_the_fix(checkpoint: Path, tmp_path: Path) -> None:
+def test_sixteen_bit_weights_beside_the_codes_are_refused_with_the_fix(checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("ZINF_QUIET", "1")
     with pytest.raises(UnsupportedModelError, match="drop llm_int8_has_fp16_weight"):
         with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
             AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=_bnb(llm_int8_has_fp16_weight=True))
-    AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                         quantization_config=_bnb()).save_pretrained(tmp_path / "saved")
-    with pytest.raises(UnsupportedModelError, match=r"saved in bitsandbytes' 8 bits.*load_in_8bit=True"):
-        with zinf.Init(zinf.ZeroConfig.from_dict({"precision": "fp32"})):
-            AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+
+
+def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
+    """``from_pretrained`` of a checkpoint bitsandbytes saved in 8 bits, no quantization_config given."""
+    from transformers import AutoModelForCausalLM
+
+    from zinf.integrations.quantized import all_quantized
+
+    if nvme:
+        os.makedirs(nvme, exist_ok=True)
+    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
+    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
+    with zinf.Init(config):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.requires_grad_(False)
+    engine = zinf.initialize(model, None, config)
+    params = dict(model.named_parameters())
+    weights = {}
+    for n in all_quantized(model) + ["model.norm.weight", "lm_head.weight"]:
+        with zinf.GatheredParameters(params[n]):
+            weights[n] = params[n].detach().clone()
+    nvme_bytes = engine.resident_bytes().get("nvme", {})
+    quantized = sum(g.shard_nbytes for g in engine.groups if g.quantized is not None)
+    engine.close()
+    return {"weights": weights, "nvme": nvme_bytes, "quantized_bytes": quantized, "marked": model.is_loaded_in_8bit}
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_a_checkpoint_saved_in_eight_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
+                                                                        nvme: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, quantization_config=_bnb())
+    saved.save_pretrained(tmp_path / "eight_bit", max_shard_size="30KB")
+    expected = reference_weights(tmp_path / "eight_bit", saved=True)
+    expected.update({"model.norm.weight": saved.model.norm.weight.detach(),
+                     "lm_head.weight": saved.lm_head.weight.detach()})
+    for r in run_distributed(_load_saved, 2, str(tmp_path / "eight_bit"), str(tmp_path / "nvme") if nvme else None):
+        assert r["marked"]
+        assert set(r["weights"]) == set(expected) and len(expected) == 16
+        for n, w in expected.items():
+            assert torch.equal(r["weights"][n], w), n
+        if nvme:  # codes and scales read where they lie: nothing of the base in swap
+            assert r["nvme"].get("frozen_in_checkpoint", 0) >= r["quantized_bytes"] > 0, r
+            assert r["nvme"].get("param_shards", 0) == 0, r

@@ -28,7 +28,7 @@ from zinf.offload.in_place import Extent, InPlaceRecord
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.four_bit import CODES
 
-__all__ = ["companions", "check", "load_four_bit_group"]
+__all__ = ["companions", "check", "load_group", "weights_held"]
 
 _PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
@@ -72,7 +72,7 @@ def check(group: FlatParamGroup, slot_index: int, key: str, files: TensorFiles) 
     return None
 
 
-def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:
+def load_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:
     """This rank's codes and scales of every weight of 4-bit ``group`` from the files, written to its shard."""
     fmt = group.quantized
     assert fmt is not None
@@ -85,7 +85,7 @@ def load_four_bit_group(group: FlatParamGroup, files: TensorFiles, key_of: dict[
 
     def fill(out: torch.Tensor) -> None:
         codes, scales = fmt.cleared(out, group.shard_numel)
-        for key, a, ea, eb in _weights(group, key_of):
+        for key, a, ea, eb in weights_held(group, key_of):
             _read_code_bytes(files, key, ea // 2, (eb + 1) // 2, codes[a // 2 : a // 2 + (eb + 1) // 2 - ea // 2])
             scales[a // bs : a // bs + -(-eb // bs) - ea // bs].copy_(_scales(key, files, ea // bs, -(-eb // bs)))
 
@@ -120,7 +120,7 @@ def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str])
         return None
     bs, half = fmt.blocksize, group.shard_numel // 2
     extents = []
-    for key, a, ea, eb in _weights(group, key_of):
+    for key, a, ea, eb in weights_held(group, key_of):
         codes, scales = files.tensors[key], files.tensors[f"{key}.absmax"]
         extents.append(Extent(os.path.abspath(codes.file), codes.offset + ea // 2, (eb + 1) // 2 - ea // 2, a // 2))
         nblocks = -(-eb // bs) - ea // bs
@@ -129,9 +129,10 @@ def _in_place(group: FlatParamGroup, files: TensorFiles, key_of: dict[int, str])
     return InPlaceRecord.of(group.name, group.shard_nbytes, extents)
 
 
-def _weights(group: FlatParamGroup, key_of: dict[int, str]) -> Iterator[tuple[str, int, int, int]]:
+def weights_held(group: FlatParamGroup, key_of: dict[int, str]) -> Iterator[tuple[str, int, int, int]]:
     """(file key, start in this rank's shard, first and end of the weight's elements there) for every weight of
-    ``group`` this rank holds a part of; the first element is block-aligned (the layout aligns slots to blocks)."""
+    ``group`` this rank holds a part of; the first element is block-aligned (the layout aligns slots to blocks, or
+    to an 8-bit weight's rows)."""
     params = group.params
     for i, a, b, first in group.layout.local_slices():
         if params[i] is not None:

@@ -28,16 +28,18 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
 
-from zinf.checkpoint import four_bit_files
+from zinf.checkpoint import eight_bit_files, four_bit_files
 from zinf.checkpoint.names import param_names, persistent_buffers
 from zinf.checkpoint.tensor_files import TensorFiles, open_weights
 from zinf.errors import CheckpointError
 from zinf.heap import HeapTrimmer
 from zinf.offload.in_place import Extent, InPlaceRecord
+from zinf.param.eight_bit import EightBitFormat
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of, groups_of
 from zinf.units import format_bytes
@@ -114,8 +116,9 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
         shape = tuple(params[pid].shape)  # a partitioned parameter's placeholder keeps its shape
         group = group_of(params[pid])
         if group is not None and group.quantized is not None:  # bitsandbytes' saved codes and scales
-            used.update(four_bit_files.companions(key, files))
-            why = four_bit_files.check(group, group.index_of(params[pid]), key, files)
+            saved = _saved_files(group)
+            used.update(saved.companions(key, files))
+            why = saved.check(group, group.index_of(params[pid]), key, files)
             if why:
                 errors.append(why)
             key_of[pid] = key
@@ -149,7 +152,7 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
     with torch.no_grad():
         for i, g in enumerate(groups, 1):
             if g.quantized is not None:
-                four_bit_files.load_four_bit_group(g, files, key_of)
+                _saved_files(g).load_group(g, files, key_of)
             else:
                 _load_group(g, files, key_of)
             heap.count(g.shard_numel * 8)  # the slices read and the fp32 shard built from them
@@ -170,6 +173,11 @@ def _load(model: nn.Module, files: TensorFiles, strict: bool, start: float) -> L
                       loaded_keys=[n for pid in key_of for n in names[pid]] + list(buffer_key),
                       bytes_read=files.bytes_read, file_bytes=sum(t.numel * t.dtype.itemsize for t in files.tensors.values()),
                       seconds=time.perf_counter() - start, skipped=skipped)
+
+
+def _saved_files(g: FlatParamGroup) -> ModuleType:
+    """The reader of a quantized group's saved codes and scales: bitsandbytes' 4-bit or 8-bit files."""
+    return eight_bit_files if isinstance(g.quantized, EightBitFormat) else four_bit_files
 
 
 def _load_group(g: FlatParamGroup, files: TensorFiles, key_of: dict[int, str]) -> None:

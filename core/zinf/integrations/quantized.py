@@ -16,8 +16,8 @@ peft's LoRA wraps the plain ``nn.Linear`` layers. The 4-bit weights are frozen: 
 with the fix.
 
 With ``load_in_8bit`` the same path stores each weight as ``Linear8bitLt`` would hold it ([Note: 8-bit shards] in
-zinf/param/eight_bit.py) and marks the model ``is_loaded_in_8bit``. A checkpoint saved in 8 bits is refused with the
-fix (load the unquantized checkpoint with ``load_in_8bit=True``).
+zinf/param/eight_bit.py) and marks the model ``is_loaded_in_8bit``; a checkpoint saved in 8 bits is read as it is
+(zinf/checkpoint/eight_bit_files.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from zinf.param.partition import partition_module_params
 from zinf.param.registry import group_of, unregister
 from zinf.runtime.comm import Comm
 
-__all__ = ["quantized_format", "quantize_base", "prepare_saved_four_bit", "all_quantized", "quantized_bytes"]
+__all__ = ["quantized_format", "quantize_base", "prepare_saved", "all_quantized", "quantized_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +136,19 @@ def _regroup(module: nn.Linear, name: str, group: FlatParamGroup, fmt: Quantized
             new.spill_to(spill, placeholders=empty)
 
 
-def prepare_saved_four_bit(model: Any, fmt: FourBitFormat, config: Any, comm: Comm) -> int:
-    """Before a checkpoint saved in 4 bits is read: the layers it holds in 4 bits get empty 4-bit groups, which the
-    loader fills with the files' codes and scales (zinf/checkpoint/four_bit_files.py). Nothing is gathered."""
+def prepare_saved(model: Any, fmt: QuantizedFormat, config: Any, comm: Comm) -> int:
+    """Before a checkpoint saved quantized is read: the layers it holds in 4 or 8 bits get empty groups of that
+    format, which the loader fills with the files' codes and scales (zinf/checkpoint/four_bit_files.py,
+    eight_bit_files.py). Nothing is gathered."""
     made = 0
     for name, module in convertible_linears(model, config.llm_int8_skip_modules):
         group = group_of(module.weight)
         if group is None or group.quantized is not None:
             continue
-        _regroup(module, name, group, fmt, comm, None)
+        _regroup(module, name, group, fmt.for_weight(module.weight), comm, None)
         made += 1
-    log.info("zinf: %d linear layers read in 4 bits (%s) from the checkpoint", made, fmt.quant_type)
+    setattr(model, f"is_loaded_in_{fmt.bits}bit", True)
+    log.info("zinf: %d linear layers read in %d bits from the checkpoint", made, fmt.bits)
     return made
 
 

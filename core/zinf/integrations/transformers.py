@@ -35,8 +35,7 @@ from zinf.config import ZeroConfig
 from zinf.errors import UnsupportedModelError
 from zinf import integrations
 from zinf.integrations.after_import import when_imported, wrap_once
-from zinf.integrations.quantized import prepare_saved_four_bit, quantize_base, quantized_format
-from zinf.param.four_bit import FourBitFormat
+from zinf.integrations.quantized import prepare_saved, quantize_base, quantized_format
 from zinf.init import Init
 from zinf.param.registry import group_of
 
@@ -45,7 +44,7 @@ __all__ = ["install", "watch", "enable", "disable", "enabled", "loading"]
 log = logging.getLogger(__name__)
 
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zinf_from_pretrained", default=False)
-_SAVED_FOUR_BIT: contextvars.ContextVar[Any] = contextvars.ContextVar("zinf_saved_four_bit", default=None)
+_SAVED_QUANTIZED: contextvars.ContextVar[Any] = contextvars.ContextVar("zinf_saved_quantized", default=None)
 _launch: dict[str, Any] = {"config": None, "start": None}
 _originals: dict[str, Any] = {}
 _WRAPPED = ("from_pretrained", "get_init_context", "_load_pretrained_model", "_move_missing_keys_from_meta_to_device",
@@ -134,7 +133,7 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
     quantized = None
     if kwargs.get("quantization_config") is not None:  # [Note: a 4-bit base] in zinf/integrations/quantized.py
         quantized = quantized_format(kwargs.pop("quantization_config"))
-    saved = _saved_quantization(cls, args, kwargs)  # a checkpoint saved in 4 bits: its config says so
+    saved = _saved_quantization(cls, args, kwargs)  # a checkpoint saved in 4 or 8 bits: its config says so
     if saved is not None:
         quantized = saved  # as transformers does, the checkpoint's own quantization wins
     if refused:
@@ -150,8 +149,8 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
         stack.enter_context(init.placeholders())
         stack.enter_context(_loading())
         if saved is not None:
-            token = _SAVED_FOUR_BIT.set((*quantized, init.comm))
-            stack.callback(_SAVED_FOUR_BIT.reset, token)
+            token = _SAVED_QUANTIZED.set((*quantized, init.comm))
+            stack.callback(_SAVED_QUANTIZED.reset, token)
         model = original(cls, *args, **kwargs)
     if quantized is not None:
         quantize_base(model, *quantized, init.comm)
@@ -159,7 +158,7 @@ def _from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _saved_quantization(cls: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The 4-bit storage of a checkpoint saved quantized (its config's ``quantization_config``), taken out of the
+    """The 4-bit or 8-bit storage of a checkpoint saved quantized (its config's ``quantization_config``), taken out of the
     config the model is built from (so transformers builds plain ``nn.Linear`` layers): None when there is none."""
     import copy
 
@@ -176,10 +175,6 @@ def _saved_quantization(cls: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     if saved is None:
         return None
     fmt = quantized_format(saved.to_dict() if hasattr(saved, "to_dict") else saved)
-    if not isinstance(fmt[0], FourBitFormat):
-        raise UnsupportedModelError(
-            "zinf: this checkpoint is saved in bitsandbytes' 8 bits, which zinf does not read. Load the unquantized "
-            "checkpoint with BitsAndBytesConfig(load_in_8bit=True), or one saved in 4 bits.")
     config = copy.deepcopy(config)
     del config.quantization_config
     kwargs["config"] = config
@@ -205,9 +200,9 @@ def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any, l
                            *args: Any, **kwargs: Any) -> Any:
     if not (loading() and _partitioned(model)):
         return _originals["load"].__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-    saved = _SAVED_FOUR_BIT.get()
-    if saved is not None:  # empty 4-bit groups for the files' codes and scales (zinf/checkpoint/four_bit_files.py)
-        prepare_saved_four_bit(model, *saved)
+    saved = _SAVED_QUANTIZED.get()
+    if saved is not None:  # empty groups for the files' codes and scales (zinf/checkpoint/four_bit_files.py)
+        prepare_saved(model, *saved)
     elif getattr(model, "hf_quantizer", None) is not None:
         raise UnsupportedModelError("zinf: this checkpoint is saved quantized in a way zinf does not read; load the "
                                     "unquantized checkpoint, with BitsAndBytesConfig(load_in_4bit=True) for a 4-bit base.")
