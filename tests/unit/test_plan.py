@@ -432,10 +432,12 @@ def test_compute_rate_is_measured_within_its_budget() -> None:
         assert rate > 0 and took < 5.0, f"{precision}: {rate / 1e9:.3g} GFLOP/s measured in {took:.1f} s"
 
 
-@pytest.mark.parametrize("placement", ["device/cpu", "cpu/cpu", "nvme/cpu"])
-def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) -> None:
+@pytest.mark.parametrize("placement,bits", [("device/cpu", "4bit"), ("cpu/cpu", "4bit"), ("nvme/cpu", "4bit"),
+                                            ("cpu/cpu", "8bit"), ("nvme/cpu", "8bit")])
+def test_quantized_base_bytes_match_the_engine(tmp_path: Path, placement: str, bits: str) -> None:
     """``qlora``: the planner's parameter bytes per tier equal a real engine's for a Llama loaded with
-    ``BitsAndBytesConfig(load_in_4bit=True)`` (its linear layers in 4 bits, the rest frozen at the precision)."""
+    ``BitsAndBytesConfig(load_in_4bit=True)`` or ``load_in_8bit=True`` (its linear layers in 4 or 8 bits, the rest
+    frozen at the precision)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("bitsandbytes")
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -443,7 +445,7 @@ def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) ->
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
     nv = str(tmp_path)
-    p = plan(config, qlora=True, nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement],
+    p = plan(config, qlora=bits, nvme_paths=[nv], machine=machine(nvme={nv: 10}), placements=[placement],
              batch_tokens=8)
     est = p.estimates[0]
     settings = p.config()
@@ -452,7 +454,8 @@ def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) ->
     with zinf.Init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / "ckpt", dtype=torch.float32,
-            quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+            quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+            if bits == "4bit" else transformers.BitsAndBytesConfig(load_in_8bit=True))
     model.requires_grad_(False)
     model.model.norm.weight.requires_grad_(True)  # something to train (the adapters' few parameters, not counted)
     engine = zinf.initialize(model, torch.optim.AdamW([model.model.norm.weight], lr=1e-3), cfg)
@@ -463,8 +466,10 @@ def test_four_bit_base_bytes_match_the_engine(tmp_path: Path, placement: str) ->
     # without CUDA the device tier is host memory: resident_bytes reports it as "cpu"
     assert shards.get("cpu", 0) == expected["device"] + expected["cpu"]
     assert shards.get("nvme", 0) == expected["nvme"]
-    four_bit = 14 * 64 * 128 // 2 + 8 * 64 * 64 // 2 + (14 * 64 * 128 + 8 * 64 * 64) // 64 * 4
-    assert sum(expected.values()) >= four_bit  # the 4-bit linear layers, and the embeddings, head and norms in fp32
+    linears = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)] * 2  # q k v o gate up down
+    numel, rows = sum(o * i for o, i in linears), sum(o for o, _ in linears)
+    quantized = numel // 2 + numel // 64 * 4 if bits == "4bit" else numel + rows * 4
+    assert sum(expected.values()) >= quantized  # the quantized linear layers, and the embeddings, head and norms
 
 
 def test_device_share_hides_the_cpu_adam_behind_the_forward() -> None:

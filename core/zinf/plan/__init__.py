@@ -85,8 +85,8 @@ from zinf.plan.cost import Calibration, Estimate, Workload, estimate
 from zinf.plan.frozen_base import FrozenBase, choose_frozen_base
 from zinf.plan.placements import ALL_PLACEMENTS, PlanPlacement, parse_placement
 from zinf.plan.machine import Machine, measure_machine
-from zinf.plan.model import (ModelSpec, PlanError, check_at_least, spec_from_factory, spec_from_hf, spec_from_module,
-                             spec_from_params)
+from zinf.plan.model import (QLORA_BITS, ModelSpec, PlanError, check_at_least, spec_from_factory, spec_from_hf,
+                             spec_from_module, spec_from_params)
 
 __all__ = ["plan", "Plan", "Machine", "measure_machine", "ModelSpec", "PlanError", "PlanPlacement", "Estimate",
            "Workload", "Calibration", "ALL_PLACEMENTS", "parse_placement", "model_spec", "TIE_TOLERANCE"]
@@ -249,19 +249,24 @@ def slow_16bit(machine: Machine, precisions: Sequence[str]) -> dict[str, str]:
 
 def model_spec(model: Any = None, *, params: float | None = None, layers: int | None = None, hidden: int | None = None,
                vocab: int | None = None, hf_config: Any = None, hf_kwargs: dict | None = None, module: str | None = None,
-               module_kwargs: dict | str | None = None, seq_len: int | None = None, qlora: bool = False) -> ModelSpec:
+               module_kwargs: dict | str | None = None, seq_len: int | None = None,
+               qlora: bool | str = False) -> ModelSpec:
     """A :class:`ModelSpec` from exactly one of: ``model`` (an nn.Module, a ModelSpec or a transformers config),
     ``params`` (with optional ``layers``/``hidden``), ``hf_config`` (a model type or config), ``module``
-    (``"package.module:factory"``). ``qlora`` (transformers models only): the base frozen, its linear layers in
-    4 bits, as ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` loads them."""
+    (``"package.module:factory"``). ``qlora`` (transformers models only; True or "4bit", or "8bit"): the base
+    frozen, its linear layers in 4 or 8 bits, as ``from_pretrained(quantization_config=BitsAndBytesConfig(
+    load_in_4bit=True))`` (or ``load_in_8bit=True``) loads them."""
     given = [name for name, v in (("model", model), ("params", params), ("hf_config", hf_config), ("module", module))
              if v is not None]
     if len(given) != 1:
         raise PlanError("zinf plan: give exactly one model: --params N [--layers L --hidden H], --hf-config TYPE "
                         f"[--hf-kwargs JSON], or --module pkg.mod:factory (found {given or 'none'}).")
     check_at_least(1, **{"--layers": layers, "--hidden": hidden, "--vocab": vocab, "--seq": seq_len})
+    qlora = "4bit" if qlora is True else qlora or None
+    if qlora is not None and qlora not in QLORA_BITS:
+        raise PlanError(f"zinf plan: --qlora {qlora}: give one of {sorted(QLORA_BITS)}.")
     if qlora and hf_config is None and (model is None or isinstance(model, (nn.Module, ModelSpec))):
-        raise PlanError("zinf plan: --qlora plans a transformers model's 4-bit base; give it with --hf-config TYPE.")
+        raise PlanError("zinf plan: --qlora plans a transformers model's quantized base; give it with --hf-config TYPE.")
     if params is not None:
         return spec_from_params(params, layers, hidden, vocab, seq_len)
     if hf_config is not None:
@@ -288,7 +293,7 @@ def plan(model: Any = None, *, params: float | None = None, layers: int | None =
          machine: Machine | None = None, remeasure: bool = False, ranks_per_node: int | None = None,
          pinned_pool_bytes: int | None = None, sub_group_numel: int = 8 << 20, max_cpu_bytes: int = 0,
          allgather_gbps: float | None = None, reshard_after_forward: str = "auto", host_keep: str = "auto",
-         calibration: Calibration = Calibration(), qlora: bool = False, checkpoint: str | None = None) -> Plan:
+         calibration: Calibration = Calibration(), qlora: bool | str = False, checkpoint: str | None = None) -> Plan:
     """Estimate every placement (or those in ``placements``, ``"params/optimizer[/grads]"``) in each precision of
     ``precision`` for the model (see :func:`model_spec`), and recommend one. ``machine`` skips the measurements
     (tests inject one); otherwise this machine is measured (a few seconds, disks cached). ``checkpoint``: the

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-kwargs", default="{}", help="JSON keyword arguments of its config, e.g. '{\"n_layer\": 12}'")
     model.add_argument("--module", help="package.module:factory returning the model (called under the meta device)")
     model.add_argument("--module-kwargs", default="{}", help="JSON keyword arguments of the factory")
-    model.add_argument("--qlora", action="store_true", help="with --hf-config: QLoRA's base, frozen, its linear layers "
-                       "in 4 bits (BitsAndBytesConfig(load_in_4bit=True); the adapters not counted)")
+    model.add_argument("--qlora", nargs="?", const="4bit", choices=("4bit", "8bit"),
+                       help="with --hf-config: QLoRA's base, frozen, its linear layers in 4 bits (the default; "
+                       "BitsAndBytesConfig(load_in_4bit=True)) or 8 bits (load_in_8bit=True); the adapters not counted")
     run_ = p.add_argument_group("the run")
     run_.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
     run_.add_argument("--ranks-per-node", type=int, help="ranks sharing this machine (default: world on CPU, GPUs here)")

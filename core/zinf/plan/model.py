@@ -21,9 +21,10 @@ from zinf.errors import ConfigError
 from zinf.param.four_bit import convertible_linears
 
 __all__ = ["PlanError", "check_at_least", "GroupShape", "ModelSpec", "spec_from_module", "spec_from_hf", "spec_from_params",
-           "spec_from_factory", "FOUR_BIT_BLOCK"]
+           "spec_from_factory", "FOUR_BIT_BLOCK", "QLORA_BITS"]
 
 FOUR_BIT_BLOCK = 64  # elements per scale of a 4-bit group (bitsandbytes' block size)
+QLORA_BITS = {"4bit": 4, "8bit": 8}  # ``--qlora``: the base's format
 
 
 class PlanError(ConfigError):
@@ -38,7 +39,10 @@ class GroupShape:
     numel: int
     trainable: bool = True
     matmul: bool = True  # its weights take part in matrix products (False: position embeddings, norms' scales)
-    four_bit: bool = False  # a QLoRA base's linear weight: 4-bit codes and a scale per block ([Note: 4-bit shards])
+    # a QLoRA base's linear weight: 4-bit codes and a scale per block ([Note: 4-bit shards]), or 8-bit codes and a
+    # scale per row of ``row`` elements ([Note: 8-bit shards]); 0: stored at the run's storage dtype
+    bits: int = 0
+    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,19 +74,25 @@ class ModelSpec:
         return [max(1, math.ceil(g.numel / world)) for g in self.groups]
 
     def shard_bytes(self, world: int, itemsize: int) -> list[int]:
-        """Per group, this rank's shard at rest: ``itemsize`` bytes an element, or a 4-bit group's codes and fp32
-        scales (its shard rounded up to whole blocks of ``FOUR_BIT_BLOCK``)."""
+        """Per group, this rank's shard at rest: ``itemsize`` bytes an element, or a quantized group's codes and fp32
+        scales (its shard rounded up to whole blocks of ``FOUR_BIT_BLOCK``, or to whole rows)."""
         out = []
         for g, n in zip(self.groups, self.shard_numels(world)):
-            blocks = -(-n // FOUR_BIT_BLOCK)
-            out.append(blocks * (FOUR_BIT_BLOCK // 2 + 4) if g.four_bit else n * itemsize)
+            if g.bits == 4:
+                out.append(-(-n // FOUR_BIT_BLOCK) * (FOUR_BIT_BLOCK // 2 + 4))
+            elif g.bits == 8:
+                out.append(-(-n // g.row) * (g.row + 4))
+            else:
+                out.append(n * itemsize)
         return out
 
-    def quantized(self, four_bit_names: set[str]) -> "ModelSpec":
-        """QLoRA's shape: every group frozen, those named in 4 bits (the adapters' few parameters not counted)."""
-        groups = tuple(GroupShape(g.name, g.numel, False, g.matmul, g.name in four_bit_names) for g in self.groups)
-        return ModelSpec(groups, f"{self.source}, 4-bit base", self.num_layers, self.hidden, self.seq_len, self.vocab,
-                         self.notes)
+    def quantized(self, rows: Mapping[str, int], bits: int) -> "ModelSpec":
+        """QLoRA's shape: every group frozen, those named in ``rows`` in ``bits`` bits (with the elements of a row:
+        an 8-bit weight's scales are a row's); the adapters' few parameters not counted."""
+        groups = tuple(GroupShape(g.name, g.numel, False, g.matmul, bits if g.name in rows else 0, rows.get(g.name, 0))
+                       for g in self.groups)
+        return ModelSpec(groups, f"{self.source}, {bits}-bit base", self.num_layers, self.hidden, self.seq_len,
+                         self.vocab, self.notes)
 
     def describe(self) -> str:
         shape = ", ".join(f"{k} {v}" for k, v in (("layers", self.num_layers), ("hidden", self.hidden),
@@ -126,11 +136,11 @@ def spec_from_module(module: nn.Module, source: str | None = None, seq_len: int 
 
 
 def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: int | None = None,
-                 qlora: bool = False) -> ModelSpec:
+                 qlora: str | None = None) -> ModelSpec:
     """A transformers causal LM built on the meta device from ``config``: a config object, or a model type
-    (``"gpt2"``, ``"llama"``, ...) with ``kwargs`` for its config class. Nothing is downloaded. ``qlora``: the base
-    frozen, its linear layers in 4 bits where ``BitsAndBytesConfig(load_in_4bit=True)`` would put them (transformers'
-    own rule)."""
+    (``"gpt2"``, ``"llama"``, ...) with ``kwargs`` for its config class. Nothing is downloaded. ``qlora`` ("4bit" or
+    "8bit"): the base frozen, its linear layers in 4 or 8 bits where ``BitsAndBytesConfig(load_in_4bit=True)`` or
+    ``load_in_8bit=True`` would put them (transformers' own rule)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
     except ImportError as exc:  # pragma: no cover - transformers is a test extra
@@ -157,7 +167,7 @@ def spec_from_hf(config: Any, kwargs: Mapping[str, Any] | None = None, seq_len: 
         model.tie_weights()
     spec = spec_from_module(model, source=f"transformers {type(model).__name__}")
     if qlora:
-        spec = spec.quantized({name for name, _ in convertible_linears(model)})
+        spec = spec.quantized({name: m.in_features for name, m in convertible_linears(model)}, QLORA_BITS[qlora])
     layers = getattr(config, "num_hidden_layers", None)
     hidden = getattr(config, "hidden_size", None)
     positions = getattr(config, "max_position_embeddings", None)
