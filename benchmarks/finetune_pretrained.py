@@ -13,7 +13,7 @@ report), each step against two bounds: the disk (every rank's NVMe bytes at the 
 the engine's ``nvme_floor``, summed: the ranks share one disk) and the compute (4 x parameters x tokens per rank for
 LoRA, forward and input gradients; 6 x for a full fine-tune; 2 x more with ``--checkpointing``, the recomputation;
 at the matmul FLOP/s each rank measures while the others do, before and after the steps), the engine's own bytes
-per tier, and with ``--qlora`` the bytes per parameter of the 4-bit base (QLoRA: docs/qlora.md).
+per tier, and with ``--qlora`` the bytes per parameter of the quantized base (QLoRA: docs/qlora.md).
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer (transformers' gradient_checkpointing_enable, "
                         "non-reentrant): the compute bound counts the recomputed forward")
-    p.add_argument("--qlora", default=None, choices=["nf4", "fp4"],
-                   help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...))")
+    p.add_argument("--qlora", default=None, choices=["nf4", "fp4", "int8"],
+                   help="load the base in 4 bits (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)), or "
+                        "in 8 bits (int8: load_in_8bit=True)")
     p.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant=True (with --qlora)")
     p.add_argument("--trim-heap-bytes", type=int, default=None,
                    help="trim_heap_bytes (default: the engine's; 0: the heap is never trimmed during the step)")
@@ -126,13 +127,13 @@ def main() -> None:
     if args.qlora:
         from transformers import BitsAndBytesConfig
 
-        quantization["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=args.qlora, bnb_4bit_use_double_quant=args.double_quant,
-            bnb_4bit_compute_dtype=dtype)
+        quantization["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True) if args.qlora == "int8" else \
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.qlora,
+                               bnb_4bit_use_double_quant=args.double_quant, bnb_4bit_compute_dtype=dtype)
     with zinf.Init(config):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **quantization)
     load_s, load_read = time.perf_counter() - t0, _proc("read_bytes:", "/proc/self/io") - io_before
-    four_bit = quantized_bytes(model)  # (this rank's 4-bit shard bytes, the elements they hold)
+    quantized = quantized_bytes(model)  # (this rank's 4-bit or 8-bit shard bytes, the elements they hold)
     rss_after_load = _proc("VmHWM:")
     _checkpointing(args, model)
     if not args.full:
@@ -186,7 +187,7 @@ def main() -> None:
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
             "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
-            "four_bit_bytes_per_parameter": four_bit[0] * world / four_bit[1] if four_bit[1] else None}
+            "quantized_bytes_per_parameter": quantized[0] * world / quantized[1] if quantized[1] else None}
     _finish(args, rank, world, mine, "zinf", sum(q.numel() for q in engine.params))
 
 

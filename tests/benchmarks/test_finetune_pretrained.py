@@ -70,9 +70,11 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
             assert ds["loss"] == pytest.approx(zs["loss"], rel=1e-5), (ds["loss"], zs["loss"])
 
 
-def test_qlora_reports_the_four_bit_base(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind,low,high", [("nf4", 0.5625, 0.57), ("int8", 1.0, 1.0 + 4 / 64)])
+def test_qlora_reports_the_quantized_base(tmp_path: Path, kind: str, low: float, high: float) -> None:
     """``--qlora nf4``: the base's linear weights in 4 bits on NVMe (0.5625 bytes a parameter, and the padding to
-    whole blocks), the steps finite."""
+    whole blocks); ``--qlora int8``: in 8 bits (a byte a parameter and a scale a row of at least 64); the steps
+    finite."""
     pytest.importorskip("bitsandbytes")
     ckpt = tmp_path / "ckpt"
     mp.write_pretrained(mp.llama_config("tiny"), ckpt, max_shard_bytes=50_000, seed=0, progress=False)
@@ -80,11 +82,11 @@ def test_qlora_reports_the_four_bit_base(tmp_path: Path) -> None:
     result = processes.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
-         "--steps", "2", "--seq", "16", "--precision", "fp32", "--pool-mib", "16", "--qlora", "nf4",
-         "--double-quant", "--out", str(out)],
+         "--steps", "2", "--seq", "16", "--precision", "fp32", "--pool-mib", "16", "--qlora", kind,
+         *(["--double-quant"] if kind == "nf4" else []), "--out", str(out)],
         cwd=tmp_path, env=processes.env_without_launch(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in json.loads(out.read_text())["ranks"]:
-        assert 0.5625 <= rank["four_bit_bytes_per_parameter"] <= 0.57, rank["four_bit_bytes_per_parameter"]
+        assert low <= rank["quantized_bytes_per_parameter"] <= high, rank["quantized_bytes_per_parameter"]
         assert rank["resident"]["nvme"]["param_shards"] > 0
         assert all(math.isfinite(step["loss"]) and step["nvme_read"] > 0 for step in rank["steps"])

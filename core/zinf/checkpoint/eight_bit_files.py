@@ -10,6 +10,7 @@ shards in place] in zinf/offload/in_place.py): nothing is written, and each gath
 from __future__ import annotations
 
 import os
+
 import torch
 
 from zinf.checkpoint.four_bit_files import weights_held

@@ -93,8 +93,8 @@ class EightBitFormat:
             codes = rows[r, :shard_numel].view(torch.int8).view(n, self.row)
             scales = _floats(rows[r, shard_numel:])
             dst = out[r * shard_numel : (r + 1) * shard_numel].view(n, self.row)
-            dst.copy_(codes)
-            dst.mul_(scales.unsqueeze(1).mul(1.0 / 127.0))
+            # one pass: each code widened exactly, times its row's scale in fp32, cast once to the compute dtype
+            torch.mul(codes, scales.unsqueeze(1).mul(1.0 / 127.0), out=dst)
 
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""
