@@ -15,6 +15,7 @@ import torch
 
 import zinf
 from dist_utils import run_distributed
+from quantized_loading import load_quantized, train_quantized
 from zinf.errors import UnsupportedModelError
 
 pytest.importorskip("bitsandbytes")
@@ -56,59 +57,23 @@ def reference_weights(path: Path, saved: bool = False) -> dict[str, torch.Tensor
     return out
 
 
-def _load(rank: int, world: int, path: str, nvme: str | None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from zinf.integrations.quantized import all_quantized, quantized_bytes
-
-    if nvme:
-        os.makedirs(nvme, exist_ok=True)
-    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
-    names = all_quantized(model)
-    nbytes, numel = quantized_bytes(model)
-    model.requires_grad_(False)
-    engine = zinf.initialize(model, None, config)
-    params = dict(model.named_parameters())
-    weights = {}
-    for n in names:
-        with zinf.GatheredParameters(params[n]):
-            weights[n] = params[n].detach().clone()
-    engine.close()
-    return {"weights": weights, "bytes": nbytes, "numel": numel, "marked": model.is_loaded_in_8bit}
-
-
 @pytest.mark.parametrize("world,nvme", [(1, False), (2, False), (2, True)])
 def test_gathered_eight_bit_weights_equal_bitsandbytes(checkpoint: Path, tmp_path: Path, world: int,
                                                        nvme: bool) -> None:
     expected = reference_weights(checkpoint)
-    results = run_distributed(_load, world, str(checkpoint), str(tmp_path / "nvme") if nvme else None)
+    results = run_distributed(load_quantized, world, str(checkpoint), str(tmp_path / "nvme") if nvme else None, _bnb())
     for r in results:
-        assert r["marked"]
-        assert set(r["weights"]) == set(expected) and len(expected) == 14  # 7 linear layers a block, lm_head kept
+        assert r["marked"] == [8]
+        # 7 linear layers a block, lm_head kept (gathered too, with the norm)
+        assert set(r["weights"]) == set(expected) | {"model.norm.weight", "lm_head.weight"} and len(expected) == 14
         for n, w in expected.items():
             assert torch.equal(r["weights"][n], w), n
         # a byte an element and an fp32 scale a row of 40 or 72 (hidden 40: at most 1.1 bytes a parameter)
         assert r["bytes"] / (r["numel"] / world) <= 1 + 4 / 40, r
 
 
-def _train_eight_bit(rank: int, world: int, path: str) -> str:
-    from transformers import AutoModelForCausalLM
-
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32"})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb())
-    try:
-        zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    except UnsupportedModelError as e:
-        return str(e)
-    return "built"
-
-
 def test_training_an_eight_bit_weight_is_refused(checkpoint: Path) -> None:
-    message = run_distributed(_train_eight_bit, 2, str(checkpoint))[0]
+    message = run_distributed(train_quantized, 2, str(checkpoint), _bnb())[0]
     assert "stored in 8 bits" in message and "LoRA" in message, message
 
 
@@ -121,31 +86,6 @@ def test_sixteen_bit_weights_beside_the_codes_are_refused_with_the_fix(checkpoin
             AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=_bnb(llm_int8_has_fp16_weight=True))
 
 
-def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
-    """``from_pretrained`` of a checkpoint bitsandbytes saved in 8 bits, no quantization_config given."""
-    from transformers import AutoModelForCausalLM
-
-    from zinf.integrations.quantized import all_quantized
-
-    if nvme:
-        os.makedirs(nvme, exist_ok=True)
-    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.requires_grad_(False)
-    engine = zinf.initialize(model, None, config)
-    params = dict(model.named_parameters())
-    weights = {}
-    for n in all_quantized(model) + ["model.norm.weight", "lm_head.weight"]:
-        with zinf.GatheredParameters(params[n]):
-            weights[n] = params[n].detach().clone()
-    nvme_bytes = engine.resident_bytes().get("nvme", {})
-    quantized = sum(g.shard_nbytes for g in engine.groups if g.quantized is not None)
-    engine.close()
-    return {"weights": weights, "nvme": nvme_bytes, "quantized_bytes": quantized, "marked": model.is_loaded_in_8bit}
-
-
 @pytest.mark.parametrize("nvme", [False, True])
 def test_a_checkpoint_saved_in_eight_bits_loads_as_bitsandbytes_reads_it(checkpoint: Path, tmp_path: Path,
                                                                         nvme: bool) -> None:
@@ -156,8 +96,8 @@ def test_a_checkpoint_saved_in_eight_bits_loads_as_bitsandbytes_reads_it(checkpo
     expected = reference_weights(tmp_path / "eight_bit", saved=True)
     expected.update({"model.norm.weight": saved.model.norm.weight.detach(),
                      "lm_head.weight": saved.lm_head.weight.detach()})
-    for r in run_distributed(_load_saved, 2, str(tmp_path / "eight_bit"), str(tmp_path / "nvme") if nvme else None):
-        assert r["marked"]
+    for r in run_distributed(load_quantized, 2, str(tmp_path / "eight_bit"), str(tmp_path / "nvme") if nvme else None):
+        assert r["marked"] == [8]
         assert set(r["weights"]) == set(expected) and len(expected) == 16
         for n, w in expected.items():
             assert torch.equal(r["weights"][n], w), n

@@ -14,6 +14,7 @@ import torch
 
 import zinf
 from dist_utils import run_distributed
+from quantized_loading import load_quantized, train_quantized
 from zinf.errors import UnsupportedModelError
 
 pytest.importorskip("bitsandbytes")
@@ -55,63 +56,25 @@ def reference_weights(path: Path, quant_type: str, double: bool) -> dict[str, to
             for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
-def _load(rank: int, world: int, path: str, quant_type: str, double: bool, nvme: str | None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from zinf.integrations.quantized import all_quantized, quantized_bytes
-
-    if nvme:
-        os.makedirs(nvme, exist_ok=True)
-    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     quantization_config=_bnb(quant_type, double))
-    names = all_quantized(model)
-    nbytes, numel = quantized_bytes(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    engine = zinf.initialize(model, None, config)
-    params = dict(model.named_parameters())
-    weights = {}
-    for n in names:
-        with zinf.GatheredParameters(params[n]):
-            weights[n] = params[n].detach().clone()
-    engine.close()
-    return {"weights": weights, "bytes": nbytes, "numel": numel, "marked": model.is_loaded_in_4bit}
-
-
 @pytest.mark.parametrize("world,quant_type,double,nvme", [
     (2, "nf4", False, False), (2, "nf4", True, True), (2, "fp4", True, False), (1, "fp4", False, False)])
 def test_gathered_four_bit_weights_equal_bitsandbytes(checkpoint: Path, tmp_path: Path, world: int, quant_type: str,
                                                       double: bool, nvme: bool) -> None:
     expected = reference_weights(checkpoint, quant_type, double)
-    results = run_distributed(_load, world, str(checkpoint), quant_type, double,
-                              str(tmp_path / "nvme") if nvme else None)
+    results = run_distributed(load_quantized, world, str(checkpoint), str(tmp_path / "nvme") if nvme else None,
+                              _bnb(quant_type, double))
     for r in results:
-        assert r["marked"]
-        assert set(r["weights"]) == set(expected) and len(expected) == 14  # 7 linear layers a block, lm_head kept
+        assert r["marked"] == [4]
+        # 7 linear layers a block, lm_head kept (gathered too, with the norm)
+        assert set(r["weights"]) == set(expected) | {"model.norm.weight", "lm_head.weight"} and len(expected) == 14
         for n, w in expected.items():
             assert torch.equal(r["weights"][n], w), n
         # this rank's 4-bit shards: half a byte per element and an fp32 scale per 64 (padding to whole blocks)
         assert r["bytes"] / (r["numel"] / world) <= 0.57 + 64 * 14 / r["numel"], r
 
 
-def _train_four_bit(rank: int, world: int, path: str) -> str:
-    from transformers import AutoModelForCausalLM
-
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32"})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=_bnb("nf4", False))
-    try:
-        zinf.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    except UnsupportedModelError as e:
-        return str(e)
-    return "built"
-
-
 def test_training_a_four_bit_weight_is_refused(checkpoint: Path) -> None:
-    message = run_distributed(_train_four_bit, 2, str(checkpoint))[0]
+    message = run_distributed(train_quantized, 2, str(checkpoint), _bnb("nf4", False))[0]
     assert "stored in 4 bits" in message and "LoRA" in message, message
 
 
@@ -231,31 +194,6 @@ def test_an_odd_sized_group_gathers_and_serves_bitsandbytes_values(quant_type: s
         assert r["shard_numel"] == 2496 and r["bytes"] == 2496 // 2 + 39 * 4
 
 
-def _load_saved(rank: int, world: int, path: str, nvme: str | None) -> dict:
-    """``from_pretrained`` of a checkpoint bitsandbytes saved in 4 bits, no quantization_config given."""
-    from transformers import AutoModelForCausalLM
-
-    from zinf.integrations.quantized import all_quantized
-
-    if nvme:
-        os.makedirs(nvme, exist_ok=True)
-    offload = {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 4 << 20} if nvme else {}
-    config = zinf.ZeroConfig.from_dict({"precision": "fp32", "offload": offload})
-    with zinf.Init(config):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.requires_grad_(False)
-    engine = zinf.initialize(model, None, config)
-    params = dict(model.named_parameters())
-    weights = {}
-    for n in all_quantized(model) + ["model.norm.weight", "lm_head.weight"]:
-        with zinf.GatheredParameters(params[n]):
-            weights[n] = params[n].detach().clone()
-    nvme_bytes = engine.resident_bytes().get("nvme", {})
-    four_bit = sum(g.shard_nbytes for g in engine.groups if g.quantized is not None)
-    engine.close()
-    return {"weights": weights, "nvme": nvme_bytes, "four_bit_bytes": four_bit}
-
-
 # the last: codes packed two bytes an element (bnb_4bit_quant_storage=torch.bfloat16), read from memory as bytes
 @pytest.mark.parametrize("quant_type,double,nvme,storage", [("nf4", True, False, torch.uint8),
                                                             ("fp4", False, True, torch.uint8),
@@ -275,13 +213,14 @@ def test_a_checkpoint_saved_in_four_bits_loads_as_bitsandbytes_reads_it(checkpoi
     expected = {f"{n}.weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
                 for n, m in saved.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     expected.update({"model.norm.weight": saved.model.norm.weight.detach(), "lm_head.weight": saved.lm_head.weight.detach()})
-    for result in run_distributed(_load_saved, 2, str(tmp_path / "four_bit"), str(tmp_path / "nvme") if nvme else None):
+    for result in run_distributed(load_quantized, 2, str(tmp_path / "four_bit"), str(tmp_path / "nvme") if nvme else None):
         got = result["weights"]
+        assert result["marked"] == [4]
         assert set(got) == set(expected) and len(expected) == 16
         for n, w in expected.items():
             assert torch.equal(got[n], w), n
         if nvme and not double:  # codes and fp32 scales read where they lie: nothing of the base in swap
-            assert result["nvme"].get("frozen_in_checkpoint", 0) >= result["four_bit_bytes"] > 0, result
+            assert result["nvme"].get("frozen_in_checkpoint", 0) >= result["quantized_bytes"] > 0, result
             assert result["nvme"].get("param_shards", 0) == 0, result
         elif nvme:  # double-quantized scales are decoded first: the 4-bit shards go to swap
-            assert result["nvme"]["param_shards"] >= result["four_bit_bytes"] > 0, result
+            assert result["nvme"]["param_shards"] >= result["quantized_bytes"] > 0, result
