@@ -147,7 +147,6 @@ def prepare_saved(model: Any, fmt: QuantizedFormat, config: Any, comm: Comm) -> 
             continue
         _regroup(module, name, group, fmt.for_weight(module.weight), comm, None)
         made += 1
-    setattr(model, f"is_loaded_in_{fmt.bits}bit", True)
     log.info("zinf: %d linear layers read in %d bits from the checkpoint", made, fmt.bits)
     return made
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, Union
 import torch
 
 from zinf.errors import UnsupportedModelError
-from zinf.param.four_bit import FourBitFormat
+from zinf.param.four_bit import FourBitFormat, fp32_view
 
 if TYPE_CHECKING:
     from zinf.native.checksum import ContentCheck
@@ -91,7 +91,7 @@ class EightBitFormat:
         n = shard_numel // self.row
         for r in range(world):
             codes = rows[r, :shard_numel].view(torch.int8).view(n, self.row)
-            scales = _floats(rows[r, shard_numel:])
+            scales = fp32_view(rows[r, shard_numel:])  # unaligned after a row of odd length
             dst = out[r * shard_numel : (r + 1) * shard_numel].view(n, self.row)
             # one pass: each code widened exactly, times its row's scale in fp32, cast once to the compute dtype
             torch.mul(codes, scales.unsqueeze(1).mul(1.0 / 127.0), out=dst)
@@ -111,11 +111,6 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = torch.max(half.abs(), dim=1).values.float()
     scaled = torch.round(half * (127.0 / absmax.unsqueeze(-1)))
     return torch.nan_to_num(scaled, nan=0.0).to(torch.int8), absmax
-
-
-def _floats(raw: torch.Tensor) -> torch.Tensor:
-    """Bytes read as fp32 (copied where they do not start on a 4-byte boundary: a row of odd length)."""
-    return (raw if raw.data_ptr() % 4 == 0 else raw.clone()).view(torch.float32)
 
 
 QuantizedFormat = Union[FourBitFormat, EightBitFormat]

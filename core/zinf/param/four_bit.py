@@ -37,7 +37,7 @@ from zinf.native.widen import copy_checked, widen_into
 if TYPE_CHECKING:
     from zinf.native.checksum import ContentCheck
 
-__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears"]
+__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears", "fp32_view"]
 
 # bitsandbytes' codebooks (bitsandbytes.functional.get_4bit_type), index = the 4-bit code
 CODES = {
@@ -116,15 +116,19 @@ def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = N
     return out
 
 
+def fp32_view(raw: torch.Tensor) -> torch.Tensor:
+    """Bytes read as fp32 (copied where they do not start on a 4-byte boundary)."""
+    return (raw if raw.data_ptr() % 4 == 0 else raw.clone()).view(torch.float32)
+
+
 def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
     """A quantized group refuses ``what`` (a change of its values; with ``values``, this rank's shard of them, unless they
     are its own where its parameters lie: the padding between them decodes to whatever its codes were read as)."""
     if group.quantized is not None and (values is None or not _same_values(group, values.float().cpu())):
         raise UnsupportedModelError(
             f"zinf: {group.name} is stored in {group.quantized.bits} bits (from_pretrained's quantization_config), so "
-            f"{what} cannot change "
-            "it. Train adapters on it (peft's LoRA), or load the model without quantization_config to train or edit "
-            "these weights.")
+            f"{what} cannot change it. Train adapters on it (peft's LoRA), or load the model without "
+            "quantization_config to train or edit these weights.")
 
 
 def _same_values(group: Any, values: torch.Tensor) -> bool:
@@ -228,8 +232,7 @@ class FourBitFormat:
         nbytes, half = self.nbytes(shard_numel), shard_numel // 2
         rows = shards.view(world, nbytes)
         for r in range(world):
-            scales = rows[r, half:]  # at a multiple of 32 bytes from the row's start, 4-aligned where the row is
-            scales = (scales if scales.data_ptr() % 4 == 0 else scales.clone()).view(torch.float32)
+            scales = fp32_view(rows[r, half:])  # at a multiple of 32 bytes from the row's start
             native_four_bit.decode(rows[r, :half], scales, out[r * shard_numel : (r + 1) * shard_numel],
                                    self.blocksize, CODES[self.quant_type])
 
