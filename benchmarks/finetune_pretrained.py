@@ -82,6 +82,8 @@ def main() -> None:
                    help="overlap.reshard_after_forward")
     p.add_argument("--host-keep", default="auto", choices=["auto", "off"],
                    help="overlap.host_keep: on the CPU, groups kept for the backward in a room of host memory")
+    p.add_argument("--frozen-tile-kib", type=int, default=0,
+                   help="tiling.frozen_tile_bytes, in KiB (0: off): frozen 16-bit linears multiplied in fp32 tiles")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer (transformers' gradient_checkpointing_enable, "
                         "non-reentrant): the compute bound counts the recomputed forward")
@@ -116,6 +118,7 @@ def main() -> None:
         "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward,
                     "host_keep": args.host_keep,
                     "persistent_numel": args.persistent_numel},
+        "tiling": {"frozen_tile_bytes": args.frozen_tile_kib << 10},
         **({} if args.trim_heap_bytes is None else {"trim_heap_bytes": args.trim_heap_bytes}),
     })
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -182,11 +185,13 @@ def main() -> None:
     peak_after = _rank_peak(compute_dtype) if args.steps else None
     resident = engine.resident_bytes()
     read_whole = len(engine.placement.whole)  # frozen groups read whole, without a collective
+    in_tiles = len(engine.from_storage)  # frozen linears computed from their stored weights (--frozen-tile-kib)
     engine.close()
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
             "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
+            "frozen_linears_in_tiles": in_tiles,
             "quantized_bytes_per_parameter": quantized[0] * world / quantized[1] if quantized[1] else None}
     _finish(args, rank, world, mine, "zinf", sum(q.numel() for q in engine.params))
 

@@ -14,7 +14,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("native", ("zinf.native",)),
     ("runtime", ("zinf.runtime",)),
     ("param", ("zinf.param",)),
-    ("modules", ("zinf.tiling",)),
+    ("modules", ("zinf.tiling", "zinf.frozen_linear")),
     ("schedule", ("zinf.schedule",)),
     ("offload", ("zinf.offload",)),
     ("optim", ("zinf.optim", "zinf.update")),

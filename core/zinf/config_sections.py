@@ -247,16 +247,21 @@ class TilingConfig(Checked):
     ``min_numel`` elements (0: tiling off) becomes a :class:`zinf.TiledLinear` with the same weights, whose
     tiles are gathered one at a time. The tile grid is ``tiles`` = [input splits, output splits] when
     given, else the fewest tiles whose largest weight tile holds at most ``max_tile_bytes`` (in the
-    compute dtype)."""
+    compute dtype). ``frozen_tile_bytes`` (0: off): frozen ``nn.Linear`` layers stored in 16 bits and computed in fp32
+    on a CPU are gathered at their storage width and multiplied a tile of about this many bytes of widened weight at
+    a time (4 MiB: 4194304), see [Note: frozen linears from storage] in zinf/frozen_linear.py."""
 
     min_numel: int = 0
     max_tile_bytes: int = 0
     tiles: list[int] = field(default_factory=list)
+    frozen_tile_bytes: int = 0
 
     def validate(self) -> None:
         check_types(self, "tiling.")
         require(self.min_numel >= 0, "tiling.min_numel", self.min_numel, "an integer >= 0 (0 turns tiling off)")
         require(self.max_tile_bytes >= 0, "tiling.max_tile_bytes", self.max_tile_bytes, "an integer >= 0")
+        require(self.frozen_tile_bytes >= 0, "tiling.frozen_tile_bytes", self.frozen_tile_bytes,
+                "an integer >= 0 (0: frozen layers widened whole; 4194304: 4 MiB tiles)")
         require(len(self.tiles) in (0, 2) and all(t >= 1 for t in self.tiles), "tiling.tiles", self.tiles,
                  "[input splits, output splits], two integers >= 1 (or [] to size tiles by max_tile_bytes)")
         require(not self.enabled or bool(self.tiles) or self.max_tile_bytes > 0, "tiling.min_numel", self.min_numel,

@@ -56,7 +56,7 @@ from zinf.update.clip import clip_grad_norm_, grad_norm
 from zinf.update import torch_clip
 from zinf.update.loss_scale import DynamicLossScaler, found_nonfinite
 from zinf.schedule.reduce import GradReducer
-from zinf import integrations, shutdown
+from zinf import frozen_linear, integrations, shutdown
 from zinf.shutdown import phase
 
 __all__ = ["ZeroInfinityEngine", "initialize"]
@@ -65,9 +65,7 @@ log = logging.getLogger("zinf")
 
 
 class ZeroInfinityEngine:
-    # a front end that wraps the user's module in a root of its own: the prefix that root adds to every name
-    # (removed wherever names leave the engine: full state dicts, checkpoint layouts, exports)
-    name_prefix = ""
+    name_prefix = ""  # a front end's own root adds it to every name (removed where names leave: state dicts, exports)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  config: ZeroConfig | None = None, *, comm: Comm | None = None,
@@ -99,6 +97,7 @@ class ZeroInfinityEngine:
             if g.trainable:
                 refuse_change(g, "training")
             g.master_shard.fit(g.trainable)  # a frozen group keeps its shard alone ([Note: frozen groups] in zinf/param/master.py)
+        self.from_storage = frozen_linear.compute_from_storage(model, self.config.tiling.frozen_tile_bytes)  # narrow
         self.timers = StepTimers()
         self.grads = Accumulation()  # what the gradient shards hold between steps
         # freed gathers' memory back to the system ([Note: heap growth] in zinf/heap.py) and its account (host_memory.py)
@@ -340,6 +339,7 @@ class ZeroInfinityEngine:
                 self.fetcher.apply_pending_round()
                 self.fetcher.sweep()
             self.hooks.remove()
+            frozen_linear.restore(self.from_storage)
             if self.checkpointing is not None:
                 self.checkpointing.remove()
             try:
@@ -378,8 +378,7 @@ class ZeroInfinityEngine:
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes held by the engine right now, per tier and kind (measured from the tensors themselves)."""
-        parts = [group_bytes(self.groups), self.placement.bytes_by_tier()]
-        parts += [self.optimizer.bytes_by_tier()] if self.optimizer else []
+        parts = [group_bytes(self.groups), self.placement.bytes_by_tier()] + ([self.optimizer.bytes_by_tier()] if self.optimizer else [])
         parts += [self.comm.same_host.bytes_by_tier()] if self.comm.same_host is not None else []
         return merge_bytes(parts)
 

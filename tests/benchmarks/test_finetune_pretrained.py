@@ -31,7 +31,7 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "benchmarks/finetune_pretrained.py"), str(ckpt), "--nvme", str(tmp_path / "swap"),
          "--steps", "2", "--seq", "16", "--precision", "fp32", "--storage", "bf16", "--pool-mib", "16",
-         "--out", str(out)],
+         "--frozen-tile-kib", "16", "--out", str(out)],
         cwd=tmp_path, env=processes.env_without_launch(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("bounds: disk") == 2, result.stdout[-3000:]
@@ -44,6 +44,7 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
         assert rank["step_flops"] == 4 * figures["parameters"] * 1 * 16  # LoRA: forward and input gradients
         # the base is read from the checkpoint's files, not copied to swap
         assert rank["resident"]["nvme"]["frozen_in_checkpoint"] > 0
+        assert rank["frozen_linears_in_tiles"] > 0  # computed from their bf16 shards, a tile at a time
         assert rank["compute_bound_s"] == pytest.approx(rank["step_flops"] / rank["matmul_flops_before"])
         for step in rank["steps"]:
             assert math.isfinite(step["loss"]) and step["seconds"] > 0
@@ -54,7 +55,7 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
         assert a["disk_bound_s"] == b["disk_bound_s"] == pytest.approx(both)
 
     # --ddp: the baseline, the same adapters, data and steps under DDP with the model in memory (fp32 values of the
-    # bf16 checkpoint, as zinf computes from its bf16 shards): the same losses but for the order of the sums
+    # bf16 checkpoint, as zinf computes from its bf16 shards, in tiles): the same losses but for the order of the sums
     ddp_out = tmp_path / "ddp.json"
     result = processes.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -350,6 +350,8 @@ _RECORDS = {
     ("shutdown.py", "sys"): "Python's API for what an uncaught exception prints is assigning sys.excepthook (the "
         "hook it replaces is called first)",
     ("recompute.py", "module"): "activation checkpointing wraps the block's forward on the instance (removed on close)",
+    ("frozen_linear.py", "module"): "a frozen linear's forward replaced on the instance (removed on close)",
+    ("frozen_linear.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("schedule/module_backward.py", "ctx"): "torch.autograd.Function API: forward keeps what backward needs on its ctx",
     ("param/module_moves.py", "nn.Module"): "torch.nn.Module's conversion API: _apply is routed through zinf once "
         "per process, so that .to()/.cpu()/.half() see partitioned parameters",

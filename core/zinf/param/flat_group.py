@@ -104,17 +104,9 @@ class FlatParamGroup:
         return self.grad_in.num_trained > 0
 
     # -- where the shard and the master are ---------------------------------------------------------
-    @property
-    def store(self) -> ShardStore:
-        return self.residence.store
-
-    @property
-    def master(self) -> torch.Tensor | None:
-        return self.master_shard.tensor
-
-    @property
-    def shard_only(self) -> bool:
-        return self.master_shard.shard_only
+    store = property(lambda self: self.residence.store, doc="The store that keeps the parameter shard.")
+    master = property(lambda self: self.master_shard.tensor, doc="The fp32 master shard, or None (frozen, quantized).")
+    shard_only = property(lambda self: self.master_shard.shard_only, doc="Whether the shard is the only copy.")
 
     def place(self, store: ShardStore, grad: GradShard, fence: UpdateFence, master_home: MasterHome | None,
               whole: bool = False) -> None:
@@ -220,7 +212,7 @@ class FlatParamGroup:
             ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
         # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather; one
         # widened from the store's buffer with its checksum (read whole, one rank) is widened here (_widen_checked)
-        into_full = self.storage_dtype == self.compute_dtype or (self.quantized is None and ctx.comm.gathers_widening(self.full))
+        into_full = self.storage_dtype == self.full.dtype or (self.quantized is None and ctx.comm.gathers_widening(self.full))
         widen_here = self.quantized is None and (self.residence.whole or (self.world == 1 and not into_full))
         source, check = self.store.fetch(self, defer_check=widen_here), self.store.take_check(self) if widen_here else None
         if check is not None:
@@ -313,13 +305,17 @@ class FlatParamGroup:
             if p is not None:
                 p.data = placeholder
 
-    def _separate_full(self) -> None:
-        """Give the group a gather buffer of its own (one rank normally gathers in place into the shard)."""
-        if self.shard is not None and self.full.data_ptr() == self.shard.data_ptr():
+    def _separate_full(self, dtype: torch.dtype | None = None) -> None:
+        """A gather buffer of its own (one rank gathers in place into the shard), of ``dtype`` (``keep_narrow``)."""
+        if dtype is not None or (self.shard is not None and self.full.data_ptr() == self.shard.data_ptr()):
             assert self.state is GroupState.SHARDED
-            self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.full = torch.empty(self.padded_numel, dtype=dtype or self.full.dtype, device=self.device)
             self.full.untyped_storage().resize_(0)
             mark_device(self.full)
+
+    def keep_narrow(self, narrow: bool = True) -> None:
+        """Gather at the storage width, not widened ([Note: frozen linears from storage] in zinf/frozen_linear.py)."""
+        self._separate_full(self.storage_dtype if narrow else self.compute_dtype)
 
     # -- gradients and slots ----------------------------------------------------------------------
     def zero_grad(self, memory_zeroed: bool = False) -> None:
