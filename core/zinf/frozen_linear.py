@@ -2,19 +2,26 @@
 
 [Note: frozen linears from storage]
 A LoRA base stored in bf16 and computed in fp32 on a CPU (which has no fast bf16 matmul) is widened whole on every
-gather: the fp32 copy of each weight is written to memory and read back by the matmul, twice a step; and torch's
-matmul of a short input (64 tokens) by a weight far larger than the cache runs below the square-matrix rate. With
-``tiling.frozen_tile_bytes`` set, the engine gathers each such layer's group at its storage width
-(``FlatParamGroup.keep_narrow``: half the bytes gathered, kept and moved) and the layer's forward multiplies a tile
-of output rows at a time: the tile's rows are widened into a buffer of about ``frozen_tile_bytes``, small enough to
-stay in the core's cache, and multiplied from there. Its backward computes the input's gradient the same way (the
-weight has none). docs/tiling.md has the measured rates (``benchmarks/bench_frozen_linear.py``). Values: each output
-element is the same dot product over the whole input row, but torch's kernel for a tile may round in another order
-than for the whole weight (fp32 rounding, about 1e-7 relative); the input's gradient sums the tiles in order. Which
-layers: exactly ``nn.Linear`` (a subclass may read its weight itself) with no forward of another wrapper on the
-instance, on a CPU, whose weight and bias are frozen when the engine is built, stored in bf16 or fp16 for an fp32
-compute, not quantized, not shared with another module, and the only parameters of their group. While such a layer
-is gathered its parameters are the stored 16-bit tensors (the bias is added widened).
+gather, and a quantized base (4 or 8 bits) decoded whole: the fp32 copy of each weight is written to memory and read
+back by the matmul, twice a step; and torch's matmul of a short input (64 tokens) by a weight far larger than the
+cache runs below the square-matrix rate. With ``tiling.frozen_tile_bytes`` set, the engine gathers each such layer's
+group at its storage width (``FlatParamGroup.keep_narrow``: a 16-bit group as 16-bit values, a quantized one as its
+shards' codes and scales end to end, ``packed``) and the layer's forward multiplies a tile of output rows at a time:
+the tile's rows are widened or decoded (``WeightRows.fill``; the formats' ``decode_range``) into a buffer of about
+``frozen_tile_bytes``, small enough to stay in the core's cache, and multiplied from there. Its backward computes the
+input's gradient the same way (the weight has none). docs/tiling.md has the measured rates
+(``benchmarks/bench_frozen_linear.py``).
+
+Values: each tile holds exactly the values the whole widening or decoding gives; each output element is the same
+dot product over the whole input row, but torch's kernel for a tile may round in another order than for the whole
+weight (fp32 rounding, about 1e-7 relative); the input's gradient sums the tiles in order.
+
+Which layers: exactly ``nn.Linear`` (a subclass may read its weight itself) with no forward of another wrapper on the
+instance, on a CPU, computing in fp32, whose weight is frozen when the engine is built and not shared with another
+module, and either stored in bf16 or fp16 with its bias as the only parameters of their group, or quantized (the
+weight alone; in 4 bits only where each row is whole blocks). While a 16-bit layer is gathered its parameters are
+the stored 16-bit tensors (the bias is added widened); a packed group's weight stays its placeholder, and
+``GatheredParameters`` decodes it whole for code that reads it (zinf/param/gathered.py).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from torch import nn
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of
 
-__all__ = ["compute_from_storage", "restore", "tile_rows", "linear_in_tiles"]
+__all__ = ["compute_from_storage", "restore", "tile_rows", "linear_in_tiles", "WeightRows"]
 
 log = logging.getLogger("zinf")
 
@@ -41,24 +48,53 @@ def tile_rows(in_features: int, tile_bytes: int) -> int:
     return max(16, tile_bytes // (4 * max(in_features, 1)) // 16 * 16)
 
 
-def linear_in_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """``F.linear(x, weight.to(x.dtype), bias)`` with ``weight`` widened ``rows`` output rows at a time."""
-    return _TiledLinear.apply(x, weight, bias, rows)
+class WeightRows:
+    """Where a tile's rows come from: ``weight`` (a 16-bit tensor) widened, or, for a packed quantized ``group`` (its
+    codes gathered end to end, ``FlatParamGroup.packed``), the weight's rows decoded from them. ``weight`` is read
+    when a tile is filled: in the backward, the group gathered again."""
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, group: FlatParamGroup | None = None) -> None:
+        self.weight, self.group = weight, group
+        self.shape = weight.shape
+        self.offset = group.slots[group.index_of(weight)].offset if group is not None else 0
+
+    def fill(self, lo: int, tile: torch.Tensor) -> None:
+        """``tile`` (fp32, contiguous) = rows ``[lo, lo + len(tile))`` of the weight, widened or decoded."""
+        g = self.group
+        if g is None or not g.packed:
+            tile.copy_(self.weight[lo : lo + tile.shape[0]])  # torch's copy: ordinary stores leave it in the cache
+            return
+        k = self.shape[1]
+        g.format.decode_range(g.full, g.world, g.shard_numel, self.offset + lo * k,
+                              self.offset + (lo + tile.shape[0]) * k, tile.view(-1))
+
+
+def linear_in_tiles(x: torch.Tensor, weight: torch.Tensor | WeightRows, bias: torch.Tensor | None,
+                    rows: int) -> torch.Tensor:
+    """``F.linear(x, weight.to(x.dtype), bias)`` with the weight widened (or decoded) ``rows`` output rows at a time;
+    no gradient for the weight."""
+    source = weight if isinstance(weight, WeightRows) else WeightRows(weight)
+    return _TiledLinear.apply(x, bias, rows, source)
+
+
+def _tiles(source: WeightRows, rows: int, like: torch.Tensor):  # type: ignore[no-untyped-def]
+    out_features, in_features = source.shape
+    tile = torch.empty(min(rows, out_features), in_features, dtype=like.dtype, device=like.device)
+    for lo in range(0, out_features, rows):
+        t = tile[: min(rows, out_features - lo)]
+        source.fill(lo, t)
+        yield lo, t
 
 
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
-                rows: int) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        ctx.rows = rows
-        out_features, in_features = weight.shape
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, rows: int,  # type: ignore[override]
+                source: WeightRows) -> torch.Tensor:
+        ctx.rows, ctx.source = rows, source
+        out_features, in_features = source.shape
         x2 = x.reshape(-1, in_features)
         y = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
-        tile = torch.empty(min(rows, out_features), in_features, dtype=x.dtype, device=x.device)
-        for lo in range(0, out_features, rows):
-            t = tile[: min(rows, out_features - lo)]
-            t.copy_(weight[lo : lo + t.shape[0]])  # torch's copy: ordinary stores leave the tile in the cache
+        for lo, t in _tiles(source, rows, x):
             torch.mm(x2, t.T, out=y[:, lo : lo + t.shape[0]])
         if bias is not None:
             y.add_(bias)
@@ -68,15 +104,10 @@ class _TiledLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        (weight,) = ctx.saved_tensors
-        rows = ctx.rows
-        out_features, in_features = weight.shape
+        out_features, in_features = ctx.source.shape
         g2 = grad.reshape(-1, out_features)
         dx = torch.empty(g2.shape[0], in_features, dtype=grad.dtype, device=grad.device)
-        tile = torch.empty(min(rows, out_features), in_features, dtype=grad.dtype, device=grad.device)
-        for lo in range(0, out_features, rows):
-            t = tile[: min(rows, out_features - lo)]
-            t.copy_(weight[lo : lo + t.shape[0]])
+        for lo, t in _tiles(ctx.source, ctx.rows, grad):
             if lo == 0:
                 torch.mm(g2[:, : t.shape[0]], t, out=dx)
             else:
@@ -84,24 +115,31 @@ class _TiledLinear(torch.autograd.Function):
         return dx.view(*grad.shape[:-1], in_features), None, None, None
 
 
-def _forward(self: nn.Linear, rows: int, x: torch.Tensor) -> torch.Tensor:
+def _forward(self: nn.Linear, rows: int, source: WeightRows, x: torch.Tensor) -> torch.Tensor:
     # frozen: the engine refuses a forward once requires_grad changed after it was built
+    if source.group is not None and source.group.packed:  # no weight but its codes: computed in fp32, in tiles
+        bias = None if self.bias is None else self.bias.float()
+        return linear_in_tiles(x.float(), source, bias, rows).to(x.dtype)
     if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype not in _NARROW:
         return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-    return linear_in_tiles(x, self.weight, self.bias, rows)
+    return linear_in_tiles(x, WeightRows(self.weight), self.bias, rows)
 
 
 def _eligible(module: nn.Module, owners: dict[int, int]) -> FlatParamGroup | None:
-    """The group ``module`` alone owns, frozen and stored narrower than fp32 on a CPU; else None."""
+    """The group ``module`` owns alone, frozen, on a CPU, computed in fp32 and stored in 16 bits (with the bias) or
+    quantized (the weight alone, in whole blocks a row); else None."""
     if type(module) is not nn.Linear or "forward" in module.__dict__:  # not another wrapper's (accelerate's hooks)
         return None
     group = group_of(module.weight)
     own = [p for p in (module.weight, module.bias) if p is not None]
-    if (group is None or group.trainable or group.state is not GroupState.SHARDED or group.quantized is not None or group.compute_dtype != torch.float32
-            or group.storage_dtype not in _NARROW or group.device.type != "cpu" or any(owners[id(p)] > 1 for p in own)):
+    if (group is None or group.trainable or group.state is not GroupState.SHARDED or group.compute_dtype != torch.float32
+            or group.device.type != "cpu" or any(owners[id(p)] > 1 for p in own)):
         return None
     members = {id(p) for p in group.params if p is not None}
-    return group if members == {id(p) for p in own} else None
+    if group.quantized is not None:
+        whole_blocks = module.in_features % group.quantized.align == 0  # a tile's rows start on a block
+        return group if whole_blocks and members == {id(module.weight)} else None
+    return group if group.storage_dtype in _NARROW and members == {id(p) for p in own} else None
 
 
 def compute_from_storage(model: nn.Module, tile_bytes: int) -> list[nn.Linear]:
@@ -113,17 +151,19 @@ def compute_from_storage(model: nn.Module, tile_bytes: int) -> list[nn.Linear]:
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    switched = []
+    switched, stored = [], 0
     for module in model.modules():
         group = _eligible(module, owners)
         if group is None:
             continue
         group.keep_narrow()
-        module.forward = functools.partial(_forward, module, tile_rows(module.in_features, tile_bytes))  # type: ignore[method-assign]
+        source = WeightRows(module.weight, group)
+        module.forward = functools.partial(_forward, module, tile_rows(module.in_features, tile_bytes), source)  # type: ignore[method-assign]
         switched.append(module)
+        stored += group.world * group.shard_nbytes
     if switched:
         log.info("zinf: %d frozen linear layers (%.2f GiB stored) gathered at their storage width, computed in tiles of "
-                 "%d KiB", len(switched), sum(group_of(m.weight).numel for m in switched) * 2 / 2**30, tile_bytes >> 10)
+                 "%d KiB", len(switched), stored / 2**30, tile_bytes >> 10)
     return switched
 
 

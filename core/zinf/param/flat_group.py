@@ -146,10 +146,8 @@ class FlatParamGroup:
             self.shard = self.hand_over_shard()
             self.residence.back_to_device()
 
-    @property
-    def update_pending(self) -> bool:
-        """A background optimizer step has not yet produced this group's new shard."""
-        return self.residence.fence.pending(self)
+    update_pending = property(lambda self: self.residence.fence.pending(self),
+                              doc="A background optimizer step has not yet produced this group's new shard.")
 
     def write_master(self, master: torch.Tensor) -> None:
         """Replace this rank's master shard and the parameter shard derived from it (a frozen group's shard)."""
@@ -200,7 +198,7 @@ class FlatParamGroup:
 
     @property
     def nbytes_full(self) -> int:
-        return self.padded_numel * self.full.element_size()
+        return self.full.numel() * self.full.element_size()  # the flat vector, or a packed one's shards end to end
 
     def start_gather(self, ctx: RunContext, batch: GatherBatch | None = None) -> None:
         """Issue the all-gather (``collectives.all_gather``): the full buffer is allocated here, on compute, after the
@@ -209,7 +207,7 @@ class FlatParamGroup:
         assert self.state is GroupState.SHARDED, f"{self.name}: start_gather from {self.state}"
         self.residence.fence.wait(self)
         if self.owns_full:  # [Note: gather buffer cache] in zinf/native/buffer_cache.py
-            ctx.resize(self.full.untyped_storage(), self.padded_numel * self.full.element_size(), self.trainable)
+            ctx.resize(self.full.untyped_storage(), self.nbytes_full, self.trainable)
         # [Note: storage dtype] a narrow shard is gathered narrow (or read as it is) and widened by finish_gather; one
         # widened from the store's buffer with its checksum (read whole, one rank) is widened here (_widen_checked)
         into_full = self.storage_dtype == self.full.dtype or (self.quantized is None and ctx.comm.gathers_widening(self.full))
@@ -236,11 +234,14 @@ class FlatParamGroup:
         if work is not None and (work.shared is None or work.shared.joined is None):
             work.join()
         if self._widen_from is not None:  # before done(): with one rank it is the store's buffer itself
-            self.format.widen(self._widen_from, self.world, self.shard_numel, self.full)
+            if self.full.dtype == self._widen_from.dtype:  # kept narrow (keep_narrow)
+                self.full.copy_(self._widen_from)
+            else:
+                self.format.widen(self._widen_from, self.world, self.shard_numel, self.full)
             self._widen_from = None
         self.store.done(self)
         for p, slot in zip(self.params, self.slots):
-            if p is not None:
+            if p is not None and not self.packed:  # packed codes are read by the layer (zinf/frozen_linear.py)
                 p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.state = GroupState.GATHERED
 
@@ -305,25 +306,28 @@ class FlatParamGroup:
             if p is not None:
                 p.data = placeholder
 
-    def _separate_full(self, dtype: torch.dtype | None = None) -> None:
+    def _separate_full(self, dtype: torch.dtype | None = None, numel: int = 0) -> None:
         """A gather buffer of its own (one rank gathers in place into the shard), of ``dtype`` (``keep_narrow``)."""
         if dtype is not None or (self.shard is not None and self.full.data_ptr() == self.shard.data_ptr()):
             assert self.state is GroupState.SHARDED
-            self.full = torch.empty(self.padded_numel, dtype=dtype or self.full.dtype, device=self.device)
+            self.full = torch.empty(numel or self.padded_numel, dtype=dtype or self.full.dtype, device=self.device)
             self.full.untyped_storage().resize_(0)
             mark_device(self.full)
 
     def keep_narrow(self, narrow: bool = True) -> None:
-        """Gather at the storage width, not widened ([Note: frozen linears from storage] in zinf/frozen_linear.py)."""
-        self._separate_full(self.storage_dtype if narrow else self.compute_dtype)
+        """Gather at the storage width, not widened ([Note: frozen linears from storage] in zinf/frozen_linear.py); a
+        quantized group's shards end to end, ``packed``: its parameters stay placeholders while it is gathered."""
+        packed = self.world * self.format.nbytes(self.shard_numel) if narrow and self.quantized else 0
+        self._separate_full(self.storage_dtype if narrow else self.compute_dtype, packed)
+
+    packed = property(lambda self: self.quantized is not None and self.full.dtype == torch.uint8)
 
     # -- gradients and slots ----------------------------------------------------------------------
     def zero_grad(self, memory_zeroed: bool = False) -> None:
         self.grad_in.used.zero_()
         self.grad.zero(memory_zeroed)
 
-    def index_of(self, param: nn.Parameter) -> int:
-        return self._slot_of[id(param)]
+    def index_of(self, param: nn.Parameter) -> int: return self._slot_of[id(param)]  # noqa: E704
 
     def __repr__(self) -> str:
         return f"FlatParamGroup({self.name}, numel={self.numel}, shard={self.shard_numel}, {self.state.name})"

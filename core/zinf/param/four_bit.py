@@ -236,6 +236,21 @@ class FourBitFormat:
             native_four_bit.decode(rows[r, :half], scales, out[r * shard_numel : (r + 1) * shard_numel],
                                    self.blocksize, CODES[self.quant_type])
 
+    def decode_range(self, shards: torch.Tensor, world: int, shard_numel: int, a: int, b: int,
+                     out: torch.Tensor) -> None:
+        """Elements ``[a, b)`` of the flat vector ``world`` shards hold end to end, decoded into ``out`` (fp32, ``b - a``
+        elements; ``a`` and ``b`` on block boundaries): a tile of a layer computed from its codes
+        ([Note: frozen linears from storage] in zinf/frozen_linear.py)."""
+        nbytes, half, bs = self.nbytes(shard_numel), shard_numel // 2, self.blocksize
+        rows, done = shards.view(world, nbytes), 0
+        while a < b:
+            r, lo = divmod(a, shard_numel)
+            hi = min(b - r * shard_numel, shard_numel)
+            scales = fp32_view(rows[r, half + lo // bs * 4 : half + hi // bs * 4])
+            native_four_bit.decode(rows[r, lo // 2 : hi // 2], scales, out[done : done + hi - lo], bs,
+                                   CODES[self.quant_type])
+            a, done = a + hi - lo, done + hi - lo
+
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""
         out = torch.empty(shard_numel, dtype=torch.float32, device=shard.device)

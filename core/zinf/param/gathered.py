@@ -54,6 +54,8 @@ class GatheredParameters:
             assert self.ctx is not None
             g.layout.check_ranks(self.ctx.comm.rank, self.ctx.comm.world, g.name)
             g.acquire(self.ctx)
+            if g.packed:
+                _point_at_decoded(g)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -64,3 +66,13 @@ class GatheredParameters:
                 g.write_back()
             g.release()
         assert all(g.state is not GroupState.GATHERING for g in self.groups)
+
+
+def _point_at_decoded(group: FlatParamGroup) -> None:
+    """A packed group (its codes gathered for a layer that decodes them tile by tile: zinf/frozen_linear.py) read
+    outside that layer: its parameters point at its values decoded into a buffer of their own, until its release."""
+    values = torch.empty(group.padded_numel, dtype=group.compute_dtype, device=group.device)
+    group.format.widen(group.full, group.world, group.shard_numel, values)
+    for p, slot in zip(group.params, group.slots):
+        if p is not None:
+            p.data = values[slot.offset : slot.offset + slot.numel].view(slot.shape)

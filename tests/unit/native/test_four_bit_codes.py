@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zinf import native
 from zinf.native import four_bit
 from zinf.param.four_bit import CODES
 
@@ -52,6 +53,31 @@ def test_decode_is_bitsandbytes_dequantize_4bit(kernels: str, quant_type: str, d
     four_bit.decode(packed.reshape(-1), state.absmax, out, 64, CODES[quant_type])
     expected = bnb_f.dequantize_4bit(packed, state).reshape(-1).to(dtype)  # fp32 products, then torch's cast
     assert torch.equal(out, expected)
+
+
+LEVELS = {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "scalar"]}.get(native.info().simd_level, [])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("blocksize,blocks", [(64, 40), (32, 7), (128, 3), (256, 1)])
+def test_each_simd_level_decodes_bitsandbytes_bits(level: str, quant_type: str, blocksize: int, blocks: int) -> None:
+    """The AVX-512 and AVX2 loops (a codebook permute, then the multiply) give the scalar loop's bits: fp32, block
+    sizes bitsandbytes takes, on one thread and on two (blocks split between them)."""
+    v = _values(blocksize * blocks, blocksize)
+    packed, state = bnb_f.quantize_4bit(v, blocksize=blocksize, quant_type=quant_type)
+    expected = bnb_f.dequantize_4bit(packed, state).reshape(-1)
+    before, threads = native.info().simd_level, torch.get_num_threads()
+    native.set_simd_level(level)
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = torch.full((v.numel(),), float("nan"))
+            four_bit.decode(packed.reshape(-1), state.absmax, out, blocksize, CODES[quant_type])
+            assert torch.equal(out, expected), (level, t)
+    finally:
+        native.set_simd_level(before)
+        torch.set_num_threads(threads)
 
 
 def test_the_codebooks_are_bitsandbytes() -> None:
