@@ -7,7 +7,7 @@ back by the matmul, twice a step; and torch's matmul of a short input (64 tokens
 cache runs below the square-matrix rate. With ``tiling.frozen_tile_bytes`` set, the engine gathers each such layer's
 group at its storage width (``FlatParamGroup.keep_narrow``: a 16-bit group as 16-bit values, a quantized one as its
 shards' codes and scales end to end, ``packed``) and the layer's forward multiplies a tile of output rows at a time:
-the tile's rows are widened or decoded (``WeightRows.fill``; the formats' ``decode_range``) into a buffer of about
+the tile's rows are widened or decoded (``WeightRows``; the formats' ``decode_range``) into a buffer of about
 ``frozen_tile_bytes``, small enough to stay in the core's cache, and multiplied from there. Its backward computes the
 input's gradient the same way (the weight has none). docs/tiling.md has the measured rates
 (``benchmarks/bench_frozen_linear.py``).
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from zinf.param.eight_bit import QuantizedFormat
 from zinf.param.flat_group import FlatParamGroup, GroupState
 from zinf.param.registry import group_of
 
@@ -49,31 +50,32 @@ def tile_rows(in_features: int, tile_bytes: int) -> int:
 
 
 class WeightRows:
-    """Where a tile's rows come from: ``weight`` (a 16-bit tensor) widened, or, for a packed quantized ``group`` (its
-    codes gathered end to end, ``FlatParamGroup.packed``), the weight's rows decoded from them. ``weight`` is read
-    when a tile is filled: in the backward, the group gathered again."""
+    """The rows of a weight, widened or decoded into a tile when asked: ``fill(lo, tile)`` writes rows ``[lo, lo +
+    len(tile))`` in fp32 (``tile`` contiguous). The source is read then: in the backward, gathered again."""
 
-    def __init__(self, weight: torch.Tensor | nn.Parameter, group: FlatParamGroup | None = None) -> None:
-        self.weight, self.group = weight, group
-        self.shape = weight.shape
-        self.offset = group.slots[group.index_of(weight)].offset if group is not None else 0
+    def __init__(self, shape: Sequence[int], fill: Callable[[int, torch.Tensor], Any]) -> None:
+        self.shape, self.fill = torch.Size(shape), fill
 
-    def fill(self, lo: int, tile: torch.Tensor) -> None:
-        """``tile`` (fp32, contiguous) = rows ``[lo, lo + len(tile))`` of the weight, widened or decoded."""
-        g = self.group
-        if g is None or not g.packed:
-            tile.copy_(self.weight[lo : lo + tile.shape[0]])  # torch's copy: ordinary stores leave it in the cache
-            return
-        k = self.shape[1]
-        g.format.decode_range(g.full, g.world, g.shard_numel, self.offset + lo * k,
-                              self.offset + (lo + tile.shape[0]) * k, tile.view(-1))
+    @classmethod
+    def widened(cls, weight: torch.Tensor) -> "WeightRows":
+        """From a 16-bit ``weight`` (torch's copy: ordinary stores leave the tile in the cache)."""
+        return cls(weight.shape, lambda lo, tile: tile.copy_(weight[lo : lo + tile.shape[0]]))
+
+    @classmethod
+    def decoded(cls, shape: Sequence[int], fmt: QuantizedFormat, shards: torch.Tensor, world: int, shard_numel: int,
+                offset: int) -> "WeightRows":
+        """From the weight at flat ``offset`` of the codes ``world`` shards of ``shard_numel`` elements hold end to end
+        (``shards``: a packed group's gather buffer, or one shard), in ``fmt`` (its ``decode_range``)."""
+        k = shape[1]
+        return cls(shape, lambda lo, tile: fmt.decode_range(shards, world, shard_numel, offset + lo * k,
+                                                            offset + (lo + tile.shape[0]) * k, tile.view(-1)))
 
 
 def linear_in_tiles(x: torch.Tensor, weight: torch.Tensor | WeightRows, bias: torch.Tensor | None,
                     rows: int) -> torch.Tensor:
     """``F.linear(x, weight.to(x.dtype), bias)`` with the weight widened (or decoded) ``rows`` output rows at a time;
     no gradient for the weight."""
-    source = weight if isinstance(weight, WeightRows) else WeightRows(weight)
+    source = weight if isinstance(weight, WeightRows) else WeightRows.widened(weight)
     return _TiledLinear.apply(x, bias, rows, source)
 
 
@@ -115,14 +117,14 @@ class _TiledLinear(torch.autograd.Function):
         return dx.view(*grad.shape[:-1], in_features), None, None, None
 
 
-def _forward(self: nn.Linear, rows: int, source: WeightRows, x: torch.Tensor) -> torch.Tensor:
+def _forward(self: nn.Linear, rows: int, codes: WeightRows | None, x: torch.Tensor) -> torch.Tensor:
     # frozen: the engine refuses a forward once requires_grad changed after it was built
-    if source.group is not None and source.group.packed:  # no weight but its codes: computed in fp32, in tiles
+    if codes is not None:  # no weight but its codes: computed in fp32, in tiles
         bias = None if self.bias is None else self.bias.float()
-        return linear_in_tiles(x.float(), source, bias, rows).to(x.dtype)
+        return linear_in_tiles(x.float(), codes, bias, rows).to(x.dtype)
     if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype not in _NARROW:
         return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-    return linear_in_tiles(x, WeightRows(self.weight), self.bias, rows)
+    return linear_in_tiles(x, WeightRows.widened(self.weight), self.bias, rows)
 
 
 def _eligible(module: nn.Module, owners: dict[int, int]) -> FlatParamGroup | None:
@@ -157,8 +159,10 @@ def compute_from_storage(model: nn.Module, tile_bytes: int) -> list[nn.Linear]:
         if group is None:
             continue
         group.keep_narrow()
-        source = WeightRows(module.weight, group)
-        module.forward = functools.partial(_forward, module, tile_rows(module.in_features, tile_bytes), source)  # type: ignore[method-assign]
+        codes = None if not group.packed else WeightRows.decoded(
+            module.weight.shape, group.format, group.full, group.world, group.shard_numel,  # type: ignore[arg-type]
+            group.slots[group.index_of(module.weight)].offset)
+        module.forward = functools.partial(_forward, module, tile_rows(module.in_features, tile_bytes), codes)  # type: ignore[method-assign]
         switched.append(module)
         stored += group.world * group.shard_nbytes
     if switched:

@@ -6,9 +6,10 @@ each instruction set's kernel file. As ordinary inline functions, a helper the c
 symbol in every file, and the linker keeps one of the builds, maybe the AVX-512 one, for every kernel to call: a
 crash (SIGILL) on a CPU without AVX-512 that a machine with it never shows. Each kernel file names its instruction
 set (an inline namespace, ``ZINF_ISA``), so no weak symbol is defined by two of them: checked here on the objects the
-build makes (the same files and flags as cpp/CMakeLists.txt, compiled apart). cpp/convert/widen.cpp keeps each
-instruction set's loop in a function of its own target instead: its disassembly shows AVX-512 registers only in
-``widen_avx512`` and AVX registers only there and in ``widen_avx2``."""
+build makes (the same files and flags as cpp/CMakeLists.txt, compiled apart). cpp/convert/widen.cpp and
+cpp/quant/four_bit.cpp keep each instruction set's loop in a function of its own target instead: their disassembly
+shows AVX-512 registers only in ``widen_avx512`` (``decode_avx512``) and AVX registers only there and in
+``widen_avx2`` (``decode_avx2``)."""
 
 from __future__ import annotations
 
@@ -81,15 +82,16 @@ def _registers_by_function(obj: Path) -> dict[str, set[str]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None, reason="needs g++ and objdump")
-def test_the_widening_keeps_wide_registers_in_its_own_functions(tmp_path: Path) -> None:
-    obj = tmp_path / "widen.o"
-    subprocess.run(["g++", "-std=c++17", "-fopenmp", "-c", *_common_flags(), str(ROOT / "cpp" / "convert" / "widen.cpp"),
-                    "-o", str(obj)], check=True, capture_output=True)
+@pytest.mark.parametrize("source,prefix", [("convert/widen.cpp", "widen_"), ("quant/four_bit.cpp", "decode_")])
+def test_wide_registers_stay_in_their_own_functions(tmp_path: Path, source: str, prefix: str) -> None:
+    obj = tmp_path / "kernels.o"
+    subprocess.run(["g++", "-std=c++17", "-fopenmp", "-c", *_common_flags(), str(ROOT / "cpp" / source), "-o", str(obj)],
+                   check=True, capture_output=True)
     assert not _weak_symbols(obj) - {"DW.ref.__gxx_personality_v0"}
     found = _registers_by_function(obj)
-    assert any("widen_avx512" in f and "zmm" in regs for f, regs in found.items()), sorted(found)
+    assert any(f"{prefix}avx512" in f and "zmm" in regs for f, regs in found.items()), sorted(found)
     for function, regs in found.items():
         if "zmm" in regs:
-            assert "widen_avx512" in function, function
+            assert f"{prefix}avx512" in function, function
         if "ymm" in regs:
-            assert "widen_avx512" in function or "widen_avx2" in function, function
+            assert f"{prefix}avx512" in function or f"{prefix}avx2" in function, function
