@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
+import sys
 import time
-from collections.abc import Callable
 
 import torch
 
-from zinf import native
+sys.path.insert(0, os.path.dirname(__file__))
+from harness.machine import best_seconds  # noqa: E402
+from zinf import native  # noqa: E402
 from zinf.native.checked_adam import adam_step_checked
 
 
@@ -36,16 +39,6 @@ def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1], 1)
     return int(float(s.rstrip("KMG")) * mult)
-
-
-def timeit(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up (first touch, lazy state)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
@@ -71,17 +64,17 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
         step[0] += 1
         adam_step_checked(p, g, m, v, hyper, step=step[0], grad_checksum=True)
 
-    rows = [("streaming bound (28 B/param)", timeit(lambda: native.stream_bound(p, g, m, v), reps)),
-            ("zinf adam_step", timeit(ours, reps)),
-            ("zinf adam_step + CRC32C of what it reads and writes, apart", timeit(checked_apart, reps)),
-            ("zinf adam_step_checked (the CRC32C in the pass)", timeit(checked_in_pass, reps))]
+    rows = [("streaming bound (28 B/param)", best_seconds(lambda: native.stream_bound(p, g, m, v), reps)),
+            ("zinf adam_step", best_seconds(ours, reps)),
+            ("zinf adam_step + CRC32C of what it reads and writes, apart", best_seconds(checked_apart, reps)),
+            ("zinf adam_step_checked (the CRC32C in the pass)", best_seconds(checked_in_pass, reps))]
     del m, v
     gc.collect()
     for name, kw in (("torch AdamW(fused=True)", dict(fused=True)), ("torch AdamW (default, foreach)", dict(foreach=True))):
         param = torch.nn.Parameter(p)
         param.grad = g
         opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw)  # type: ignore[arg-type]
-        rows.append((name, timeit(opt.step, reps)))
+        rows.append((name, best_seconds(opt.step, reps)))
         del opt, param
         gc.collect()
 
@@ -98,7 +91,7 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
         clip = min(1.0, max_norm / (norm + 1e-6)) if finite else 0.0
         native.adam_step(p, g, m, v, hyper, step=step[0], grad_scale=loss_scale, clip_coef=clip, param_out=p_bf16)
 
-    full = [("zinf fused (norm + adam_step)", timeit(ours_full, reps))]
+    full = [("zinf fused (norm + adam_step)", best_seconds(ours_full, reps))]
     del m, v
     gc.collect()
     param = torch.nn.Parameter(p)
@@ -112,7 +105,7 @@ def bench_size(n: int, reps: int) -> tuple[list[tuple[str, float]], list[tuple[s
         opt.step()
         p_bf16.copy_(param)
 
-    full.append(("torch: unscale, clip_grad_norm_, fused AdamW, bf16 copy", timeit(torch_full, reps)))
+    full.append(("torch: unscale, clip_grad_norm_, fused AdamW, bf16 copy", best_seconds(torch_full, reps)))
     return rows, full
 
 
@@ -148,7 +141,7 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
         best = min(best, time.perf_counter() - t0)
     group = engine.groups[0]
     grad = torch.randn(group.shard_numel)
-    stats = timeit(lambda: torch.linalg.vector_norm(grad), reps)  # what GradShard.complete() adds to backward
+    stats = best_seconds(lambda: torch.linalg.vector_norm(grad), reps)  # what GradShard.complete() adds to backward
     engine.close()
     del engine, model
     gc.collect()
@@ -170,7 +163,7 @@ def bench_engine_step(n: int, reps: int, precision: str) -> list[tuple[str, floa
     out = [("zinf engine.step() (one fused pass, gradient zeroed in it)", best, 30),
            ("  + norm taken at gradient completion (in backward)", best + stats, 30 + 4),
            ("torch: " + ("unscale, " if loss_scale != 1.0 else "") + "clip_grad_norm_, fused AdamW, low-precision copy",
-            timeit(torch_step, reps), torch_bytes)]
+            best_seconds(torch_step, reps), torch_bytes)]
     del opt, param, g_work
     gc.collect()
     return out
@@ -195,7 +188,7 @@ def print_storage_table(n: int, reps: int) -> None:
     """The engine's step with each moment storage, the engines' steps interleaved rep by rep (a shared machine's
     memory bandwidth drifts: every storage sees the same drift), best of ``max(reps, 7)``."""
     p, g, m, v = (torch.randn(n) for _ in range(4))
-    bound = timeit(lambda: native.stream_bound(p, g, m, v), reps)
+    bound = best_seconds(lambda: native.stream_bound(p, g, m, v), reps)
     bandwidth = 28 * n / bound
     del p, g, m, v
     gc.collect()

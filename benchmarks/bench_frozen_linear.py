@@ -20,27 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness.machine import matmul_peak_flops  # noqa: E402
+from harness.machine import best_seconds, matmul_peak_flops  # noqa: E402
 from zinf import native  # noqa: E402
 from zinf.frozen_linear import WeightRows, linear_in_tiles, tile_rows  # noqa: E402
 from zinf.param.four_bit import FourBitFormat  # noqa: E402
 from zinf.param.layout import ParamSlot  # noqa: E402
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _stored(fmt: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], object], Callable[[], WeightRows]]:
@@ -75,16 +64,16 @@ def _rates(fmt: str, out_f: int, in_f: int, tokens: int, tile_kib: list[int],
         widen(widened)
         return grad @ widened
 
-    rows = [("widen + F.linear", flops / _best(widen_forward, repeats), flops / _best(widen_backward, repeats))]
+    rows = [("widen + F.linear", flops / best_seconds(widen_forward, repeats), flops / best_seconds(widen_backward, repeats))]
     widen(widened)
-    rows.append(("F.linear", flops / _best(lambda: torch.nn.functional.linear(x, widened), repeats),
-                 flops / _best(lambda: grad @ widened, repeats)))
+    rows.append(("F.linear", flops / best_seconds(lambda: torch.nn.functional.linear(x, widened), repeats),
+                 flops / best_seconds(lambda: grad @ widened, repeats)))
     x_req = x.clone().requires_grad_()
     for kib in tile_kib:
         r, source = tile_rows(in_f, kib << 10), rows_of()
-        fwd = flops / _best(lambda: linear_in_tiles(x, source, None, r), repeats)
+        fwd = flops / best_seconds(lambda: linear_in_tiles(x, source, None, r), repeats)
         y = linear_in_tiles(x_req, source, None, r)
-        bwd = flops / _best(lambda: torch.autograd.grad(y, x_req, grad, retain_graph=True), repeats)
+        bwd = flops / best_seconds(lambda: torch.autograd.grad(y, x_req, grad, retain_graph=True), repeats)
         rows.append((f"tiles {kib} KiB ({r} rows)", fwd, bwd))
     return rows
 
@@ -100,8 +89,8 @@ def _decode_rates(repeats: int) -> list[tuple[str, float, float]]:
     try:
         for level in levels:
             native.set_simd_level(level)
-            w = _best(lambda: four.widen(codes, 1, numel, whole), repeats)
-            t = _best(lambda: [four.decode_range(codes, 1, numel, a, a + tile, part) for a in range(0, numel, tile)],
+            w = best_seconds(lambda: four.widen(codes, 1, numel, whole), repeats)
+            t = best_seconds(lambda: [four.decode_range(codes, 1, numel, a, a + tile, part) for a in range(0, numel, tile)],
                       repeats)
             out.append((level, w / numel * 1e9, t / numel * 1e9))
     finally:

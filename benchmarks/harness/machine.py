@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+from typing import Callable
 
 import torch
 
@@ -31,6 +32,17 @@ def matmul_peak_flops(n: int = 4096, repeats: int = 5, device: str = "cpu",
             torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t) / inner)
     return 2.0 * n**3 / best
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timings of ``fn()``, after one untimed call (first touch, lazy state)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def gpu_summary() -> dict[str, str]:
