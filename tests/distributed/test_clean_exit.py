@@ -5,7 +5,7 @@
   (``engine.close()``, ``destroy_process_group()``) and N times calling neither; and N/2 runs of a script whose last
   line is a collective (exit_collective_script.py), with the engine in memory and on NVMe with the background
   CPU-Adam (zinf's own threads running as the script ends). Every launch exits 0 and no rank prints C++'s
-  "terminate called" (see [Note: the end of a run] in zinf/shutdown.py). N is ``ZINF_EXIT_RUNS`` (default 12, which
+  "terminate called" (see [Note: the end of a run] in zinf/shutdown.py). N is ``ZINF_EXIT_RUNS`` (default 8, which
   keeps CI's end-to-end tier in its budget on 2 cores; ``ZINF_EXIT_RUNS=50`` for a longer hunt after a change to
   zinf/shutdown.py or the native threads).
 - The fault line (slow tier too): a rank killed by a signal inside a zinf step (a bad memory access in the
@@ -28,7 +28,7 @@ import processes
 
 HERE = Path(__file__).resolve().parent
 ABORT = "terminate called"
-RUNS = int(os.environ.get("ZINF_EXIT_RUNS", "12"))
+RUNS = int(os.environ.get("ZINF_EXIT_RUNS", "8"))
 pytestmark = pytest.mark.distributed
 
 
