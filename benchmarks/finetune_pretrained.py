@@ -12,7 +12,9 @@ samples taken every 0.2 s), the time to build and load the model against the byt
 report), each step against two bounds: the disk (every rank's NVMe bytes at the speed ``zinf info --nvme`` measured,
 the engine's ``nvme_floor``, summed: the ranks share one disk) and the compute (4 x parameters x tokens per rank for
 LoRA, forward and input gradients; 6 x for a full fine-tune; 2 x more with ``--checkpointing``, the recomputation;
-at the matmul FLOP/s each rank measures while the others do, before and after the steps), the engine's own bytes
+at the matmul FLOP/s each rank measures while the others do, before and after the steps), and against the step's
+linear-layer products timed at their own shapes with the weights in memory (what a step reaches at best when the
+weights' bytes, not the FLOPs, set the pace: a few tokens a rank), the engine's own bytes
 per tier, and with ``--qlora`` the bytes per parameter of the quantized base (QLoRA: docs/qlora.md).
 """
 
@@ -24,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +36,7 @@ import zinf
 from zinf.integrations.quantized import quantized_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness.machine import matmul_peak_flops  # noqa: E402
+from harness.machine import best_seconds, matmul_peak_flops  # noqa: E402
 from harness.rss import RssSampler, proc_field as _proc  # noqa: E402
 
 
@@ -43,6 +46,32 @@ def _rank_peak(dtype: torch.dtype) -> float:
     one keeps the measurement short)."""
     dist.barrier()
     return matmul_peak_flops(n=2048 if dtype == torch.float32 else 512, repeats=3, dtype=dtype)
+
+
+def _linears_in_memory(model: torch.nn.Module, tokens: int, dtype: torch.dtype, full: bool, checkpointing: bool
+                       ) -> float:
+    """The seconds this rank's step spends in its linear layers' products when their weights lie in memory in
+    ``dtype`` and nothing else runs: for each distinct layer shape, the best of 3 timings of its forward product and
+    its input gradient's (and its weight gradient's for a full fine-tune; the forward twice with the recomputation),
+    times the layers of that shape, with the other ranks measuring at the same moment. Unlike the square product of
+    :func:`_rank_peak`, these run at the step's own shapes (``tokens`` rows), where the weights' bytes rather than the
+    FLOPs may set the pace: what a step can reach at best on this machine."""
+    shapes: dict[tuple[int, int], int] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[(m.in_features, m.out_features)] = shapes.get((m.in_features, m.out_features), 0) + 1
+    dist.barrier()
+    total = 0.0
+    for (n_in, n_out), count in sorted(shapes.items()):
+        w = torch.randn(n_out, n_in).to(dtype)  # not in any cache: a layer's weights are read once per product
+        x, g = torch.randn(tokens, n_in).to(dtype), torch.randn(tokens, n_out).to(dtype)
+        seconds = (1 + checkpointing) * best_seconds(partial(torch.mm, x, w.t()), 3) \
+            + best_seconds(partial(torch.mm, g, w), 3)
+        if full:
+            seconds += best_seconds(partial(torch.mm, g.t(), x), 3)
+        total += count * seconds
+        del w
+    return total
 
 
 def _batches(args: argparse.Namespace, vocab: int, rank: int) -> list[torch.Tensor]:
@@ -153,6 +182,7 @@ def main() -> None:
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))  # a tied weight once
     step_flops = ((6 if args.full else 4) + 2 * args.checkpointing) * n_params * args.batch * args.seq
     compute_bound = step_flops / peak_before  # the same for every step: the rate is measured once, before them
+    linears_s = _linears_in_memory(model, args.batch * args.seq, compute_dtype, args.full, args.checkpointing)
     steps = []
     for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
         t = time.perf_counter()
@@ -180,7 +210,8 @@ def main() -> None:
             print(f"step {step + 1}/{args.steps}: loss {loss.item():.4f}, {rec['seconds']:.1f} s, NVMe read "
                   f"{rec['nvme_read'] / 1e9:.2f} GB, written {rec['nvme_written'] / 1e9:.2f} GB; bounds: {disk}, "
                   f"compute {compute_bound:.1f} s ({step_flops / 1e12:.2f} TFLOP at {peak_before / 1e9:.1f} "
-                  f"GFLOP/s a rank): {rec['seconds'] / slowest:.1f}x the {which} bound; "
+                  f"GFLOP/s a rank): {rec['seconds'] / slowest:.1f}x the {which} bound; the linear layers' "
+                  f"products with the weights in memory {linears_s:.1f} s ({rec['seconds'] / linears_s:.1f}x); "
                   + ", ".join(f"{k} {v:.1f} s" for k, v in rec["breakdown_s"].items()), flush=True)
     peak_after = _rank_peak(compute_dtype) if args.steps else None
     resident = engine.resident_bytes()
@@ -190,7 +221,7 @@ def main() -> None:
     mine = {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "rss_after_load": rss_after_load,
             "load_s": load_s, "load_read_bytes": load_read, "init_s": init_s, "matmul_flops_before": peak_before,
             "matmul_flops_after": peak_after, "step_flops": step_flops, "compute_bound_s": compute_bound,
-            "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
+            "linears_in_memory_s": linears_s, "steps": steps, "resident": resident, "frozen_groups_read_whole": read_whole,
             "frozen_linears_in_tiles": in_tiles,
             "quantized_bytes_per_parameter": quantized[0] * world / quantized[1] if quantized[1] else None}
     _finish(args, rank, world, mine, "zinf", sum(q.numel() for q in engine.params))
@@ -243,6 +274,7 @@ def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -
     peak_before = _rank_peak(dtype)
     n_params = sum(q.numel() for q in dict.fromkeys(model.parameters()))
     step_flops = (4 + 2 * args.checkpointing) * n_params * args.batch * args.seq
+    linears_s = _linears_in_memory(model, args.batch * args.seq, dtype, False, args.checkpointing)
     steps = []
     for step, x in enumerate(_batches(args, hf_config.vocab_size, rank)):
         t = time.perf_counter()
@@ -253,10 +285,11 @@ def _ddp(args: argparse.Namespace, rank: int, world: int, sampler: RssSampler) -
         steps.append({"seconds": time.perf_counter() - t, "loss": loss.item()})
         if rank == 0:
             print(f"step {step + 1}/{args.steps} (DDP): loss {loss.item():.4f}, {steps[-1]['seconds']:.1f} s, "
-                  f"{steps[-1]['seconds'] / (step_flops / peak_before):.1f}x the compute bound", flush=True)
+                  f"{steps[-1]['seconds'] / (step_flops / peak_before):.1f}x the compute bound, "
+                  f"{steps[-1]['seconds'] / linears_s:.1f}x the linear layers' products ({linears_s:.1f} s)", flush=True)
     return {"rank": rank, "peak_rss": _proc("VmHWM:"), "sampled_peak_rss": sampler.stop(), "load_s": load_s,
             "matmul_flops_before": peak_before, "step_flops": step_flops, "compute_bound_s": step_flops / peak_before,
-            "steps": steps, "parameters": n_params}
+            "linears_in_memory_s": linears_s, "steps": steps, "parameters": n_params}
 
 
 if __name__ == "__main__":

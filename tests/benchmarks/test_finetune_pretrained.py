@@ -46,6 +46,7 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
         assert rank["resident"]["nvme"]["frozen_in_checkpoint"] > 0
         assert rank["frozen_linears_in_tiles"] > 0  # computed from their bf16 shards, a tile at a time
         assert rank["compute_bound_s"] == pytest.approx(rank["step_flops"] / rank["matmul_flops_before"])
+        assert 0 < rank["linears_in_memory_s"] < min(s["seconds"] for s in rank["steps"])  # part of any step
         for step in rank["steps"]:
             assert math.isfinite(step["loss"]) and step["seconds"] > 0
             assert step["nvme_read"] > 0
@@ -66,7 +67,7 @@ def test_two_ranks_report_steps_against_the_disk_and_compute_bounds(tmp_path: Pa
     ddp = json.loads(ddp_out.read_text())
     assert ddp["system"] == "ddp" and ddp["parameters"] == figures["parameters"]
     for zr, dr in zip(figures["ranks"], ddp["ranks"]):
-        assert dr["step_flops"] == zr["step_flops"]
+        assert dr["step_flops"] == zr["step_flops"] and dr["linears_in_memory_s"] > 0
         for zs, ds in zip(zr["steps"], dr["steps"]):
             assert ds["loss"] == pytest.approx(zs["loss"], rel=1e-5), (ds["loss"], zs["loss"])
 
