@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, Union
 import torch
 
 from zinf.errors import UnsupportedModelError
-from zinf.param.four_bit import FourBitFormat, fp32_view
+from zinf.param.four_bit import FourBitFormat, fp32_view, shard_spans
 
 if TYPE_CHECKING:
     from zinf.native.checksum import ContentCheck
@@ -100,14 +100,11 @@ class EightBitFormat:
                      out: torch.Tensor) -> None:
         """Elements ``[a, b)`` (whole rows) of the flat vector ``world`` shards hold end to end, decoded into ``out``
         (fp32, ``b - a`` elements) as :meth:`widen` decodes them."""
-        rows, row, done = shards.view(world, self.nbytes(shard_numel)), self.row, 0
-        while a < b:
-            r, lo = divmod(a, shard_numel)
-            hi = min(b - r * shard_numel, shard_numel)
+        rows, row = shards.view(world, self.nbytes(shard_numel)), self.row
+        for r, lo, hi, done in shard_spans(a, b, shard_numel):
             codes = rows[r, lo:hi].view(torch.int8).view(-1, row)
             scales = fp32_view(rows[r, shard_numel + lo // row * 4 : shard_numel + hi // row * 4])
             torch.mul(codes, scales.unsqueeze(1).mul(1.0 / 127.0), out=out[done : done + hi - lo].view(-1, row))
-            a, done = a + hi - lo, done + hi - lo
 
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""

@@ -25,7 +25,7 @@ all-gather moves the 4-bit shards; each rank decodes the gathered bytes into its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ from zinf.native.widen import copy_checked, widen_into
 if TYPE_CHECKING:
     from zinf.native.checksum import ContentCheck
 
-__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears", "fp32_view"]
+__all__ = ["FourBitFormat", "WidenedShard", "CODES", "refuse_change", "convertible_linears", "fp32_view",
+           "shard_spans"]
 
 # bitsandbytes' codebooks (bitsandbytes.functional.get_4bit_type), index = the 4-bit code
 CODES = {
@@ -119,6 +120,18 @@ def convertible_linears(model: nn.Module, skip_modules: Sequence[str] | None = N
 def fp32_view(raw: torch.Tensor) -> torch.Tensor:
     """Bytes read as fp32 (copied where they do not start on a 4-byte boundary)."""
     return (raw if raw.data_ptr() % 4 == 0 else raw.clone()).view(torch.float32)
+
+
+def shard_spans(a: int, b: int, shard_numel: int) -> Iterator[tuple[int, int, int, int]]:
+    """Elements ``[a, b)`` of a flat vector that shards of ``shard_numel`` elements hold end to end, shard by shard:
+    ``(rank, lo, hi, done)``, elements ``[lo, hi)`` of rank ``rank``'s shard, the span's first ``done`` elements before
+    them (a ``decode_range``'s walk)."""
+    done = 0
+    while a < b:
+        r, lo = divmod(a, shard_numel)
+        hi = min(b - r * shard_numel, shard_numel)
+        yield r, lo, hi, done
+        a, done = a + hi - lo, done + hi - lo
 
 
 def refuse_change(group: Any, what: str, values: torch.Tensor | None = None) -> None:
@@ -241,15 +254,12 @@ class FourBitFormat:
         """Elements ``[a, b)`` of the flat vector ``world`` shards hold end to end, decoded into ``out`` (fp32, ``b - a``
         elements; ``a`` and ``b`` on block boundaries): a tile of a layer computed from its codes
         ([Note: frozen linears from storage] in zinf/frozen_linear.py)."""
-        nbytes, half, bs = self.nbytes(shard_numel), shard_numel // 2, self.blocksize
-        rows, done = shards.view(world, nbytes), 0
-        while a < b:
-            r, lo = divmod(a, shard_numel)
-            hi = min(b - r * shard_numel, shard_numel)
+        half, bs = shard_numel // 2, self.blocksize
+        rows = shards.view(world, self.nbytes(shard_numel))
+        for r, lo, hi, done in shard_spans(a, b, shard_numel):
             scales = fp32_view(rows[r, half + lo // bs * 4 : half + hi // bs * 4])
             native_four_bit.decode(rows[r, lo // 2 : hi // 2], scales, out[done : done + hi - lo], bs,
                                    CODES[self.quant_type])
-            a, done = a + hi - lo, done + hi - lo
 
     def values(self, shard: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """One rank's shard decoded to fp32 (checkpoints, exports, comparisons)."""
