@@ -111,6 +111,9 @@ def main() -> None:
                    help="overlap.reshard_after_forward")
     p.add_argument("--host-keep", default="auto", choices=["auto", "off"],
                    help="overlap.host_keep: on the CPU, groups kept for the backward in a room of host memory")
+    p.add_argument("--shared-memory", default="auto", choices=["auto", "chunks", "off"],
+                   help="overlap.shared_memory: 'auto' gathers shards from the ranks' shared staging pools, 'chunks' "
+                        "copies them through the chunk buffers, 'off' sends them through gloo")
     p.add_argument("--frozen-tile-kib", type=int, default=0,
                    help="tiling.frozen_tile_bytes, in KiB (0: off): frozen 16-bit linears multiplied in fp32 tiles")
     p.add_argument("--checkpointing", action="store_true",
@@ -145,7 +148,7 @@ def main() -> None:
                     "pinned_pool_bytes": args.pool_mib << 20, "sub_group_numel": args.sub_group_numel,
                     "frozen_in_place": not args.copy_frozen, "frozen_reads": args.frozen_reads},
         "overlap": {"prefetch_bytes": args.prefetch_mib << 20, "reshard_after_forward": args.reshard_after_forward,
-                    "host_keep": args.host_keep,
+                    "host_keep": args.host_keep, "shared_memory": args.shared_memory,
                     "persistent_numel": args.persistent_numel},
         "tiling": {"frozen_tile_bytes": args.frozen_tile_kib << 10},
         **({} if args.trim_heap_bytes is None else {"trim_heap_bytes": args.trim_heap_bytes}),

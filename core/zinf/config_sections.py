@@ -65,10 +65,12 @@ class OverlapConfig(Checked):
     runs it: the backward gathers everything again); "never" none that the backward gathers, as FSDP2's ``reshard_after_forward=False``:
     one all-gather per parameter a step instead of two, for the memory of the whole model's parameters gathered
     at the end of the forward (under ``max_gathered_bytes`` only what fits it).
-    ``shared_memory`` ("auto", "off"): with "auto" (default), gloo ranks that compute on the CPU of one host
-    all-gather parameters and reduce-scatter gradients through shared memory (``/dev/shm``) instead of gloo's
-    sockets, 16 MiB of it per rank (see [Note: same-host collectives] in zinf/runtime/same_host.py); "off": always
-    through the process group.
+    ``shared_memory`` ("auto", "chunks", "off"): with "auto" (default), gloo ranks that compute on the CPU of one
+    host all-gather parameters and reduce-scatter gradients through shared memory (``/dev/shm``) instead of gloo's
+    sockets, 16 MiB of it per rank (see [Note: same-host collectives] in zinf/runtime/same_host.py), and the NVMe
+    staging pool lies there too, so a shard read into one rank's pool is gathered by the others from it (see [Note:
+    gathering from the ranks' pools] in zinf/runtime/shared_pool.py); "chunks": the collectives through shared
+    memory, the pool private; "off": always through the process group.
     ``gather_cache`` ("auto", "off"): with "auto" (default), gathers on the CPU take their buffers' memory from a
     cache that keeps freed blocks mapped for the next gather of the same size, within 1.25 times the most ever
     gathered at once and one block; with the parameters offloaded, frozen groups' gathers only (see [Note: gather
@@ -102,8 +104,9 @@ class OverlapConfig(Checked):
         require(self.reshard_after_forward in RESHARD_AFTER_FORWARD, "overlap.reshard_after_forward",
                  self.reshard_after_forward, f"one of {list(RESHARD_AFTER_FORWARD)} ('never': keep every group "
                  "gathered from its forward to its backward)")
-        require(self.shared_memory in ("auto", "off"), "overlap.shared_memory", self.shared_memory,
-                 "one of ['auto', 'off'] ('off': every collective through the process group)")
+        require(self.shared_memory in ("auto", "chunks", "off"), "overlap.shared_memory", self.shared_memory,
+                 "one of ['auto', 'chunks', 'off'] ('chunks': the staging pool private; 'off': every collective "
+                 "through the process group)")
         require(self.gather_cache in ("auto", "off"), "overlap.gather_cache", self.gather_cache,
                  "one of ['auto', 'off'] ('off': fresh memory for every gather)")
         require(self.host_keep in ("auto", "off"), "overlap.host_keep", self.host_keep,

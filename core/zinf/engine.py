@@ -107,10 +107,10 @@ class ZeroInfinityEngine:
         self.ctx = RunContext(self.comm, Streams(self.device), self.timers, self.host,
                               gather_buffers(self.config.overlap, self.device))
         self.watchdog = CollectiveWatchdog(self.comm, self.config.collective_timeout_s)
-        fp16 = self.config.precision == "fp16"
+        fp16, overlap = self.config.precision == "fp16", self.config.overlap
         self.placement = Placement(self.config.offload, self.groups, self.ctx, optimizer,
                                    check_finite=fp16, eager_grad_stats=fp16 or self.config.gradient_clipping > 0,
-                                   moment_dtype=self.config.moment_dtype)
+                                   moment_dtype=self.config.moment_dtype, share_pool=overlap.shared_memory == "auto")
         host = (self.comm.ranks_on_host(), self.placement.free_host_bytes)
         start_heap_trims(self.heap, self.config, self.device, sum(g.nbytes_full for g in self.groups), *host)
         room = self.comm.host_all_reduce(torch.tensor([keep_room(self.config, self.device, *host)]), "min")
@@ -361,7 +361,8 @@ class ZeroInfinityEngine:
         fetched = self.fetcher.take_counts()
         counts["prefetched_gathers"], counts["demand_gathers"] = fetched.prefetched, fetched.demand
         counts.update(self.placement.io_counts())
-        counts.update(self.hooks.keep.take_counts(), **(self.ctx.buffers.take_counts() if self.ctx.buffers else {}))
+        for part in (self.hooks.keep, self.ctx.buffers, self.comm.same_host):  # each one's counts since the last step
+            counts.update(part.take_counts() if part is not None else {})
         floor = self.placement.nvme_floor_s(counts)  # the disk's time for these bytes (zinf info --nvme)
         if floor is not None:
             seconds["nvme_floor"] = floor

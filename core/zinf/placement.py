@@ -73,8 +73,10 @@ class Placement:
 
     def __init__(self, cfg: OffloadConfig, groups: Sequence[FlatParamGroup], ctx: RunContext,
                  optimizer: torch.optim.Optimizer | None, check_finite: bool = False,
-                 eager_grad_stats: bool = False, moment_dtype: torch.dtype = torch.float32) -> None:
+                 eager_grad_stats: bool = False, moment_dtype: torch.dtype = torch.float32,
+                 share_pool: bool = False) -> None:
         self.cfg, self.groups = cfg, list(groups)
+        self.share_pool = share_pool  # the staging pool in shared memory where the ranks share a host
         self.layout = StateLayout(moment_dtype)  # how the optimizer's states are stored (``optimizer_storage``)
         comm = ctx.comm
         # frozen shards that stay in checkpoint files (see [Note: frozen shards in place] in zinf/offload/in_place.py)
@@ -117,7 +119,7 @@ class Placement:
             self.aio = native.AsyncIO(block_size=cfg.aio_block_bytes, queue_depth=cfg.aio_queue_depth,
                                       num_threads=cfg.aio_threads, direct=True, bytes_per_s=cfg.aio_bytes_per_s)
             self.swap = SwapSpace(cfg.nvme_paths, comm.rank, comm.world, self.aio, timers=self.timers)
-            self.pool = native.PinnedBufferPool(cfg.pinned_pool_bytes)
+            self.pool = native.PinnedBufferPool(cfg.pinned_pool_bytes, memory=self._shared_pool_memory(cfg, comm))
             if self.pool.pin_with_cuda():  # pragma: no cover - CUDA only
                 log.info("zinf offload: pinned %d MiB for NVMe staging", cfg.pinned_pool_bytes >> 20)
             room = PoolRoom(self.pool)
@@ -326,6 +328,15 @@ class Placement:
             return {}
         read, written = self.swap.take_counts()
         return {"nvme_read_bytes": read, "nvme_written_bytes": written}
+
+    def _shared_pool_memory(self, cfg: OffloadConfig, comm) -> object:
+        """The staging pool's memory, mapped by every rank of the host ([Note: gathering from the ranks' pools] in
+        zinf/runtime/shared_pool.py), where the ranks share memory and ``share_pool``; None: the pool allocates its
+        own. A collective of the ranks' transport (the same answer on every rank)."""
+        transport = comm.same_host
+        if not self.share_pool or transport is None or not transport.is_open:
+            return None
+        return transport.share_pool(comm, cfg.pinned_pool_bytes)
 
     @property
     def read_ahead_bytes(self) -> int:

@@ -14,6 +14,7 @@ void bind_pool(py::module_& m) {
   m.doc() = "Aligned host buffer pool (buddy allocator in one allocation); exposes the buffer protocol.";
   py::class_<BufferPool>(m, "BufferPool", py::buffer_protocol())
       .def(py::init<size_t, size_t>(), py::arg("total_bytes"), py::arg("alignment") = 4096)
+      .def(py::init<uintptr_t, size_t, size_t>(), py::arg("address"), py::arg("total_bytes"), py::arg("alignment"))
       .def("allocate", &BufferPool::allocate, py::arg("nbytes"))
       .def("free", &BufferPool::free, py::arg("offset"))
       .def("block_size_for", &BufferPool::block_size_for, py::arg("nbytes"))

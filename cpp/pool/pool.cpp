@@ -11,20 +11,42 @@
 
 namespace zinf::pool {
 
-BufferPool::BufferPool(size_t total_bytes, size_t alignment) : alignment_(alignment) {
+namespace {
+
+size_t checked_capacity(size_t total_bytes, size_t alignment) {
   if (alignment < 64 || (alignment & (alignment - 1)) != 0)
     throw std::invalid_argument("alignment must be a power of two >= 64, got " + std::to_string(alignment));
-  capacity_ = total_bytes / alignment * alignment;
-  if (capacity_ == 0)
+  const size_t capacity = total_bytes / alignment * alignment;
+  if (capacity == 0)
     throw std::invalid_argument("total_bytes must be at least the alignment (" + std::to_string(alignment) +
                                 "), got " + std::to_string(total_bytes));
+  return capacity;
+}
+
+}  // namespace
+
+BufferPool::BufferPool(size_t total_bytes, size_t alignment)
+    : capacity_(checked_capacity(total_bytes, alignment)), alignment_(alignment) {
   void* p = nullptr;
   if (::posix_memalign(&p, alignment, capacity_) != 0) throw std::bad_alloc();
   base_ = static_cast<char*>(p);
 #ifdef MADV_HUGEPAGE
   ::madvise(base_, capacity_, MADV_HUGEPAGE);
 #endif
-  const size_t units = capacity_ / alignment;
+  carve();
+}
+
+BufferPool::BufferPool(uintptr_t address, size_t total_bytes, size_t alignment)
+    : owned_(false), capacity_(checked_capacity(total_bytes, alignment)), alignment_(alignment) {
+  if (address == 0 || address % alignment != 0)
+    throw std::invalid_argument("the pool's memory must start at a multiple of the alignment (" +
+                                std::to_string(alignment) + "), got address " + std::to_string(address));
+  base_ = reinterpret_cast<char*>(address);
+  carve();
+}
+
+void BufferPool::carve() {
+  const size_t units = capacity_ / alignment_;
   int max_order = 0;
   while ((size_t{1} << (max_order + 1)) <= units) ++max_order;
   free_.resize(static_cast<size_t>(max_order) + 1);
@@ -38,7 +60,9 @@ BufferPool::BufferPool(size_t total_bytes, size_t alignment) : alignment_(alignm
   }
 }
 
-BufferPool::~BufferPool() { std::free(base_); }
+BufferPool::~BufferPool() {
+  if (owned_) std::free(base_);
+}
 
 int BufferPool::order_for(size_t nbytes) const {
   int k = 0;

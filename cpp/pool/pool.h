@@ -17,6 +17,9 @@ namespace zinf::pool {
 class BufferPool {
  public:
   BufferPool(size_t total_bytes, size_t alignment);
+  // Carves memory the caller owns and keeps mapped for the pool's life (`address` aligned to `alignment`): a
+  // segment shared with other processes (zinf/runtime/shared_pool.py). Nothing is allocated or freed here.
+  BufferPool(uintptr_t address, size_t total_bytes, size_t alignment);
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -42,7 +45,10 @@ class BufferPool {
   int chunk_order_at(size_t offset) const;
   size_t block_bytes(int order) const { return alignment_ << order; }
 
+  void carve();
+
   char* base_ = nullptr;
+  bool owned_ = true;  // allocated here (freed by the destructor), not handed in
   size_t capacity_ = 0;
   size_t alignment_ = 0;
   std::vector<std::set<size_t>> free_;         // free block offsets per order

@@ -55,14 +55,15 @@ def _files(path: Path) -> dict[str, tuple[str, int]]:
             for f in sorted(path.glob("*.safetensors"))}
 
 
-def _build(path: str, nvme: str, in_place: bool, reads: str = "gathered"):
+def _build(path: str, nvme: str, in_place: bool, reads: str = "gathered", shared: str = "auto"):
     from transformers import AutoModelForCausalLM
 
     os.makedirs(nvme, exist_ok=True)
     config = zinf.ZeroConfig.from_dict({
         "precision": "fp32", "param_storage": "bf16",
         "offload": {"params": "nvme", "nvme_paths": [nvme], "pinned_pool_bytes": 8 << 20,
-                    "frozen_in_place": in_place, "frozen_reads": reads}})
+                    "frozen_in_place": in_place, "frozen_reads": reads},
+        "overlap": {"shared_memory": shared}})
     with zinf.Init(config):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for name, p in model.named_parameters():
@@ -283,14 +284,19 @@ class _Counted:
 def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
     counted = _Counted()
     out = {}
-    for name, in_place, reads in (("whole", True, "whole"), ("gathered", True, "gathered"), ("copied", False, "whole")):
-        model, engine = _build(path, os.path.join(root, name), in_place, reads)
+    for name, in_place, reads, shared in (("whole", True, "whole", "auto"), ("gathered", True, "gathered", "auto"),
+                                          ("chunks", True, "gathered", "chunks"), ("copied", False, "whole", "auto")):
+        model, engine = _build(path, os.path.join(root, name), in_place, reads, shared)
         frozen = {id(g) for g in engine.groups if not g.trainable}
         read_whole = {id(g) for g in engine.groups if g.residence.whole}
         counted.groups.clear()
         counted.bytes = counted.gathered_bytes = counted.checked_at_read = counted.checked_in_copy = 0
         model.train()
-        losses = [lm_step_global(engine, x, rank, world) for x in token_batches(3, 4)]
+        losses, transport = [], dict.fromkeys(("transport_copied_bytes", "pool_gathered_bytes"), 0)
+        for x in token_batches(3, 4):
+            losses.append(lm_step_global(engine, x, rank, world))
+            for k in transport:  # each step's report counts the step's bytes
+                transport[k] += engine.report().counts[k]
         gathers = list(counted.groups)
         checks = {"at_read": counted.checked_at_read, "in_copy": counted.checked_in_copy}
         moved, named = counted.bytes, counted.gathered_bytes
@@ -304,6 +310,7 @@ def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
         out[name] = {"losses": losses, "state": engine.full_state_dict(), "frozen": frozen, "whole": read_whole,
                      "trained_gathers": sum(1 for g in gathers if g not in frozen),
                      "gathers": gathers, "moved": moved, "named": named, "eval_read": read, "checks": checks,
+                     "transport": transport,
                      "frozen_shard_bytes": sum(g.shard_nbytes for g in engine.groups if not g.trainable)}
         engine.close()
     return out
@@ -312,12 +319,14 @@ def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
 def test_frozen_groups_read_whole_train_exactly_without_collectives(checkpoint: Path, tmp_path: Path) -> None:
     results = run_distributed(_three_ways, 2, str(checkpoint), str(tmp_path))
     for rank, r in enumerate(results):
-        whole, gathered, copied = r["whole"], r["gathered"], r["copied"]
+        whole, gathered, chunks, copied = r["whole"], r["gathered"], r["chunks"], r["copied"]
         assert whole["whole"] == whole["frozen"] and whole["frozen"], (rank, whole["whole"], whole["frozen"])
         assert not gathered["whole"] and not copied["whole"]
-        assert whole["losses"] == gathered["losses"] == copied["losses"], (rank, whole["losses"], gathered["losses"])
+        assert whole["losses"] == gathered["losses"] == chunks["losses"] == copied["losses"], \
+            (rank, whole["losses"], gathered["losses"], chunks["losses"])
         for k in whole["state"]:
             assert torch.equal(whole["state"][k], gathered["state"][k]), (rank, k)
+            assert torch.equal(whole["state"][k], chunks["state"][k]), (rank, k)
             assert torch.equal(whole["state"][k], copied["state"][k]), (rank, k)
         # no collective for a frozen group read whole; the gathered path all-gathers them
         assert not whole["frozen"] & set(whole["gathers"]) and whole["gathers"]
@@ -331,6 +340,12 @@ def test_frozen_groups_read_whole_train_exactly_without_collectives(checkpoint: 
         # through the ranks' transport, at the read
         assert whole["checks"]["at_read"] == 0 and whole["checks"]["in_copy"] >= len(whole["frozen"]), whole["checks"]
         assert gathered["checks"]["in_copy"] == 0 and gathered["checks"]["at_read"] > 0, gathered["checks"]
+        # gathered, every shard (each read into the pool) is taken from the ranks' shared pools, none copied into the
+        # chunk buffers ([Note: gathering from the ranks' pools]); with the pool private, all of them are copied
+        assert gathered["transport"]["transport_copied_bytes"] == 0, gathered["transport"]
+        assert gathered["transport"]["pool_gathered_bytes"] == chunks["transport"]["transport_copied_bytes"] > 0, \
+            (gathered["transport"], chunks["transport"])
+        assert chunks["transport"]["pool_gathered_bytes"] == 0, chunks["transport"]
     assert results[0]["whole"]["losses"] == results[1]["whole"]["losses"]
 
 

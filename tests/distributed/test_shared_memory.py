@@ -134,6 +134,62 @@ def test_training_through_shared_memory_equals_gloo(world: int) -> None:
                 assert torch.equal(a["state"][k], b["state"][k]), k
 
 
+def _pool_gathers(rank: int, world: int) -> dict:
+    """Gathers of shards lying in the ranks' shared staging pools ([Note: gathering from the ranks' pools]), alone,
+    widened, and mixed in one call with shards that lie elsewhere, against gloo's gathers of the same shards."""
+    from zinf.native.pool import PinnedBufferPool
+
+    comm = Comm.current()
+    shared = comm.with_same_host(SameHostTransport.connect(comm))
+    transport = shared.same_host
+    pool = PinnedBufferPool(128 << 20, memory=transport.share_pool(comm, (128 + rank) << 20))  # sizes may differ
+    dist.barrier()
+    out: dict = {"files": glob.glob(os.path.join(same_host.SHM_DIR, f"zinf-pool-{transport.token}-*"))}
+    g = torch.Generator().manual_seed(7 + rank)
+
+    def in_pool(t: torch.Tensor) -> torch.Tensor:
+        buf = pool.acquire(t.numel() * t.element_size()).view(t.dtype)
+        buf.copy_(t)
+        return buf
+
+    chunk = same_host.CHUNK_BYTES
+    shards = [in_pool(torch.randn(3 * chunk // 8 + 5, generator=g)), torch.randn(1000, generator=g),
+              in_pool(torch.randn(17, generator=g).to(torch.bfloat16)), in_pool(torch.randn(9, generator=g))]
+    outs = [torch.empty(world * shards[0].numel()), torch.empty(world * 1000), torch.empty(world * 17),
+            torch.empty(world * 9, dtype=torch.float32)]
+    ops, copied = transport.ops, transport.copied_bytes
+    shared.all_gather_coalesced(outs, shards).wait()
+    out["ops mixed"], out["copied mixed"] = transport.ops - ops, transport.copied_bytes - copied
+    for i, (o, s) in enumerate(zip(outs, shards)):
+        ref = torch.empty(world * s.numel(), dtype=s.dtype)
+        _all_gather(ref, s)
+        out[f"gather {i}"] = torch.equal(o, ref.to(o.dtype))
+    big = in_pool(torch.randn(chunk, generator=g))  # 4 chunks' worth through the buffers: two meetings here
+    ops, copied, direct = transport.ops, transport.copied_bytes, transport.direct_bytes
+    whole = torch.empty(world * big.numel())
+    shared.all_gather_into(whole, big, async_op=False)
+    ref = torch.empty_like(whole)
+    _all_gather(ref, big)
+    out["gather big"] = torch.equal(whole, ref)
+    out["ops big"], out["copied big"] = transport.ops - ops, transport.copied_bytes - copied
+    out["direct big"] = transport.direct_bytes - direct
+    shared.close()
+    out["closed falls back"] = shared._shared(torch.empty(1)) is None and transport.pools is None
+    pool.close()
+    return out
+
+
+def test_gathers_from_the_ranks_pools_equal_gloos() -> None:
+    for rank, res in enumerate(run_distributed(_pool_gathers, 2)):
+        assert res["files"] == [], f"rank {rank}: pool segments left in /dev/shm: {res['files']}"
+        for key in [k for k in res if k.startswith("gather")]:
+            assert res[key] is True, f"rank {rank}: {key} differs from gloo's"
+        # the shard lying outside the pool goes through one chunk; the pools' shards meet twice and copy nothing in
+        assert (res["ops mixed"], res["copied mixed"]) == (3, 1000 * 4), res
+        assert (res["ops big"], res["copied big"], res["direct big"]) == (2, 0, 4 * same_host.CHUNK_BYTES), res
+        assert res["closed falls back"]
+
+
 def _late_peer(rank: int, world: int) -> str:
     comm = Comm.current()
     transport = SameHostTransport.connect(comm, timeout_s=1.0)

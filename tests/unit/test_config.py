@@ -37,7 +37,7 @@ def test_nested_bad_value() -> None:
 
 def test_shared_memory_names_its_values() -> None:
     assert ZeroConfig().overlap.shared_memory == "auto"
-    with pytest.raises(ConfigError, match=r"'overlap.shared_memory' = 'on' .*'auto', 'off'"):
+    with pytest.raises(ConfigError, match=r"'overlap.shared_memory' = 'on' .*'auto', 'chunks', 'off'"):
         ZeroConfig.from_dict({"overlap": {"shared_memory": "on"}})
     assert ZeroConfig().overlap.bucket_bytes("gloo", same_host=True) == 0
     assert ZeroConfig.from_dict({"overlap": {"reduce_bucket_bytes": 1 << 20}}).overlap.bucket_bytes("gloo", True) == 1 << 20

@@ -1,9 +1,15 @@
 """Stubs for zinf._native.pool (a submodule of zinf._native; wrapped by pool.py beside this file)."""
 
+from typing import overload
+
 class BufferPool:
     """Supports the buffer protocol: memoryview(pool) is the whole arena (uint8)."""
 
+    @overload
     def __init__(self, total_bytes: int, alignment: int = 4096) -> None: ...
+    @overload
+    def __init__(self, address: int, total_bytes: int, alignment: int) -> None:
+        """Over memory the caller owns and keeps mapped (nothing allocated or freed)."""
     def allocate(self, nbytes: int) -> int | None: ...
     def free(self, offset: int) -> None: ...
     def block_size_for(self, nbytes: int) -> int: ...

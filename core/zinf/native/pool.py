@@ -29,9 +29,16 @@ class PinnedBufferPool:
     Memory is page-locked for CUDA only by :meth:`pin_with_cuda` (cudaHostRegister), when CUDA exists.
     """
 
-    def __init__(self, total_bytes: int, alignment: int = 4096) -> None:
+    def __init__(self, total_bytes: int, alignment: int = 4096, memory: Any = None) -> None:
+        """``memory``: a writable buffer of at least ``total_bytes`` (an ``mmap`` of a segment other processes map
+        too: zinf/runtime/shared_pool.py) that the pool carves instead of allocating; it is kept alive with the pool."""
         native = require()
-        self._pool = native.pool.BufferPool(int(total_bytes), int(alignment))
+        if memory is None:
+            self._pool = native.pool.BufferPool(int(total_bytes), int(alignment))
+        else:
+            address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+            self._pool = native.pool.BufferPool(address, min(int(total_bytes), len(memory)), int(alignment))
+        self._memory = memory
         self._arena = torch.frombuffer(memoryview(self._pool), dtype=torch.uint8)
         self._base = int(self._pool.address)
         self._pinned = False

@@ -25,8 +25,8 @@ the core's cache (``zinf.native.widen.copy_checked``) and verifies it (a
 :class:`~zinf.native.checksum.ContentCheck`) in ``start_gather``, before the group leaves SHARDED, so a refused shard
 unwinds the pass as a failed read does; its slot is dropped, and a file put back is read again. The files'
 identities are still checked when the read is waited for. An all-gathered shard keeps the check at the read: its
-first copy is into the ranks' transport, inside a collective the other ranks are already in, where a refusal could
-not leave every rank's groups as they were.
+first copy (into the chunk buffers, or out of the ranks' shared pools) is made inside a collective the other ranks
+are already in, where a refusal could not leave every rank's groups as they were.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 [Note: frozen groups read whole]
 A frozen group read in place (see [Note: frozen shards in place] in zinf/offload/in_place.py) lies in files every rank
-on one host can read. All-gathering it moves the whole base through the ranks' transport twice a step and ties the
-ranks together at every module (a round, then the gather's chunks). With ``offload.frozen_reads: whole`` each rank
+on one host can read. All-gathered, each rank reads its own shard into its staging pool and every rank copies every
+shard out of the ranks' pools ([Note: gathering from the ranks' pools] in zinf/runtime/shared_pool.py), which ties
+the ranks together at every module (a round, then the gather's two meetings). With ``offload.frozen_reads: whole`` each rank
 reads every rank's shard from the same files instead: its gathers of such a group are reads and a widening copy (or
 the 4-bit decode) of its own, with no round and no collective; the ranks meet only where a trained group is
 gathered or reduced. The price is the disk bytes: each rank reads the whole base, ``world`` times the bytes of the

@@ -49,6 +49,8 @@ from zinf.runtime.comm import host_boot
 from zinf.native import shm as native_shm
 from zinf.native.widen import widen_into
 from zinf.report import tier_of
+from zinf.runtime.shm_files import SHM_DIR, map_segments
+from zinf.runtime.shared_pool import TABLE_ENTRIES, PoolPeers, read_table, write_table
 
 if TYPE_CHECKING:
     from zinf.runtime.comm import Comm
@@ -58,7 +60,6 @@ __all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState"]
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # one data buffer; a segment holds two, so 16 MiB of shared memory per rank
-SHM_DIR = "/dev/shm"
 _HEADER = 4096  # the flag, then the closed mark on a cache line of its own, alone on their page
 _CLOSED = 64  # the closed mark's offset in the header: 1 once its rank closed the transport
 _ALIGN = 64
@@ -118,6 +119,10 @@ class SameHostTransport:
         # more ranks than cores: a rank that spins takes the core from the one it waits for
         self._spins = _SPINS if world <= len(os.sched_getaffinity(0)) else 0
         self.ops = 0  # chunks exchanged: one flag wait each
+        self.pools: PoolPeers | None = None  # every rank's staging pool, once shared (share_pool)
+        self.copied_bytes = 0  # shard bytes this rank copied into its chunk buffers for all-gathers
+        self.direct_bytes = 0  # shard bytes of this rank's pool the other ranks gathered from it, with no copy in
+        self._counted: dict[str, int] = {}  # the counts at the last take_counts
         self.state = TransportState.OPEN
 
     @property
@@ -130,6 +135,16 @@ class SameHostTransport:
         if not self.is_open:
             return {}
         return {tier_of(self._segments[self.rank]): {"shared_memory": self.segment_bytes}}
+
+    def take_counts(self) -> dict[str, int]:
+        """Since the last call (a step report's counts): ``shared_memory_meetings`` (flag waits), and the all-gathers'
+        shard bytes this rank copied into its chunk buffers (``transport_copied_bytes``) or the other ranks took from
+        its pool ([Note: gathering from the ranks' pools]: ``pool_gathered_bytes``)."""
+        now = {"shared_memory_meetings": self.ops, "transport_copied_bytes": self.copied_bytes,
+               "pool_gathered_bytes": self.direct_bytes}
+        out = {k: v - self._counted.get(k, 0) for k, v in now.items()}
+        self._counted = now
+        return out
 
     @property
     def is_open(self) -> bool:
@@ -150,48 +165,37 @@ class SameHostTransport:
         if not all(i == first and i.shm_dir and i.native and i.pid_ns for i, _, _ in ids):
             return None
         token, pids = ids[0][1], [pid for _, _, pid in ids]
-        nbytes = _HEADER + 2 * CHUNK_BYTES
-        paths = [os.path.join(SHM_DIR, f"zinf-shm-{token}-{r}") for r in range(world)]
-        error, maps = "", []  # type: tuple[str, list[mmap.mmap]]
-        try:  # this rank's file goes whatever happens below (a peer that died, a full /dev/shm): nothing is left
-            try:
-                fd = os.open(paths[rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # the pages exist now: a full /dev/shm fails here, not as SIGBUS
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                error = f"{paths[rank]}: {exc}"
-            errors = [e for e in all_gather_object(error) if e]
-            try:
-                if not errors:
-                    for path in paths:
-                        fd = os.open(path, os.O_RDWR)
-                        try:
-                            maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-                        finally:
-                            os.close(fd)
-            except OSError as exc:
-                errors = [f"{exc}"]
-            errors = [e for e in all_gather_object("; ".join(errors)) if e]  # every rank mapped every file, or none
-        finally:
-            try:
-                os.unlink(paths[rank])
-            except FileNotFoundError:  # never made (O_EXCL refused it, or the open failed)
-                pass
-        if errors:
-            for m in maps:
-                m.close()
+        maps = map_segments(all_gather_object, rank, [_HEADER + 2 * CHUNK_BYTES] * world, f"zinf-shm-{token}")
+        if isinstance(maps, str):
             log.warning("zinf: shared memory between the ranks of this host could not be set up (%s); the "
-                        "collectives go through the process group", errors[0])
+                        "collectives go through the process group", maps)
             return None
         return cls(rank, world, maps, timeout_s if timeout_s > 0 else _group_timeout_s(comm.group), token, pids)
+
+    def share_pool(self, comm: Comm, nbytes: int) -> "mmap.mmap | None":
+        """Every rank calls this together, when its placement builds its staging pool of ``nbytes``: a segment of
+        shared memory for the pool, mapped by every rank (see [Note: gathering from the ranks' pools] in
+        zinf/runtime/shared_pool.py). This rank's map, to build the pool over; None (every rank alike) where the
+        segments could not be made: the pool is then private and gathers go through the chunk buffers."""
+        self._check_open()
+        sizes = comm.all_gather_object(int(nbytes))
+        maps = map_segments(comm.all_gather_object, self.rank, sizes, f"zinf-pool-{self.token}", peers_mapped=False)
+        if isinstance(maps, str):
+            log.warning("zinf: the staging pools could not be shared between the ranks of this host (%s); their "
+                        "shards are gathered through the chunk buffers", maps)
+            return None
+        self.pools = PoolPeers(maps, self.rank)
+        torch.frombuffer(maps[self.rank], dtype=torch.uint8).fill_(0)  # its pages in this process now, as counted
+        return maps[self.rank]
 
     def close(self) -> None:
         """Unmap the segments, marking this rank's closed first: a rank that still waits for it fails at once."""
         if self.state is TransportState.CLOSED:
             return
         native_shm.mark_closed(self._closed[self.rank], self._flags[self.rank])
+        if self.pools is not None:
+            self.pools.close()
+            self.pools = None
         self._segments.clear()
         for m in self._maps:
             m.close()
@@ -206,16 +210,16 @@ class SameHostTransport:
         shard (fp32 from bf16) receives the values widened, in the one copy out of the shared buffers (see [Note: a
         widening gather])."""
         self._check_open()
+        direct = self._direct(shards) if self.pools is not None else {}
         # (out rows, shard, start, bytes, at)
         pending: list[tuple[torch.Tensor | _Widened, torch.Tensor, int, int, int]] = []
         used = 0
-        for out, shard in zip(outs, shards):
+        for i, (out, shard) in enumerate(zip(outs, shards)):
+            if i in direct:
+                continue
             src = _bytes(shard)
-            rows: torch.Tensor | _Widened
-            if out.dtype != shard.dtype:  # rows of elements: the chunks' byte ranges are read as the shard's dtype
-                rows = _Widened(out.reshape(self.world, shard.numel()), shard.dtype)
-            else:
-                rows = _bytes(out).view(self.world, src.numel())
+            rows = self._rows(out, shard)
+            self.copied_bytes += src.numel()
             start = 0
             while start < src.numel():
                 if used >= CHUNK_BYTES:
@@ -227,6 +231,47 @@ class SameHostTransport:
                 start += n
         if pending:
             self._gather_chunk(pending)
+        if direct:
+            self._gather_direct(outs, shards, direct)
+
+    def _rows(self, out: torch.Tensor, shard: torch.Tensor) -> "torch.Tensor | _Widened":
+        """``out`` as one row a rank: of bytes, or of elements widened from the shard's dtype."""
+        if out.dtype != shard.dtype:  # rows of elements: byte ranges of the shard are read as its dtype
+            return _Widened(out.reshape(self.world, shard.numel()), shard.dtype)
+        return _bytes(out).view(self.world, shard.numel() * shard.element_size())
+
+    def _direct(self, shards: Sequence[torch.Tensor]) -> dict[int, list[int]]:
+        """The first meeting of [Note: gathering from the ranks' pools]: {index of a shard that lies in every rank's
+        pool: its offset in each rank's pool}."""
+        assert self.pools is not None
+        offsets = [self.pools.offset_of(s) if i < TABLE_ENTRIES else -1 for i, s in enumerate(shards)]
+        write_table(self._segments[self.rank], offsets)
+        self._exchange()
+        tables = [offsets if r == self.rank else read_table(self._segments[r]) for r in range(self.world)]
+        self._advance()
+        return {i: [t[i] for t in tables] for i in range(len(shards)) if all(t[i] >= 0 for t in tables)}
+
+    def _gather_direct(self, outs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
+                       direct: dict[int, list[int]]) -> None:
+        """The copies out of every rank's pool, then the second meeting: every rank is done with every pool."""
+        assert self.pools is not None
+        for i, at in direct.items():
+            out, shard = outs[i], shards[i]
+            rows, nbytes = self._rows(out, shard), shard.numel() * shard.element_size()
+            for r in range(self.world):
+                if r == self.rank:
+                    if isinstance(rows, _Widened):
+                        rows.write(r, 0, _bytes(shard))
+                    elif rows[r].data_ptr() != shard.data_ptr():
+                        rows[r].copy_(_bytes(shard))
+                elif isinstance(rows, _Widened):
+                    for start, raw in self.pools.read_in_pieces(r, at[r], nbytes):
+                        rows.write(r, start, raw)
+                else:
+                    self.pools.read_into(r, at[r], rows[r])
+            self.direct_bytes += nbytes
+        self._exchange()
+        self._advance()
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """``out`` (n elements) receives this rank's slice of the element-wise sum of every rank's ``full``
@@ -334,3 +379,4 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("zinf: a shared-memory collective needs contiguous tensors")
     return t.reshape(-1).view(torch.uint8)
+

@@ -113,3 +113,29 @@ def test_tensor_outlives_pool_object() -> None:
     del pool  # the tensor's storage keeps the pool's memory alive (buffer protocol reference)
     t.fill_(3)
     assert int(t.sum()) == 3 * 4096
+
+
+def test_a_pool_over_memory_handed_in(tmp_path: Path) -> None:
+    """A pool over a shared mapping (the ranks' shared staging pools): its buffers are that memory, direct reads land
+    in it, and the mapping outlives the pool object; a start off the alignment is refused."""
+    import mmap
+
+    memory = mmap.mmap(-1, 4 * MiB + 100)  # rounded down to whole alignment units
+    pool = native.PinnedBufferPool(8 * MiB, memory=memory)
+    assert pool.capacity_bytes == 4 * MiB
+    src = pool.acquire(MiB + 7)
+    src.copy_(torch.arange(src.numel(), dtype=torch.int64).to(torch.uint8))
+    assert src.data_ptr() - torch.frombuffer(memory, dtype=torch.uint8).data_ptr() < 4 * MiB
+    start = src.data_ptr() - torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+    assert bytes(memory[start : start + 5]) == bytes(range(5))
+    dst = pool.acquire(MiB + 7)
+    with native.AsyncIO() as aio:
+        aio.wait(aio.submit_write(src, tmp_path / "p.bin"))
+        aio.wait(aio.submit_read(dst, tmp_path / "p.bin"))
+    assert torch.equal(src, dst)
+    with pytest.raises(native.PoolExhaustedError):
+        pool.acquire(3 * MiB)
+    del pool
+    dst.fill_(9)  # the buffers' memory is the mapping's, still there
+    with pytest.raises(ValueError, match="multiple of the alignment"):
+        native.PinnedBufferPool(MiB, memory=memoryview(memory)[64:])
