@@ -282,6 +282,9 @@ class _Counted:
 
 
 def _three_ways(rank: int, world: int, path: str, root: str) -> dict:
+    from zinf.runtime import same_host
+
+    same_host.POOL_GATHER_MIN_BYTES = 0  # this model's gathers are all within one chunk: from the pools all the same
     counted = _Counted()
     out = {}
     for name, in_place, reads, shared in (("whole", True, "whole", "auto"), ("gathered", True, "gathered", "auto"),

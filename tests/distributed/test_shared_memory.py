@@ -173,6 +173,14 @@ def _pool_gathers(rank: int, world: int) -> dict:
     out["gather big"] = torch.equal(whole, ref)
     out["ops big"], out["copied big"] = transport.ops - ops, transport.copied_bytes - copied
     out["direct big"] = transport.direct_bytes - direct
+    small = in_pool(torch.randn(chunk // 8, generator=g))  # within one chunk: its one meeting, copied
+    ops, copied = transport.ops, transport.copied_bytes
+    whole = torch.empty(world * small.numel())
+    shared.all_gather_into(whole, small, async_op=False)
+    ref = torch.empty_like(whole)
+    _all_gather(ref, small)
+    out["gather small"] = torch.equal(whole, ref)
+    out["ops small"], out["copied small"] = transport.ops - ops, transport.copied_bytes - copied
     shared.close()
     out["closed falls back"] = shared._shared(torch.empty(1)) is None and transport.pools is None
     pool.close()
@@ -187,7 +195,28 @@ def test_gathers_from_the_ranks_pools_equal_gloos() -> None:
         # the shard lying outside the pool goes through one chunk; the pools' shards meet twice and copy nothing in
         assert (res["ops mixed"], res["copied mixed"]) == (3, 1000 * 4), res
         assert (res["ops big"], res["copied big"], res["direct big"]) == (2, 0, 4 * same_host.CHUNK_BYTES), res
+        assert (res["ops small"], res["copied small"]) == (1, same_host.CHUNK_BYTES // 2), res
         assert res["closed falls back"]
+
+
+def _pools_not_shared(rank: int, world: int, where: str) -> dict:
+    from zinf.runtime import shm_files
+
+    comm = Comm.current()
+    transport = SameHostTransport.connect(comm)
+    shm_files.SHM_DIR = where if rank == 1 else shm_files.SHM_DIR  # one rank cannot make its segment
+    memory = transport.share_pool(comm, 1 << 20)
+    out = torch.empty(world * 5)
+    transport.all_gather([out], [torch.full((5,), float(rank))])  # the transport goes on, through its chunks
+    transport.close()
+    return {"memory": memory, "pools": transport.pools, "out": out.tolist(), "left": os.listdir(same_host.SHM_DIR)}
+
+
+def test_pools_that_cannot_be_shared_stay_private_on_every_rank(tmp_path) -> None:
+    for res in run_distributed(_pools_not_shared, 2, str(tmp_path / "missing")):
+        assert res["memory"] is None and res["pools"] is None, res
+        assert res["out"] == [0.0] * 5 + [1.0] * 5
+        assert not [f for f in res["left"] if f.startswith("zinf-pool-")], res["left"]
 
 
 def _late_peer(rank: int, world: int) -> str:

@@ -12,7 +12,8 @@ reduce-scatters go through files in ``/dev/shm`` instead (``overlap.shared_memor
   behind by a crash;
 - an all-gather copies this rank's shard into its buffer, posts its flag (a sequence number, after a fence), waits
   until every rank posted the same number, then copies every rank's buffer into its row of the output: one
-  copy in, one copy out, no syscall but the futex wake;
+  copy in, one copy out, no syscall but the futex wake (a shard that lies in the ranks' shared staging pools skips
+  the copy in: [Note: gathering from the ranks' pools] in zinf/runtime/shared_pool.py);
 - a reduce-scatter copies the slices meant for the other ranks into its buffer, posts, waits, and sums, in rank
   order, the slices every rank left for it (its own from its input): with 2 ranks that is x0 + x1, gloo's sum bit
   for bit;
@@ -60,6 +61,7 @@ __all__ = ["CHUNK_BYTES", "SameHostTransport", "TransportState"]
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # one data buffer; a segment holds two, so 16 MiB of shared memory per rank
+POOL_GATHER_MIN_BYTES = CHUNK_BYTES  # a call gathers from the ranks' pools above this (one chunk meets once)
 _HEADER = 4096  # the flag, then the closed mark on a cache line of its own, alone on their page
 _CLOSED = 64  # the closed mark's offset in the header: 1 once its rank closed the transport
 _ALIGN = 64
@@ -174,7 +176,8 @@ class SameHostTransport:
 
     def share_pool(self, comm: Comm, nbytes: int) -> "mmap.mmap | None":
         """Every rank calls this together, when its placement builds its staging pool of ``nbytes``: a segment of
-        shared memory for the pool, mapped by every rank (see [Note: gathering from the ranks' pools] in
+        shared memory for the pool, mapped by this rank and open to the others (see [Note: gathering from the ranks'
+        pools] in
         zinf/runtime/shared_pool.py). This rank's map, to build the pool over; None (every rank alike) where the
         segments could not be made: the pool is then private and gathers go through the chunk buffers."""
         self._check_open()
@@ -210,7 +213,9 @@ class SameHostTransport:
         shard (fp32 from bf16) receives the values widened, in the one copy out of the shared buffers (see [Note: a
         widening gather])."""
         self._check_open()
-        direct = self._direct(shards) if self.pools is not None else {}
+        # from the pools only where the chunks would meet more than once: the sizes, so the choice, are every rank's
+        total = sum(s.numel() * s.element_size() for s in shards)
+        direct = self._direct(shards) if self.pools is not None and total > POOL_GATHER_MIN_BYTES else {}
         # (out rows, shard, start, bytes, at)
         pending: list[tuple[torch.Tensor | _Widened, torch.Tensor, int, int, int]] = []
         used = 0

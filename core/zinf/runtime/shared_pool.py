@@ -9,7 +9,8 @@ flag at every 8 MiB, so the ranks met at every chunk: 1,500 meetings a pass for 
 
 With ``overlap.shared_memory: auto`` the pool itself lies in ``/dev/shm`` (one segment a rank, made and mapped by
 every rank of the host when the placement builds the pool, then unlinked), so the ranks' reads already land where
-every rank can read them. An all-gather then runs in two meetings, whatever its size:
+every rank can read them. An all-gather larger than one chunk then runs in two meetings, whatever its size (one no larger still goes through
+the chunk buffers, in its one meeting: the call's sizes, so the choice, are the same on every rank):
 
 1. each rank writes, in its header, where each shard of the call lies in its own pool (its offset, or -1 where it
    lies elsewhere), and posts; once every rank posted, a shard that lies in every rank's pool is gathered directly:
@@ -20,7 +21,7 @@ every rank can read them. An all-gather then runs in two meetings, whatever its 
 
 The values are the same bytes in the same rows as through the chunk buffers. What changes is one copy fewer of this
 rank's shard, two meetings a call instead of one a chunk, and ``copied_bytes`` / ``direct_bytes`` in the transport's
-counts. A call whose shards lie in no pool pays the first meeting for nothing. The pool's own pages are counted once
+counts. A call larger than a chunk whose shards lie in no pool pays the first meeting for nothing. The pool's own pages are counted once
 (``pinned_pool``) by its rank. The other ranks' pools are read with ``preadv`` from their files, never mapped here:
 their pages, the same on the host, would otherwise count in this process's RSS as well as in their own. A shard of
 the same dtype is read straight into its row (the kernel's one copy); one widened is read a MiB at a time into a
