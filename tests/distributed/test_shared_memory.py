@@ -164,23 +164,16 @@ def _pool_gathers(rank: int, world: int) -> dict:
         ref = torch.empty(world * s.numel(), dtype=s.dtype)
         _all_gather(ref, s)
         out[f"gather {i}"] = torch.equal(o, ref.to(o.dtype))
-    big = in_pool(torch.randn(chunk, generator=g))  # 4 chunks' worth through the buffers: two meetings here
-    ops, copied, direct = transport.ops, transport.copied_bytes, transport.direct_bytes
-    whole = torch.empty(world * big.numel())
-    shared.all_gather_into(whole, big, async_op=False)
-    ref = torch.empty_like(whole)
-    _all_gather(ref, big)
-    out["gather big"] = torch.equal(whole, ref)
-    out["ops big"], out["copied big"] = transport.ops - ops, transport.copied_bytes - copied
-    out["direct big"] = transport.direct_bytes - direct
-    small = in_pool(torch.randn(chunk // 8, generator=g))  # within one chunk: its one meeting, copied
-    ops, copied = transport.ops, transport.copied_bytes
-    whole = torch.empty(world * small.numel())
-    shared.all_gather_into(whole, small, async_op=False)
-    ref = torch.empty_like(whole)
-    _all_gather(ref, small)
-    out["gather small"] = torch.equal(whole, ref)
-    out["ops small"], out["copied small"] = transport.ops - ops, transport.copied_bytes - copied
+    # 4 chunks' worth: from the pools in two meetings; within one chunk: its one meeting, copied
+    for name, numel in (("big", chunk), ("small", chunk // 8)):
+        shard = in_pool(torch.randn(numel, generator=g))
+        ops, copied, direct = transport.ops, transport.copied_bytes, transport.direct_bytes
+        whole, ref = torch.empty(world * numel), torch.empty(world * numel)
+        shared.all_gather_into(whole, shard, async_op=False)
+        _all_gather(ref, shard)
+        out[f"gather {name}"] = torch.equal(whole, ref)
+        out[f"ops {name}"], out[f"copied {name}"] = transport.ops - ops, transport.copied_bytes - copied
+        out[f"direct {name}"] = transport.direct_bytes - direct
     shared.close()
     out["closed falls back"] = shared._shared(torch.empty(1)) is None and transport.pools is None
     pool.close()
@@ -195,7 +188,7 @@ def test_gathers_from_the_ranks_pools_equal_gloos() -> None:
         # the shard lying outside the pool goes through one chunk; the pools' shards meet twice and copy nothing in
         assert (res["ops mixed"], res["copied mixed"]) == (3, 1000 * 4), res
         assert (res["ops big"], res["copied big"], res["direct big"]) == (2, 0, 4 * same_host.CHUNK_BYTES), res
-        assert (res["ops small"], res["copied small"]) == (1, same_host.CHUNK_BYTES // 2), res
+        assert (res["ops small"], res["copied small"], res["direct small"]) == (1, same_host.CHUNK_BYTES // 2, 0), res
         assert res["closed falls back"]
 
 
