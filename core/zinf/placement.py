@@ -53,6 +53,7 @@ from zinf.param.store import UpdateFence
 from zinf.param.flat_group import FlatParamGroup
 from zinf.param.grad_shard import GradShard
 from zinf.param.store import DEVICE_STORE, DeviceShardStore, ShardStore
+from zinf.runtime.comm import Comm
 from zinf.runtime.context import RunContext
 from zinf.units import format_bytes
 
@@ -329,8 +330,8 @@ class Placement:
         read, written = self.swap.take_counts()
         return {"nvme_read_bytes": read, "nvme_written_bytes": written}
 
-    def _shared_pool_memory(self, cfg: OffloadConfig, comm) -> object:
-        """The staging pool's memory, mapped by every rank of the host ([Note: gathering from the ranks' pools] in
+    def _shared_pool_memory(self, cfg: OffloadConfig, comm: Comm) -> object:
+        """The staging pool's memory, read by every rank of the host ([Note: gathering from the ranks' pools] in
         zinf/runtime/shared_pool.py), where the ranks share memory and ``share_pool``; None: the pool allocates its
         own. A collective of the ranks' transport (the same answer on every rank)."""
         transport = comm.same_host

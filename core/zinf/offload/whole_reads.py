@@ -4,9 +4,9 @@
 A frozen group read in place (see [Note: frozen shards in place] in zinf/offload/in_place.py) lies in files every rank
 on one host can read. All-gathered, each rank reads its own shard into its staging pool and every rank copies every
 shard out of the ranks' pools ([Note: gathering from the ranks' pools] in zinf/runtime/shared_pool.py), which ties
-the ranks together at every module (a round, then the gather's two meetings). With ``offload.frozen_reads: whole`` each rank
-reads every rank's shard from the same files instead: its gathers of such a group are reads and a widening copy (or
-the 4-bit decode) of its own, with no round and no collective; the ranks meet only where a trained group is
+the ranks together at every module (a round, then the gather's two meetings). With ``offload.frozen_reads: whole``
+each rank reads every rank's shard from the same files instead: its gathers of such a group are reads and a widening
+copy (or the 4-bit decode) of its own, with no round and no collective; the ranks meet only where a trained group is
 gathered or reduced. The price is the disk bytes: each rank reads the whole base, ``world`` times the bytes of the
 gathered path. On a 2-core host with a 3.8 GB/s drive that price is the larger one (docs/pretrained.md: a 13B LoRA
 step 56.3 s whole against 53.4 s gathered, a 1.1B 5.45 against 5.08 s; the gathers' waits there are the widening,

@@ -384,4 +384,3 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("zinf: a shared-memory collective needs contiguous tensors")
     return t.reshape(-1).view(torch.uint8)
-

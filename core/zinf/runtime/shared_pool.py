@@ -1,5 +1,5 @@
-"""Every rank's NVMe staging pool mapped by every rank of its host, so a shard read into one rank's pool is gathered
-by the others straight from there.
+"""Every rank's NVMe staging pool in shared memory, so a shard read into one rank's pool is gathered by the others
+straight from there.
 
 [Note: gathering from the ranks' pools]
 A shard the NVMe store reads for a gather (a frozen group read in place from the checkpoint's files, or any group
@@ -7,10 +7,11 @@ swapped to NVMe) lands in a block of the rank's staging pool. Through the chunk 
 collectives] in zinf/runtime/same_host.py every rank then copied it once more, into its chunk buffer, and posted a
 flag at every 8 MiB, so the ranks met at every chunk: 1,500 meetings a pass for a 13B's half of the base.
 
-With ``overlap.shared_memory: auto`` the pool itself lies in ``/dev/shm`` (one segment a rank, made and mapped by
-every rank of the host when the placement builds the pool, then unlinked), so the ranks' reads already land where
-every rank can read them. An all-gather larger than one chunk then runs in two meetings, whatever its size (one no larger still goes through
-the chunk buffers, in its one meeting: the call's sizes, so the choice, are the same on every rank):
+With ``overlap.shared_memory: auto`` the pool itself lies in ``/dev/shm`` (one segment a rank, made when the
+placement builds the pool, mapped by its rank and opened read-only by the others, then unlinked), so the ranks' reads
+already land where every rank can read them. An all-gather larger than one chunk then runs in two meetings, whatever
+its size (one no larger still goes through the chunk buffers, in its one meeting: the call's sizes, so the choice,
+are the same on every rank):
 
 1. each rank writes, in its header, where each shard of the call lies in its own pool (its offset, or -1 where it
    lies elsewhere), and posts; once every rank posted, a shard that lies in every rank's pool is gathered directly:
@@ -21,11 +22,11 @@ the chunk buffers, in its one meeting: the call's sizes, so the choice, are the 
 
 The values are the same bytes in the same rows as through the chunk buffers. What changes is one copy fewer of this
 rank's shard, two meetings a call instead of one a chunk, and ``copied_bytes`` / ``direct_bytes`` in the transport's
-counts. A call larger than a chunk whose shards lie in no pool pays the first meeting for nothing. The pool's own pages are counted once
-(``pinned_pool``) by its rank. The other ranks' pools are read with ``preadv`` from their files, never mapped here:
-their pages, the same on the host, would otherwise count in this process's RSS as well as in their own. A shard of
-the same dtype is read straight into its row (the kernel's one copy); one widened is read a MiB at a time into a
-buffer that stays in the core's cache, and widened from there.
+counts. A call larger than a chunk whose shards lie in no pool pays the first meeting for nothing. The pool's own
+pages are counted once (``pinned_pool``) by its rank. The other ranks' pools are read with ``preadv`` from their
+files, never mapped here: their pages, the same on the host, would otherwise count in this process's RSS as well as
+in their own. A shard of the same dtype is read straight into its row (the kernel's one copy); one widened is read a
+MiB at a time into a buffer that stays in the core's cache, and widened from there.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class PoolPeers:
     def __init__(self, maps: Sequence["mmap.mmap | int"], rank: int) -> None:
         own = maps[rank]
         assert isinstance(own, mmap.mmap)
-        self._own, self._fds = own, {r: fd for r, fd in enumerate(maps) if isinstance(fd, int)}
+        self._fds = {r: fd for r, fd in enumerate(maps) if isinstance(fd, int)}
         self._base = torch.frombuffer(own, dtype=torch.uint8).data_ptr()
         self._end = self._base + len(own)
         self._bounce = torch.empty(0, dtype=torch.uint8)  # a widened shard's pieces, read from another pool
